@@ -1,0 +1,18 @@
+"""dsckpt: read, inspect, consolidate and resume DeepSpeed ZeRO checkpoints.
+
+The library side (reader, inspect, consolidate) imports neither torch nor DeepSpeed, so it starts
+in milliseconds; ``dsckpt.runtime`` (training, resume) needs both.
+"""
+from ._version import __version__
+
+__all__ = ["__version__", "consolidate", "load_state_dict", "iter_state_dict", "open_checkpoint"]
+
+
+def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
+    if name in ("consolidate", "load_state_dict", "iter_state_dict"):
+        from . import convert as _c
+        return getattr(_c, name)
+    if name == "open_checkpoint":
+        from .reader import open_checkpoint
+        return open_checkpoint
+    raise AttributeError(name)

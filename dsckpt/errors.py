@@ -1,0 +1,61 @@
+"""Typed errors: one class per broken invariant, each message names the file or tensor.
+
+The CLI maps every ``DsckptError`` to a one-line message and exit code 2; anything else is a bug
+and keeps its traceback.  ``DSCKPT_DEBUG=1`` shows the traceback for dsckpt errors too.
+"""
+from __future__ import annotations
+
+
+class DsckptError(Exception):
+    """Base class of every error dsckpt raises on purpose."""
+
+    hint: str | None = None
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        if hint is not None:
+            self.hint = hint
+
+
+class ConfigError(DsckptError):
+    """A DeepSpeed config or runtime argument is invalid."""
+
+
+class CheckpointNotFoundError(DsckptError):
+    """The path does not exist or holds no DeepSpeed checkpoint."""
+
+
+class TagError(DsckptError):
+    """No tag can be chosen: ambiguous, or named but missing."""
+
+
+class MissingRankError(DsckptError):
+    """A rank file that the checkpoint's own world size requires is absent."""
+
+
+class CorruptFileError(DsckptError):
+    """A file cannot be parsed: truncated, not a zip, a broken pickle, a bad header."""
+
+
+class UnsupportedCheckpointError(DsckptError):
+    """A valid checkpoint of a kind dsckpt does not handle yet (TP/PP > 1, unknown stage)."""
+
+
+class InconsistentCheckpointError(DsckptError):
+    """Files disagree with each other or with the recorded shapes (numel accounting, mixed runs)."""
+
+
+class OutputError(DsckptError):
+    """The output path is unusable: exists, is an input, or its folder is missing."""
+
+
+class WorldSizeMismatchError(DsckptError):
+    """A sharded checkpoint is loaded at another data-parallel world size."""
+
+
+class StateDictMismatchError(DsckptError):
+    """Strict full-weights loading found missing, unexpected or mis-shaped keys."""
+
+
+class VerificationError(DsckptError):
+    """A written output does not match its source."""

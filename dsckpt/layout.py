@@ -1,0 +1,178 @@
+"""Where DeepSpeed puts things: file names, keys, and tag/rank discovery (no file contents).
+
+A checkpoint root looks like::
+
+    root/latest                                   text file holding the newest tag
+    root/<tag>/mp_rank_00_model_states.pt         stage 0-2: rank 0 writes the module + metadata
+    root/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: every rank writes one
+    root/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt  stage 1-3: one per dp rank
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointNotFoundError, TagError
+
+# --- file names -----------------------------------------------------------------------------
+LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
+MODEL_STATES_SUFFIX = "_model_states.pt"
+OPTIM_STATES_SUFFIX = "_optim_states.pt"
+# mp_rank_XX_model_states.pt (stage 0-2) | zero_pp_rank_R_mp_rank_XX_model_states.pt (stage 3)
+# [bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt; layer_* files belong to pipeline parallelism.
+RANK_FILE_RE = re.compile(
+    r"^(?P<bf16>bf16_)?(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_(?P<kind>model|optim)_states\.pt$"
+)
+PIPELINE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+
+# --- keys of the model-states file ------------------------------------------------------------
+MODULE = "module"  # state dict: full at stage 0-2, buffers + empty placeholders at stage 3
+BUFFER_NAMES = "buffer_names"  # persistent buffers, in module order
+PARAM_SHAPES = "param_shapes"  # list (per param group) of ordered name -> shape; trainable only
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"  # name -> shape, stage 2/3 only (None at stage 1)
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"  # name -> full (stage 2) / partition (stage 3)
+SHARED_PARAMS = "shared_params"  # alias -> source name (tied weights)
+DS_CONFIG = "ds_config"
+DS_VERSION = "ds_version"
+GLOBAL_STEPS = "global_steps"
+DP_WORLD_SIZE = "dp_world_size"
+MP_WORLD_SIZE = "mp_world_size"
+OPTIMIZER = "optimizer"  # stage 0: the optimizer state dict itself (holds fp32 groups)
+# Everything DeepSpeed itself writes at the top level; any other key is the client's.
+DEEPSPEED_KEYS = frozenset({
+    MODULE, BUFFER_NAMES, PARAM_SHAPES, FROZEN_PARAM_SHAPES, FROZEN_PARAM_FRAGMENTS, SHARED_PARAMS,
+    DS_CONFIG, DS_VERSION, GLOBAL_STEPS, DP_WORLD_SIZE, MP_WORLD_SIZE, OPTIMIZER, "lr_scheduler",
+    "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_samples",
+    "checkpoint_parallel_dims", "universal_checkpoint_info",
+})
+
+# --- keys of the optimizer-states file ---------------------------------------------------------
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+ZERO_STAGE = "zero_stage"
+PARTITION_COUNT = "partition_count"  # int (stage 3) or list per group (stage 1/2)
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # stage 1/2 flat partitions
+FP32_FLAT_GROUPS = "fp32_flat_groups"  # stage 3 flat partitions
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # optional per-param padding (stage 1/2)
+BASE_OPTIMIZER_STATE = "base_optimizer_state"  # Adam moments; never needed for weights
+# Stage 0 with bf16 (BF16_Optimizer) keeps fp32 groups in the model-states optimizer entry.
+BF16_FP32_GROUPS = "single_partition_of_fp32_groups"
+
+
+@dataclass(frozen=True)
+class RankFile:
+    path: Path
+    kind: str  # "model" | "optim"
+    dp_rank: int | None  # None for stage 0-2 mp_rank_XX_model_states.pt
+    mp_rank: int
+    bf16: bool
+    size: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The files of one tag of one checkpoint."""
+
+    root: Path  # folder holding tag folders (may equal tag_dir.parent)
+    tag: str
+    tag_dir: Path
+    tags: tuple[str, ...]
+    latest: str | None  # what `latest` says, if present
+    model_files: tuple[RankFile, ...]
+    optim_files: tuple[RankFile, ...]
+    pipeline_files: tuple[Path, ...] = field(default=())
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def all_files(self) -> tuple[RankFile, ...]:
+        return self.model_files + self.optim_files
+
+
+def _scan_tag_dir(tag_dir: Path) -> tuple[list[RankFile], list[RankFile], list[Path]]:
+    model, optim, pipeline = [], [], []
+    for entry in sorted(os.scandir(tag_dir), key=lambda e: e.name):
+        match = RANK_FILE_RE.match(entry.name)
+        if match:
+            if not entry.is_file():
+                raise CheckpointNotFoundError(f"{entry.path}: expected a file, found a directory")
+            dp = match.group("dp")
+            rank_file = RankFile(
+                path=Path(entry.path), kind=match.group("kind"), dp_rank=None if dp is None else int(dp),
+                mp_rank=int(match.group("mp")), bf16=bool(match.group("bf16")), size=entry.stat().st_size,
+            )
+            (model if rank_file.kind == "model" else optim).append(rank_file)
+        elif PIPELINE_LAYER_RE.match(entry.name):
+            pipeline.append(Path(entry.path))
+    key = lambda f: (f.mp_rank, -1 if f.dp_rank is None else f.dp_rank)
+    return sorted(model, key=key), sorted(optim, key=key), pipeline
+
+
+def _is_tag_dir(path: Path) -> bool:
+    try:
+        return any(RANK_FILE_RE.match(name) for name in os.listdir(path))
+    except (NotADirectoryError, PermissionError, FileNotFoundError):
+        return False
+
+
+def list_tags(root: Path) -> list[str]:
+    """Sub-folders of ``root`` that hold DeepSpeed rank files, sorted naturally."""
+    found = [e.name for e in os.scandir(root) if e.is_dir() and _is_tag_dir(Path(e.path))]
+    return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
+
+
+def read_latest(root: Path) -> str | None:
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None
+    return latest.read_text(errors="replace").strip() or None
+
+
+def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
+    """Resolve a user's path to one tag's files.
+
+    Accepts (1) a checkpoint root with or without ``latest``, (2) a tag folder, or (3) one rank
+    file inside a tag folder.  The tag is ``tag`` if given, else what ``latest`` names, else the
+    only tag present; anything else is a ``TagError`` that lists the tags found.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such file or directory")
+    if p.is_file():
+        if not RANK_FILE_RE.match(p.name):
+            raise CheckpointNotFoundError(
+                f"{p}: not a DeepSpeed rank file (expected *_model_states.pt or *_optim_states.pt)")
+        p = p.parent
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise CheckpointNotFoundError(f"{p}: permission denied")
+    problems: list[str] = []
+    if _is_tag_dir(p) and tag is None:
+        root, tag_dir = p.parent, p
+        tags = list_tags(root) if root != p else [p.name]
+        latest = read_latest(root)
+    else:
+        root = p
+        tags = list_tags(root)
+        latest = read_latest(root)
+        if latest is not None and latest not in tags:
+            problems.append(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
+        if tag is None:
+            if latest in tags:
+                tag = latest
+            elif len(tags) == 1:
+                tag = tags[0]
+            elif not tags:
+                if latest is not None:
+                    raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
+                raise CheckpointNotFoundError(f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)")
+            else:
+                raise TagError(f"{root}: several tags and no usable 'latest'; pick one with --tag: {', '.join(tags)}")
+        elif tag not in tags:
+            raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
+        tag_dir = root / tag
+    model, optim, pipeline = _scan_tag_dir(tag_dir)
+    if not model:
+        raise CheckpointNotFoundError(f"{tag_dir}: no *_model_states.pt file")
+    return Layout(root=root, tag=tag_dir.name, tag_dir=tag_dir, tags=tuple(tags), latest=latest,
+                  model_files=tuple(model), optim_files=tuple(optim), pipeline_files=tuple(pipeline),
+                  problems=tuple(problems))

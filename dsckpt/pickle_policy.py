@@ -1,0 +1,193 @@
+"""The pickle policy: which globals a checkpoint may name, and what each becomes.
+
+Nothing named by a checkpoint is ever imported or called.  ``SafeUnpickler.find_class`` maps:
+
+* tensor rebuild functions and storage types of torch -> inert builders of ``TensorRef``
+  (no torch import, no tensor data read);
+* plain data constructors (``collections.OrderedDict``, ``builtins.set`` ...) -> the same builtins;
+* ``torch.Size`` -> tuple, ``torch.<dtype>`` -> its name, ``torch.device`` -> its string;
+* every other global - DeepSpeed's ``LossScaler`` / ``ZeroStageEnum`` / ``fragment_address``, a
+  client's own classes, and hostile ones like ``os.system`` - -> an ``Opaque`` placeholder type
+  that only records its class path, arguments and state.  It has no behaviour, so a malicious
+  ``__reduce__`` is recorded, not run.
+"""
+from __future__ import annotations
+
+import codecs
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+# torch storage class name -> (safetensors dtype name, itemsize)
+STORAGE_DTYPES: dict[str, tuple[str, int]] = {
+    "FloatStorage": ("F32", 4), "DoubleStorage": ("F64", 8), "HalfStorage": ("F16", 2),
+    "BFloat16Storage": ("BF16", 2), "LongStorage": ("I64", 8), "IntStorage": ("I32", 4),
+    "ShortStorage": ("I16", 2), "CharStorage": ("I8", 1), "ByteStorage": ("U8", 1), "BoolStorage": ("BOOL", 1),
+}
+TORCH_DTYPE_NAMES = {
+    "float32": "F32", "float": "F32", "float64": "F64", "double": "F64", "float16": "F16", "half": "F16",
+    "bfloat16": "BF16", "int64": "I64", "long": "I64", "int32": "I32", "int": "I32", "int16": "I16",
+    "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+FLOAT_DTYPES = frozenset({"F32", "F64", "F16", "BF16"})
+
+# Published allowlist: (module, name) pairs that are *interpreted*, not imported.
+TENSOR_REBUILDERS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+                     ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_parameter_with_state"),
+                     ("torch._tensor", "_rebuild_from_type_v2")}
+PLAIN_BUILTINS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set,
+                  ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
+                  ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
+                  ("builtins", "range"): range}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: str  # safetensors name, e.g. "F32"
+    itemsize: int
+    numel: int
+    location: str  # device it was saved from ("cpu", "cuda:0"): irrelevant to us, shown in inspect
+
+
+class TensorRef:
+    """A tensor inside a torch file: metadata now, bytes on demand (see ``torchzip``)."""
+
+    __slots__ = ("file", "storage", "offset", "shape", "stride")
+
+    def __init__(self, file, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]):
+        self.file, self.storage, self.offset, self.shape, self.stride = file, storage, offset, shape, stride
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.storage.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.dtype}, shape={list(self.shape)})"
+
+
+class Opaque:
+    """Inert stand-in for any class a pickle names that is not on the allowlist."""
+
+    class_path = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):  # REDUCE calls cls(*args); nothing to do
+        pass
+
+    def __setstate__(self, state):  # BUILD: record, never apply
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.class_path}>"
+
+
+_opaque_types: dict[str, type] = {}
+
+
+def opaque_type(module: str, name: str) -> type:
+    path = f"{module}.{name}"
+    if path not in _opaque_types:
+        _opaque_types[path] = type(name, (Opaque,), {"class_path": path, "__module__": "dsckpt.opaque"})
+    return _opaque_types[path]
+
+
+def opaque_int(value: Any) -> Any:
+    """The int inside an enum placeholder (DeepSpeed's ZeroStageEnum(3)) or the value itself."""
+    if isinstance(value, Opaque) and len(value.args) == 1 and isinstance(value.args[0], int):
+        return value.args[0]
+    return value
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.dtype, self.itemsize = STORAGE_DTYPES[name]
+
+
+def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    # protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); allow exactly that
+    if not isinstance(text, str) or codecs.lookup(encoding).name not in ("iso8859-1", "utf-8"):
+        raise pickle.UnpicklingError("_codecs.encode used for something other than bytes")
+    return text.encode(encoding)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles a torch ``data.pkl`` into builtins, ``TensorRef`` and ``Opaque`` objects only."""
+
+    def __init__(self, stream, torch_file):
+        super().__init__(stream)
+        self._file = torch_file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in TENSOR_REBUILDERS:
+            return getattr(self, name)
+        if (module, name) in PLAIN_BUILTINS:
+            return PLAIN_BUILTINS[module, name]
+        if module == "torch":
+            if name in STORAGE_DTYPES:
+                return _StorageType(name)
+            if name == "Size":
+                return tuple
+            if name in TORCH_DTYPE_NAMES:
+                return TORCH_DTYPE_NAMES[name]
+            if name == "device":
+                return lambda *a: ":".join(str(x) for x in a)
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_encode
+        return opaque_type(module, name)
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r:.80}")
+        _, storage_type, key, location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError(f"unsupported storage type {storage_type!r:.80}")
+        return StorageRef(str(key), storage_type.dtype, storage_type.itemsize, int(numel), str(location))
+
+    # -- tensor rebuilders: build references, touch no data ------------------------------------
+    def _rebuild_tensor_v2(self, storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+        if not isinstance(storage, StorageRef):
+            raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
+        shape, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        ref = TensorRef(self._file, storage, int(storage_offset), shape, stride)
+        if any(s < 0 for s in shape) or (ref.numel and ref.offset + _span(shape, stride) > storage.numel):
+            raise pickle.UnpicklingError(f"tensor of shape {list(shape)} does not fit its storage of {storage.numel} elements")
+        return ref
+
+    def _rebuild_tensor(self, storage, storage_offset, size, stride):
+        return self._rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+    def _rebuild_parameter(self, data, requires_grad=False, hooks=None):
+        return data
+
+    def _rebuild_parameter_with_state(self, data, requires_grad=False, hooks=None, state=None):
+        return data
+
+    def _rebuild_from_type_v2(self, func, new_type, args, state):
+        return func(*args) if callable(func) and not isinstance(func, type) else opaque_type("torch", "Tensor")(*args)
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))

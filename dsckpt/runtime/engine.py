@@ -1,0 +1,139 @@
+"""A DeepSpeed engine with the strategy's behaviour: distributed setup, zero.Init, save/load.
+
+Steps of a run:
+1. ``init_distributed()`` fills a single-process environment if none is set (``RANK``...) and starts
+   the process group: gloo on CPU, nccl on CUDA.
+2. ``Runtime.setup(factory, optimizer_factory)`` builds the model (inside ``deepspeed.zero.Init``
+   at stage 3, with the config's remote device and dtype) and ``deepspeed.initialize``s it.
+3. ``save_checkpoint`` / ``load_checkpoint`` go through the engine; the client state is the
+   caller's dict, checked against DeepSpeed's own top-level keys.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ..errors import CheckpointNotFoundError, ConfigError, WorldSizeMismatchError
+from ..layout import DEEPSPEED_KEYS
+from .config import precision_of
+
+log = logging.getLogger("dsckpt")
+ENGINE_OWNED_KEYS = ("state_dict", "optimizer_states")  # the engine saves these itself
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Start the process group from the standard environment (torchrun, deepspeed launcher)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # a plain `python` run: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.distributed.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision_of(config), torch.float32)
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank gets the module's full state dict (ZeRO-3 parameters gathered; a no-op below)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class Runtime:
+    """One DeepSpeed engine and its checkpoint I/O."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.config = dict(config)
+        self.remote_device = self.config.pop("dsckpt_remote_device", None)
+        self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
+        self.engine = None
+        self._warned_sharded = False
+
+    def build_model(self, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        if self.stage != 3:
+            return factory()
+        import deepspeed
+
+        offload = self.config.get("zero_optimization", {}).get("offload_param", {}).get("device")
+        remote = self.remote_device or (offload if offload in ("cpu", "nvme") else None)
+        with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=self.config, dtype=model_dtype(self.config)):
+            return factory()
+
+    def setup(self, factory: Callable[[], torch.nn.Module],
+              optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], Any]):
+        """Build the model and engine; ``optimizer_factory`` gets the trainable parameters."""
+        import deepspeed
+
+        init_distributed()
+        model = self.build_model(factory)
+        optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+        if isinstance(optimizer, (list, tuple)):
+            if len(optimizer) != 1:
+                raise ConfigError(f"DeepSpeed supports exactly one optimizer, got {len(optimizer)}")
+            optimizer = optimizer[0]
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        return self.engine
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, client_state: Mapping[str, Any] | None = None,
+                        tag: str | None = None) -> str:
+        """Save through the engine; returns the tag (``step<N>`` by default)."""
+        state = {k: v for k, v in (client_state or {}).items() if k not in ENGINE_OWNED_KEYS}
+        clash = sorted(set(state) & DEEPSPEED_KEYS)
+        if clash:
+            raise ConfigError(f"client state keys {clash} collide with DeepSpeed's own checkpoint keys; rename them")
+        tag = tag or f"step{self.engine.global_steps}"
+        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state)
+        if self.stage == 3 and world_size() > 1 and rank() == 0 and not self._warned_sharded:
+            self._warned_sharded = True
+            warnings.warn(f"{save_dir}/{tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "
+                          f"`dsckpt consolidate {save_dir} model.safetensors` makes one file of it", stacklevel=2)
+        return tag
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
+                        load_optimizer: bool = True) -> dict[str, Any]:
+        """Restore module (+ optimizer when training continues) and return the client state."""
+        from ..reader import open_checkpoint
+
+        ckpt = open_checkpoint(load_dir, tag=tag)
+        if ckpt.world_size != world_size():
+            raise WorldSizeMismatchError(
+                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
+                f"world size {world_size()}; DeepSpeed cannot reshard it",
+                hint=f"run `dsckpt consolidate {load_dir} model.safetensors`, then "
+                     "`dsckpt resume --full-weights model.safetensors` at any world size")
+        path, client = self.engine.load_checkpoint(
+            str(load_dir), tag=ckpt.layout.tag, load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer)
+        if path is None or client is None:
+            raise CheckpointNotFoundError(f"{load_dir}: not a DeepSpeed checkpoint DeepSpeed could load",
+                                          hint="for a single weights file use --full-weights")
+        return {k: v for k, v in client.items() if k not in DEEPSPEED_KEYS}

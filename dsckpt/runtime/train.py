@@ -1,0 +1,132 @@
+"""`dsckpt train`: a training loop whose checkpoints carry a real, resumable client state.
+
+Client state saved with every checkpoint (all plain Python / tensors, nothing custom to unpickle):
+``global_step``, ``epoch``, ``data_position`` (index of the next synthetic batch), ``rng``
+(``python``: ``random.getstate()``, ``torch``: the CPU generator state), ``args`` (this run's
+options) and ``user`` (anything the caller adds).
+"""
+from __future__ import annotations
+
+import importlib
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConfigError
+from . import engine as eng
+from .config import resolve_config
+from .demo_model import build_demo_model, synthetic_batch
+
+STEPS_PER_EPOCH = 16  # synthetic data has no natural epoch; this makes `epoch` meaningful
+
+
+@dataclass
+class TrainOptions:
+    model: str | None = None  # "package.module:factory"; None = built-in TinyCausalLM
+    preset: str | None = None
+    stage: int | None = None
+    config: str | None = None
+    precision: str = "32"
+    steps: int = 20
+    save_dir: str | None = None
+    save_every: int = 0  # 0: save once at the end
+    seed: int = 1234
+    batch_size: int = 8
+    lr: float = 3e-3
+    freeze: bool = False  # built-in model: freeze the first block
+    user_state: dict[str, Any] = field(default_factory=dict)
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        kwargs = {} if self.stage is None else {"stage": self.stage}
+        preset = self.preset or (None if self.stage is not None or self.config else "deepspeed_stage_3")
+        return resolve_config(self.config, preset=preset, precision=self.precision, **kwargs)
+
+
+def load_factory(spec: str | None, freeze: bool = False) -> Callable[[], torch.nn.Module]:
+    if spec is None:
+        return lambda: build_demo_model(freeze_first_block=freeze)
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ConfigError(f"--model {spec!r}: expected 'package.module:factory'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--model {spec!r}: cannot load ({exc})") from None
+    return factory
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))  # a JSON round trip turns tuples into lists
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+
+
+class Trainer:
+    """Owns a Runtime and the loop position; ``client_state()`` is what a checkpoint carries."""
+
+    def __init__(self, opts: TrainOptions):
+        self.opts = opts
+        self.runtime = eng.Runtime(opts.deepspeed_config())
+        self.global_step = 0
+        self.data_position = 0
+        self.last_loss: float | None = None
+        random.seed(opts.seed)
+        torch.manual_seed(opts.seed)
+        factory = load_factory(opts.model, opts.freeze)
+        self.engine = self.runtime.setup(factory, lambda params: torch.optim.AdamW(params, lr=opts.lr))
+        module = self.engine.module
+        self.vocab_size = getattr(module, "vocab_size", 256)
+        self.seq_len = getattr(module, "seq_len", 32)
+
+    def client_state(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "epoch": self.data_position // STEPS_PER_EPOCH,
+                "data_position": self.data_position, "rng": rng_state(), "args": _plain(asdict(self.opts)),
+                "user": self.opts.user_state}
+
+    def restore(self, client: dict[str, Any]) -> None:
+        self.global_step = int(client["global_step"])
+        self.data_position = int(client["data_position"])
+        set_rng_state(client["rng"])
+
+    def step(self) -> float:
+        tokens = synthetic_batch(self.data_position * eng.world_size() + eng.rank(), seed=self.opts.seed,
+                                 batch_size=self.opts.batch_size, seq_len=self.seq_len, vocab_size=self.vocab_size)
+        loss = self.engine(tokens)
+        self.engine.backward(loss)
+        self.engine.step()
+        self.global_step += 1
+        self.data_position += 1
+        self.last_loss = float(loss.detach().float())
+        return self.last_loss
+
+    def save(self, tag: str | None = None) -> str:
+        return self.runtime.save_checkpoint(self.opts.save_dir, self.client_state(), tag=tag or f"step{self.global_step}")
+
+    def fit(self, steps: int, progress: bool = True) -> list[float]:
+        from tqdm import tqdm
+
+        losses = []
+        bar = tqdm(range(steps), desc="train", disable=not progress or eng.rank() != 0, leave=False)
+        for _ in bar:
+            losses.append(self.step())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if self.opts.save_dir and self.opts.save_every and self.global_step % self.opts.save_every == 0:
+                self.save()
+        if self.opts.save_dir and (not self.opts.save_every or self.global_step % self.opts.save_every):
+            self.save()
+        return losses
+
+
+def _plain(value: Any) -> Any:
+    """Options as JSON-able builtins (the client state must not need custom classes)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)

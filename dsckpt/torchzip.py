@@ -1,0 +1,116 @@
+"""Read a ``torch.save`` zip file without torch and without running any of its pickle code.
+
+A torch checkpoint is an uncompressed zip::
+
+    <archive>/data.pkl        the pickle: containers + calls to tensor rebuild functions
+    <archive>/data/<key>      raw storage bytes, one entry per storage
+    <archive>/byteorder, .format_version, version, ...
+
+The pickle is loaded by ``SafeUnpickler`` (see ``dsckpt.pickle_policy``); every tensor becomes a
+``TensorRef`` that knows its storage's absolute byte offset in the file, so metadata costs
+O(pickle size) and tensor bytes are read only when asked for, with ranged reads.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CorruptFileError
+from .pickle_policy import SafeUnpickler, StorageRef, TensorRef  # noqa: F401  (re-exported)
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
+_LOCAL_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    offset: int  # absolute byte offset of the storage's first byte in the file
+    nbytes: int
+
+
+class TorchFile:
+    """One ``torch.save`` file: its parsed pickle (``obj``) and where each storage lives."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self.size = self.path.stat().st_size
+            with open(self.path, "rb") as fh:
+                if fh.read(4) != _LOCAL_MAGIC:
+                    raise CorruptFileError(f"{self.path}: not a torch zip checkpoint (legacy or foreign format, or empty)")
+                self._index(fh)
+        except CorruptFileError:
+            raise
+        except IsADirectoryError:
+            raise CorruptFileError(f"{self.path}: is a directory, expected a checkpoint file") from None
+        except PermissionError:
+            raise CorruptFileError(f"{self.path}: permission denied") from None
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as exc:
+            raise CorruptFileError(f"{self.path}: unreadable zip archive ({exc}); truncated or damaged?") from None
+
+    def _index(self, fh) -> None:
+        with zipfile.ZipFile(fh) as zf:
+            pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pickles) != 1:
+                raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
+            self.prefix = pickles[0].filename[: -len("data.pkl")]
+            pickle_bytes = zf.read(pickles[0])  # CRC-checked by zipfile
+            self.storages: dict[str, StorageLocation] = {}
+            data_dir = self.prefix + "data/"
+            for info in zf.infolist():
+                if not info.filename.startswith(data_dir):
+                    continue
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise CorruptFileError(f"{self.path}: storage {info.filename} is compressed; torch never does that")
+                fh.seek(info.header_offset)
+                head = fh.read(_LOCAL_HEADER.size)
+                fields = _LOCAL_HEADER.unpack(head)
+                if fields[0] != _LOCAL_MAGIC:
+                    raise CorruptFileError(f"{self.path}: bad local header for {info.filename}")
+                start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+                if start + info.file_size > self.size:
+                    raise CorruptFileError(f"{self.path}: storage {info.filename} runs past the end of the file (truncated)")
+                self.storages[info.filename[len(data_dir):]] = StorageLocation(start, info.file_size)
+        try:
+            self.obj: Any = SafeUnpickler(io.BytesIO(pickle_bytes), self).load()
+        except CorruptFileError:
+            raise
+        except Exception as exc:  # any failure of a hostile or damaged pickle is a format error
+            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {exc})") from None
+
+    def locate(self, storage: "StorageRef") -> StorageLocation:
+        loc = self.storages.get(storage.key)
+        if loc is None:
+            raise CorruptFileError(f"{self.path}: pickle references storage {storage.key!r}, absent from the archive")
+        if loc.nbytes < storage.numel * storage.itemsize:
+            raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
+                                   f"needs {storage.numel * storage.itemsize}")
+        return loc
+
+
+def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
+    """(file, absolute offset, length) of a contiguous tensor's bytes."""
+    if not ref.is_contiguous():
+        raise CorruptFileError(f"{ref.file.path}: tensor with shape {ref.shape} stride {ref.stride} is not contiguous")
+    loc = ref.file.locate(ref.storage)
+    start = ref.offset * ref.storage.itemsize
+    length = math.prod(ref.shape) * ref.storage.itemsize
+    if start + length > loc.nbytes:
+        raise CorruptFileError(f"{ref.file.path}: tensor view [{start}, {start + length}) exceeds storage "
+                               f"{ref.storage.key!r} of {loc.nbytes} bytes")
+    return ref.file.path, loc.offset + start, length
+
+
+def read_tensor_bytes(ref: TensorRef) -> bytes:
+    path, offset, length = tensor_byte_range(ref)
+    with open(path, "rb") as fh:
+        data = os.pread(fh.fileno(), length, offset)
+    if len(data) != length:
+        raise CorruptFileError(f"{path}: short read at offset {offset} (truncated?)")
+    return data
