@@ -1,0 +1,35 @@
+"""Decode and cast raw tensor bytes with numpy (no torch): exact, round-to-nearest-even for bf16."""
+from __future__ import annotations
+
+import numpy as np
+
+# bf16 has no numpy dtype: it travels as its uint16 bit pattern
+NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+                "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def to_f32(raw: np.ndarray, src: str) -> np.ndarray:
+    if src == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """As torch does it: round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0."""
+    u = x.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def cast_bytes(data: bytes | memoryview, src: str, dst: str) -> bytes | memoryview:
+    """``data`` (elements of ``src``) as elements of ``dst``."""
+    if src == dst:
+        return data
+    raw = np.frombuffer(data, dtype=NUMPY_DTYPES[src])
+    if dst == "BF16":
+        out = f32_to_bf16(to_f32(raw, src) if src != "F64" else raw.astype(np.float32))
+    elif src == "BF16":
+        out = to_f32(raw, src).astype(NUMPY_DTYPES[dst], copy=False)
+    else:
+        out = raw.astype(NUMPY_DTYPES[dst])
+    return out.tobytes()

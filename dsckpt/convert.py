@@ -1,0 +1,169 @@
+"""Consolidation API: ``consolidate`` writes files, ``load_state_dict`` / ``iter_state_dict`` return tensors.
+
+``consolidate(ckpt, out)`` steps:
+1. open the checkpoint (``reader``) and build the plan (``plan``);
+2. check OUT (not an input, not existing unless ``force``);
+3. write weights (+ the client-state sidecar) to temp paths beside OUT, rename into place;
+4. optionally re-read OUT and compare it with the shards (``verify``).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .errors import OutputError, VerificationError
+from .output import atomic_output, check_output
+from .plan import Plan, build_plan
+from .reader import open_checkpoint
+from .sidecar import sidecar_paths, write_sidecar
+from .writer import SourceFiles, read_tensor, torch_state_dict, write_safetensors, write_sharded
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+DEFAULT_SHARD = "5GB"
+
+
+@dataclass(frozen=True)
+class Result:
+    out: Path
+    form: str  # "safetensors" | "torch" | "sharded"
+    tensors: int
+    nbytes: int
+    files: tuple[str, ...]
+    sidecar: Path | None
+    verified: bool | None
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.I)
+    if not m:
+        raise OutputError(f"--max-shard-size {text!r}: expected a size like 5GB or 500MiB")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    return int(float(m.group(1)) * scale[unit])
+
+
+def output_form(out: Path) -> str:
+    if out.suffix in TORCH_SUFFIXES:
+        return "torch"
+    if out.suffix == ".safetensors":
+        return "safetensors"
+    if out.suffix == "" or out.is_dir():
+        return "sharded"
+    raise OutputError(f"{out}: unknown output type; use .safetensors, .pt/.pth/.bin, or a folder name")
+
+
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
+                dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
+                strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
+                client_state: bool = True, force: bool = False, verify: bool = False,
+                progress: Callable[[int], None] | None = None) -> Result:
+    """Gather a ZeRO checkpoint into ``out`` (form chosen by its suffix); see the module docstring."""
+    ckpt = open_checkpoint(checkpoint, tag)
+    plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
+    out = Path(out)
+    form = output_form(out)
+    inputs = [f.path for f in ckpt.layout.all_files]
+    check_output(out, inputs, force)
+    sidecars = sidecar_paths(out) if client_state and ckpt.client_state else None
+    if sidecars:
+        for p in sidecars:
+            check_output(p, inputs, force=True)
+    if duplicate_tied and form != "torch":
+        plan = _duplicate_aliases(plan)
+    files: tuple[str, ...] = (out.name,)
+    with atomic_output(out, directory=form == "sharded") as tmp:
+        if form == "safetensors":
+            write_safetensors(plan, list(plan.tensors), tmp, plan.metadata, progress)
+        elif form == "torch":
+            import torch
+
+            torch.save(torch_state_dict(plan, progress), tmp)
+        else:
+            files = tuple(write_sharded(plan, tmp, parse_size(max_shard_size), progress))
+        if sidecars:
+            _write_sidecars(ckpt.client_state, out, sidecars)
+    verified = None
+    if verify:
+        verify_output(plan, out, form)
+        verified = True
+    return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None, verified)
+
+
+def _write_sidecars(client_state: dict[str, Any], out: Path, paths: tuple[Path, Path]) -> None:
+    json_path, tensors_path = paths
+    with atomic_output(json_path) as tmp_json, atomic_output(tensors_path) as tmp_tensors:
+        has_tensors = write_sidecar(client_state, out, tmp_json, tmp_tensors)
+        if not has_tensors:
+            tmp_tensors.write_bytes(b"")  # renamed, then removed below
+    if not has_tensors:
+        tensors_path.unlink()
+
+
+def _duplicate_aliases(plan: Plan) -> Plan:
+    from .plan import TensorPlan
+
+    by_name = {t.name: t for t in plan.tensors}
+    extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
+                             by_name[s].pieces) for a, s in plan.aliases.items())
+    meta = {k: v for k, v in plan.metadata.items() if k != "dsckpt.aliases"}
+    return Plan(plan.tensors + extra, {}, meta)
+
+
+def verify_output(plan: Plan, out: Path, form: str) -> None:
+    """Re-read OUT and compare every tensor byte-for-byte with the plan's source pieces."""
+    expected = {t.name: t for t in plan.tensors}
+    if form == "torch":
+        import torch
+
+        from .writer import torch_state_dict as _tsd
+
+        loaded = torch.load(out, map_location="cpu", weights_only=True, mmap=True)
+        ref = _tsd(plan)
+        for name, tensor in ref.items():
+            if name not in loaded or not torch.equal(loaded[name], tensor):
+                raise VerificationError(f"{out}: tensor {name!r} differs from the checkpoint")
+        return
+    files = [out] if form == "safetensors" else sorted(out.glob("model-*.safetensors"))
+    seen = set()
+    with SourceFiles() as src:
+        for f in files:
+            for name, data in _iter_safetensors(f):
+                if name not in expected:
+                    raise VerificationError(f"{f}: unexpected tensor {name!r}")
+                if data != read_tensor(src, expected[name]):
+                    raise VerificationError(f"{f}: tensor {name!r} differs from the checkpoint")
+                seen.add(name)
+    missing = set(expected) - seen
+    if missing:
+        raise VerificationError(f"{out}: {len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}")
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, bytes]]:
+    from .safetensors_file import read_header
+
+    header, data_start = read_header(path)
+    with open(path, "rb") as fh:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            b, e = info["data_offsets"]
+            yield name, os.pread(fh.fileno(), e - b, data_start + b)
+
+
+def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype: str | None = None,
+                    exclude_frozen: bool = False) -> dict[str, Any]:
+    """The consolidated state dict as torch tensors in memory (tied names share one tensor)."""
+    return torch_state_dict(build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen))
+
+
+def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
+                    dtype: str | None = None) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` one full tensor at a time (memory: the largest tensor)."""
+    plan = build_plan(open_checkpoint(checkpoint, tag), dtype)
+    for t in plan.tensors:
+        yield t.name, torch_state_dict(plan, only={t.name})[t.name]
+    for alias, target in plan.aliases.items():
+        yield alias, torch_state_dict(plan, only={target})[target]

@@ -1,0 +1,284 @@
+"""The consolidation plan: which bytes of which rank file make each output tensor.
+
+``build_plan(ckpt)`` is pure bookkeeping over the checkpoint model (plain frozen dataclasses out,
+no tensor bytes read, except for stage-0 16-bit runs, see ``_stage0_masters``).  How each stage
+maps partitions to parameters:
+
+* ZeRO-1/2: per param group, rank r holds one flat fp32 partition; the ranks' partitions
+  concatenated in rank order are the group's flat buffer, where parameters sit back to back in
+  ``param_shapes`` order, each followed by its ``param_alignment_paddings`` entry.
+* ZeRO-3: every parameter is split on its own: rank r holds elements
+  ``[r*ceil(n/ws), (r+1)*ceil(n/ws))`` (the last rank zero-padded), packed in ``param_shapes``
+  order into its flat group(s).  Frozen parameters are split the same way in each rank's
+  ``frozen_param_fragments``.
+* ZeRO-0: the model-states file holds full tensors; fp32 runs train on them directly, 16-bit runs
+  keep fp32 masters per parameter in ``optimizer.fp32_groups``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import layout as L
+from .errors import InconsistentCheckpointError
+from .pickle_policy import FLOAT_DTYPES, TensorRef
+from .reader import Checkpoint
+from .torchzip import tensor_byte_range
+
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_ALIASES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``nbytes`` bytes at absolute ``offset`` of ``path``, in the tensor's source dtype."""
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    src_dtype: str
+    dtype: str  # output dtype
+    kind: str  # "param" | "frozen" | "buffer"
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Plan:
+    tensors: tuple[TensorPlan, ...]
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> name of the written tensor
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(p.nbytes for t in self.tensors for p in t.pieces)
+
+    @property
+    def largest(self) -> TensorPlan | None:
+        return max(self.tensors, key=lambda t: t.nbytes, default=None)
+
+
+class FlatSpace:
+    """Several contiguous 1-D tensors seen as one flat element range."""
+
+    def __init__(self, refs: list[TensorRef]):
+        self.dtype = refs[0].dtype if refs else "F32"
+        self.itemsize = ITEMSIZE[self.dtype]
+        self.segments = []  # (start element, numel, path, byte offset)
+        start = 0
+        for ref in refs:
+            path, offset, _ = tensor_byte_range(ref)
+            self.segments.append((start, ref.numel, path, offset))
+            start += ref.numel
+        self.numel = start
+
+    def pieces(self, start: int, count: int, where: str) -> list[Piece]:
+        if start < 0 or start + count > self.numel:
+            raise InconsistentCheckpointError(f"{where}: needs elements [{start}, {start + count}) "
+                                              f"but the partition holds {self.numel}")
+        out = []
+        for seg_start, seg_numel, path, offset in self.segments:
+            lo, hi = max(start, seg_start), min(start + count, seg_start + seg_numel)
+            if lo < hi:
+                out.append(Piece(path, offset + (lo - seg_start) * self.itemsize, (hi - lo) * self.itemsize))
+        return out
+
+
+def ref_pieces(ref: TensorRef) -> tuple[Piece, ...]:
+    path, offset, nbytes = tensor_byte_range(ref)
+    return (Piece(path, offset, nbytes),) if nbytes else ()
+
+
+def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bool = False,
+               strip_prefixes: tuple[str, ...] = ()) -> Plan:
+    """The full plan: buffers, frozen and trainable parameters, tied aliases, metadata."""
+    ckpt.require_complete()
+    out_dtype = DTYPE_ALIASES.get(dtype, dtype) if dtype else None
+    tensors: dict[str, TensorPlan] = {}
+
+    def add(name, shape, src_dtype, kind, pieces, default_dtype):
+        target = out_dtype if (out_dtype and src_dtype in FLOAT_DTYPES) else default_dtype
+        tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
+
+    if ckpt.zero_stage == 0:
+        _plan_stage0(ckpt, add, exclude_frozen)
+    else:
+        if not exclude_frozen:
+            _plan_frozen(ckpt, add)
+        if ckpt.zero_stage == 3:
+            _plan_stage3(ckpt, add)
+        else:
+            _plan_stage12(ckpt, add)
+    for name, ref in ckpt.buffers.items():
+        add(name, ref.shape, ref.dtype, "buffer", ref_pieces(ref), ref.dtype)
+    ordered = _module_order(ckpt, tensors)
+    aliases = {a: s for a, s in ckpt.shared.items() if s in tensors and a not in tensors}
+    plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases, out_dtype))
+    return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
+
+
+def _plan_stage3(ckpt: Checkpoint, add) -> None:
+    ws = ckpt.world_size
+    spaces = [FlatSpace(list(f.obj[L.OPTIMIZER_STATE_DICT][L.FP32_FLAT_GROUPS])) for f in ckpt.optim_files]
+    offset = 0
+    for name, shape in ckpt.trainable.items():
+        n = math.prod(shape)
+        part = math.ceil(n / ws)
+        pieces = []
+        for r, space in enumerate(spaces):
+            take = max(0, min(part, n - r * part))
+            pieces += space.pieces(offset, take, f"{ckpt.optim_files[r].path}: parameter {name!r}")
+        add(name, shape, spaces[0].dtype, "param", pieces, "F32")
+        offset += part
+    for r, space in enumerate(spaces):
+        if space.numel != offset:
+            raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: partition holds {space.numel} elements, "
+                                              f"the recorded shapes need {offset}")
+
+
+def _plan_stage12(ckpt: Checkpoint, add) -> None:
+    ws = ckpt.world_size
+    states = [f.obj[L.OPTIMIZER_STATE_DICT] for f in ckpt.optim_files]
+    paddings = states[0].get(L.PARAM_ALIGNMENT_PADDINGS)
+    for g, shapes in enumerate(ckpt.param_groups):
+        space = FlatSpace([s[L.SINGLE_PARTITION_OF_FP32_GROUPS][g] for s in states])
+        pad = paddings[g] if paddings is not None else [0] * len(shapes)
+        if len(pad) != len(shapes):
+            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(shapes)} parameters "
+                                              f"but {len(pad)} alignment paddings")
+        offset = 0
+        for (name, shape), extra in zip(shapes.items(), pad):
+            n = math.prod(shape)
+            add(name, shape, space.dtype, "param",
+                space.pieces(offset, n, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
+            offset += n + extra
+        align = 2 * ws  # DeepSpeed pads each group to a multiple of 2 * world size
+        if math.ceil(offset / align) * align != math.ceil(space.numel / align) * align:
+            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: group {g} partitions hold {space.numel} "
+                                              f"elements, the recorded shapes use {offset}")
+
+
+def _plan_frozen(ckpt: Checkpoint, add) -> None:
+    head = ckpt.model_files[0].obj
+    fragments = head.get(L.FROZEN_PARAM_FRAGMENTS)
+    if not fragments:  # ZeRO-1: frozen weights are in `module` at their trained dtype
+        for name, shape in ckpt.frozen.items():
+            ref = ckpt.module[name]
+            add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
+        return
+    ws = ckpt.world_size
+    for name, shape in ckpt.frozen.items():
+        n = math.prod(shape)
+        if ckpt.zero_stage == 2:
+            ref = fragments[name]
+            if ref.numel != n:
+                raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: frozen {name!r} has {ref.numel} "
+                                                  f"elements, shape {list(shape)} needs {n}")
+            add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
+            continue
+        part = math.ceil(n / ws)
+        pieces = []
+        for r, f in enumerate(ckpt.model_files):
+            ref = f.obj[L.FROZEN_PARAM_FRAGMENTS][name]
+            take = max(0, min(part, n - r * part))
+            pieces += FlatSpace([ref]).pieces(0, take, f"{f.path}: frozen {name!r}")
+        add(name, shape, ref.dtype, "frozen", pieces, "F32")
+
+
+def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
+    masters = _stage0_masters(ckpt)
+    for name, ref in ckpt.module.items():
+        if name in ckpt.buffers or name in ckpt.shared or not isinstance(ref, TensorRef):
+            continue
+        if name in masters:
+            add(name, ref.shape, "F32", "param", ref_pieces(masters[name]), "F32")
+        elif not exclude_frozen or ckpt.precision == "fp32":  # fp32 runs cannot tell frozen from trainable
+            add(name, ref.shape, ref.dtype, "frozen" if masters else "param", ref_pieces(ref), "F32")
+
+
+def _stage0_masters(ckpt: Checkpoint) -> dict[str, TensorRef]:
+    """16-bit stage 0 keeps fp32 masters per trainable parameter, in optimizer order, unnamed.
+
+    They are matched to the module's parameters in order: the next master belongs to a parameter
+    when shapes agree and the 16-bit weight is exactly the master cast down (DeepSpeed copies it so
+    after every step); otherwise that parameter is frozen.  This reads the 16-bit weights once.
+    """
+    groups = (ckpt.module and ckpt.model_files[0].obj.get(L.OPTIMIZER) or {}).get("fp32_groups")
+    if not groups:
+        return {}
+    masters = [t for g in groups for t in g]
+    names = [n for n, t in ckpt.module.items() if isinstance(t, TensorRef) and n not in ckpt.buffers
+             and n not in ckpt.shared]
+    out, i = {}, 0
+    for name in names:
+        ref = ckpt.module[name]
+        if i < len(masters) and masters[i].shape == ref.shape and _is_master_of(masters[i], ref):
+            out[name] = masters[i]
+            i += 1
+    if i != len(masters):
+        raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: {len(masters)} fp32 master tensors, "
+                                          f"only {i} match the module's parameters")
+    return out
+
+
+def _is_master_of(master: TensorRef, weight: TensorRef) -> bool:
+    from .cast import cast_bytes
+    from .torchzip import read_tensor_bytes
+
+    return cast_bytes(read_tensor_bytes(master), "F32", weight.dtype) == read_tensor_bytes(weight)
+
+
+def _module_order(ckpt: Checkpoint, tensors: dict[str, TensorPlan]) -> list[TensorPlan]:
+    """Output in the module's state-dict order (what users expect), extras at the end."""
+    order = [tensors[n] for n in ckpt.module if n in tensors]
+    seen = {t.name for t in order}
+    return order + [t for n, t in tensors.items() if n not in seen]
+
+
+def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, str], out_dtype) -> dict[str, str]:
+    import json
+
+    meta = {"format": "pt", "dsckpt.source_tag": ckpt.layout.tag, "dsckpt.zero_stage": str(ckpt.zero_stage),
+            "dsckpt.world_size": str(ckpt.world_size), "dsckpt.trained_precision": ckpt.precision}
+    if aliases:
+        meta["dsckpt.aliases"] = json.dumps(aliases, sort_keys=True)
+    frozen = {t.name: t.src_dtype for t in tensors if t.kind == "frozen"}
+    if frozen:
+        meta["dsckpt.frozen_stored_dtypes"] = json.dumps(frozen, sort_keys=True)
+    return meta
+
+
+def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
+    def strip(name: str) -> str:
+        for p in prefixes:
+            if name.startswith(p):
+                return name[len(p):]
+        return name
+
+    tensors = tuple(TensorPlan(strip(t.name), t.shape, t.src_dtype, t.dtype, t.kind, t.pieces) for t in plan.tensors)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise InconsistentCheckpointError(f"--strip-prefix {' '.join(prefixes)} makes two tensors share a name")
+    aliases = {strip(a): strip(s) for a, s in plan.aliases.items()}
+    meta = dict(plan.metadata)
+    if aliases:
+        import json
+        meta["dsckpt.aliases"] = json.dumps(aliases, sort_keys=True)
+    return Plan(tensors, aliases, meta)

@@ -1,0 +1,143 @@
+"""The checkpoint model: one tag of a DeepSpeed checkpoint as plain metadata, read safely.
+
+``open_checkpoint(path)`` does, in order:
+1. ``layout.discover`` - pick the tag and list the rank files;
+2. parse every rank file's pickle with ``torchzip.TorchFile`` (metadata only, no tensor bytes);
+3. derive stage, world size, parameter groups, frozen / tied / buffer names, client state;
+4. check the files against the world size they record.  Problems are collected, not raised, so
+   ``inspect`` can list them; ``Checkpoint.require_complete()`` raises the first as a typed error.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import layout as L
+from .errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
+from .pickle_policy import TensorRef, opaque_int
+from .torchzip import TorchFile
+
+PRECISION_BY_DTYPE = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    error: type[DsckptError]
+    message: str
+
+
+@dataclass
+class Checkpoint:
+    layout: L.Layout
+    zero_stage: int
+    world_size: int
+    mp_world_size: int
+    ds_version: str | None
+    precision: str  # dtype of the module's parameters as trained: fp32 / bf16 / fp16
+    global_steps: int | None
+    model_files: list[TorchFile]  # stage 0-2: one; stage 3: one per dp rank, in rank order
+    optim_files: list[TorchFile]  # one per dp rank, in rank order (none at stage 0)
+    param_groups: list[dict[str, tuple[int, ...]]]  # trainable, per optimizer group, in flat order
+    frozen: dict[str, tuple[int, ...]]
+    shared: dict[str, str]  # alias -> source
+    buffers: dict[str, TensorRef]
+    client_state: dict[str, Any]
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def module(self) -> dict[str, Any]:
+        return self.model_files[0].obj.get(L.MODULE) or {}
+
+    @property
+    def trainable(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for group in self.param_groups for name, shape in group.items()}
+
+    def require_complete(self) -> None:
+        """Raise the first recorded problem as its typed error."""
+        if self.problems:
+            raise self.problems[0].error(self.problems[0].message)
+
+
+def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
+    lay = L.discover(path, tag)
+    problems = [Problem(InconsistentCheckpointError, p) for p in lay.problems]
+    model_files = [TorchFile(f.path) for f in lay.model_files]
+    optim_files = [TorchFile(f.path) for f in lay.optim_files]
+    head = model_files[0].obj
+    if not isinstance(head, dict) or L.MODULE not in head or L.BUFFER_NAMES not in head:
+        raise UnsupportedCheckpointError(f"{lay.model_files[0].path}: not a DeepSpeed model-states file "
+                                         f"(no '{L.MODULE}' / '{L.BUFFER_NAMES}' entries)")
+    world = int(head.get(L.DP_WORLD_SIZE) or 1)
+    mp = int(head.get(L.MP_WORLD_SIZE) or 1)
+    stage = _zero_stage(lay, optim_files)
+    if mp > 1 or any(f.mp_rank for f in lay.all_files) or lay.pipeline_files:
+        problems.append(Problem(UnsupportedCheckpointError,
+                                f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
+                                f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
+    _check_ranks(lay, stage, world, problems)
+    module = head.get(L.MODULE) or {}
+    buffer_names = list(head.get(L.BUFFER_NAMES) or [])
+    param_groups = [dict(g) for g in (head.get(L.PARAM_SHAPES) or [])]
+    shared = dict(head.get(L.SHARED_PARAMS) or {})
+    if stage == 0 and not shared:
+        shared = _aliases_by_storage(module)
+    trainable = {n for g in param_groups for n in g}
+    frozen = dict(head.get(L.FROZEN_PARAM_SHAPES) or {})
+    if not frozen and stage in (1, 2):  # ZeRO-1 keeps frozen params only in `module`
+        frozen = {n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in trainable
+                  and n not in buffer_names and n not in shared}
+    buffers = {n: module[n] for n in buffer_names if isinstance(module.get(n), TensorRef)}
+    for name in buffer_names:
+        if name not in buffers:
+            problems.append(Problem(InconsistentCheckpointError,
+                                    f"{lay.model_files[0].path}: buffer {name!r} listed but not in '{L.MODULE}'"))
+    client = {k: v for k, v in head.items() if k not in L.DEEPSPEED_KEYS}
+    param_dtypes = {t.dtype for n, t in module.items() if isinstance(t, TensorRef) and n not in buffers}
+    precision = next((PRECISION_BY_DTYPE.get(d, d) for d in ("BF16", "F16", "F32") if d in param_dtypes), "fp32")
+    return Checkpoint(layout=lay, zero_stage=stage, world_size=world, mp_world_size=mp,
+                      ds_version=head.get(L.DS_VERSION), precision=precision,
+                      global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
+                      param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
+                      client_state=client, problems=problems)
+
+
+def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
+    if not optim_files:
+        return 0
+    osd = optim_files[0].obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(optim_files[0].obj, dict) else None
+    if not isinstance(osd, dict) or L.ZERO_STAGE not in osd:
+        raise UnsupportedCheckpointError(f"{lay.optim_files[0].path}: no '{L.ZERO_STAGE}' in the optimizer state")
+    stage = opaque_int(osd[L.ZERO_STAGE])
+    if stage not in (1, 2, 3):
+        raise UnsupportedCheckpointError(f"{lay.optim_files[0].path}: unknown zero_stage {stage!r}")
+    return stage
+
+
+def _check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem]) -> None:
+    expected = set(range(world))
+    groups = [("optimizer", lay.optim_files)] if stage else []
+    if stage == 3:
+        groups.append(("model", lay.model_files))
+    for kind, files in groups:
+        ranks = {f.dp_rank for f in files}
+        for r in sorted(expected - ranks):
+            problems.append(Problem(MissingRankError, f"{lay.tag_dir}: {kind}-states file of rank {r} is missing "
+                                                      f"(the checkpoint records world size {world})"))
+        for r in sorted(ranks - expected, key=str):
+            problems.append(Problem(InconsistentCheckpointError,
+                                    f"{lay.tag_dir}: extra {kind}-states file for rank {r}, beyond world size {world}"))
+
+
+def _aliases_by_storage(module: dict[str, Any]) -> dict[str, str]:
+    """Stage 0 records no shared_params: two names viewing the same bytes are tied."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in module.items():
+        if isinstance(t, TensorRef) and t.numel:
+            key = (t.storage.key, t.offset, t.shape, t.stride)
+            if key in seen:
+                aliases[name] = seen[key]
+            else:
+                seen[key] = name
+    return aliases

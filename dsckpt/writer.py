@@ -1,0 +1,168 @@
+"""Execute a plan: stream pieces from rank files into safetensors (single or sharded) or torch files.
+
+safetensors: the header is computed from the plan before any data moves; the file is then filled
+at known offsets.  Same-dtype pieces move with ``os.copy_file_range`` (kernel to kernel, no user
+copy); pieces that need a cast go through bounded chunks.  Memory stays O(chunk), whatever the size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .cast import cast_bytes
+from .errors import CorruptFileError
+from .plan import ITEMSIZE, Plan, TensorPlan
+
+CHUNK_BYTES = 64 << 20
+HEADER_ALIGN = 8  # safetensors: data starts 8-byte aligned
+Progress = Callable[[int], None]
+
+
+class SourceFiles:
+    """Open rank files once each; reads are positional (pread / copy_file_range)."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
+        data = os.pread(self.fd(path), nbytes, offset)
+        if len(data) != nbytes:
+            raise CorruptFileError(f"{path}: short read of {nbytes} bytes at offset {offset} (file truncated?)")
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def iter_tensor_chunks(src: SourceFiles, t: TensorPlan, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The tensor's output bytes, in order, at most ~``chunk`` bytes at a time (cast applied)."""
+    step = max(ITEMSIZE[t.src_dtype], chunk - chunk % ITEMSIZE[t.src_dtype])
+    for piece in t.pieces:
+        for start in range(0, piece.nbytes, step):
+            data = src.pread(piece.path, min(step, piece.nbytes - start), piece.offset + start)
+            yield cast_bytes(data, t.src_dtype, t.dtype)
+
+
+def read_tensor(src: SourceFiles, t: TensorPlan) -> bytes:
+    return b"".join(iter_tensor_chunks(src, t))
+
+
+def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included) and each tensor's data offset relative to the data start."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offsets, pos = [], 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        offsets.append(pos)
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int) -> None:
+    while nbytes:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
+        except OSError:  # filesystems without support: fall back to pread/pwrite
+            n = os.pwrite(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
+        if n == 0:
+            raise CorruptFileError("unexpected end of a rank file while copying (truncated?)")
+        nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
+
+
+def write_safetensors(plan: Plan, tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
+                      progress: Progress | None = None) -> None:
+    header, offsets = safetensors_header(tensors, metadata)
+    total = len(header) + sum(t.nbytes for t in tensors)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, header, 0)
+        os.ftruncate(fd, total)
+        with SourceFiles() as src:
+            for t, rel in zip(tensors, offsets):
+                pos = len(header) + rel
+                if t.src_dtype == t.dtype:
+                    for p in t.pieces:
+                        _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos)
+                        pos += p.nbytes
+                else:
+                    for data in iter_tensor_chunks(src, t):
+                        os.pwrite(fd, data, pos)
+                        pos += len(data)
+                if progress:
+                    progress(t.nbytes)
+    finally:
+        os.close(fd)
+
+
+def shard(tensors: tuple[TensorPlan, ...], max_bytes: int) -> list[list[TensorPlan]]:
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress | None = None) -> list[str]:
+    """Hugging Face layout: model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
+    groups = shard(plan.tensors, max_bytes)
+    n = len(groups)
+    weight_map, names = {}, []
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        write_safetensors(plan, group, folder / name, plan.metadata, progress)
+        weight_map.update({t.name: name for t in group})
+        names.append(name)
+    index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def torch_state_dict(plan: Plan, progress: Progress | None = None, only: set[str] | None = None):
+    """Materialize the plan as torch tensors (aliases share storage, as in the module)."""
+    import numpy as np
+    import torch
+
+    torch_dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                    "U8": torch.uint8, "BOOL": torch.bool}
+    out = {}
+    with SourceFiles() as src:
+        for t in plan.tensors:
+            if only is not None and t.name not in only:
+                continue
+            tensor = torch.empty(t.shape, dtype=torch_dtypes[t.dtype])
+            view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
+            flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
+            pos = 0
+            for data in iter_tensor_chunks(src, t):
+                flat[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                pos += len(data)
+            out[t.name] = tensor
+            if progress:
+                progress(t.nbytes)
+    for alias, target in plan.aliases.items():
+        if target in out:
+            out[alias] = out[target]
+    return out
