@@ -71,6 +71,117 @@ def train(nproc: int, **kwargs) -> None:
     run_train(**kwargs)
 
 
+@cli.command()
+@click.argument("path", type=click.Path())
+@click.option("--tag", default=None, help="Tag to inspect (default: what `latest` names).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (schema: docs/cli.md).")
+@click.option("--tensors", is_flag=True, help="List every tensor and the rank files that hold it.")
+def inspect(path: str, tag: str | None, as_json: bool, tensors: bool) -> None:
+    """Summarize a checkpoint, or a consolidated file, from metadata alone.
+
+    \b
+    Examples:
+      dsckpt inspect runs/demo
+      dsckpt inspect runs/demo --tag step20 --tensors
+      dsckpt inspect runs/demo --json | jq .zero_stage
+      dsckpt inspect model.safetensors
+    Exit code 1 when problems (missing ranks, truncated files...) are found.
+    """
+    import json
+
+    from .inspect import render, summarize
+
+    summary = summarize(path, tag, tensors)
+    click.echo(json.dumps(summary, indent=2) if as_json else render(summary))
+    if summary["problems"]:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--tag", default=None, help="Tag to consolidate (default: what `latest` names).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Cast floating-point tensors (default: fp32 masters, buffers as stored).")
+@click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")
+@click.option("--duplicate-tied", is_flag=True, help="safetensors: write tied weights once per name.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
+@click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--verify", is_flag=True, help="Re-read OUT and compare it with the shards.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
+                max_shard_size, no_client_state, force, verify, quiet, as_json) -> None:
+    """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
+
+    \b
+    OUT decides the format:
+      model.safetensors           safetensors (tied weights once, aliases in __metadata__)
+      model.pt | .pth | .bin      torch state dict (loads with weights_only=True)
+      model_dir/                  sharded safetensors + model.safetensors.index.json
+    \b
+    Examples:
+      dsckpt consolidate runs/demo model.safetensors
+      dsckpt consolidate runs/demo model.pt --tag step10 --dtype bf16
+      dsckpt consolidate runs/demo hf_model/ --max-shard-size 2GB --strip-prefix module.
+    The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
+    """
+    import json
+
+    from tqdm import tqdm
+
+    from .convert import consolidate as run
+
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json,
+              file=sys.stderr, leave=False) as bar:
+        result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
+                     duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
+                     client_state=not no_client_state, force=force, verify=verify, progress=bar.update)
+    if as_json:
+        click.echo(json.dumps({"out": str(result.out), "form": result.form, "tensors": result.tensors,
+                               "bytes": result.nbytes, "files": list(result.files),
+                               "client_state": str(result.sidecar) if result.sidecar else None,
+                               "verified": result.verified}))
+    else:
+        click.echo(f"wrote {result.out} ({result.form}, {result.tensors} tensors, {result.nbytes:,} bytes)"
+                   + (f"; client state: {result.sidecar}" if result.sidecar else "")
+                   + ("; verified: identical to the shards" if result.verified else ""))
+
+
+@cli.command()
+@click.argument("checkpoint", required=False, type=click.Path())
+@click.option("--full-weights", type=click.Path(), default=None, help="One weights file (.safetensors/.pt/.bin or sharded folder).")
+@click.option("--client-state", type=click.Path(dir_okay=False), default=None, help="Sidecar JSON (default: FILE.client_state.json).")
+@click.option("--tag", default=None, help="Tag of CHECKPOINT to resume.")
+@click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
+@click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
+@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: load its consolidated weights.")
+@click.option("--json", "as_json", is_flag=True, help="--check report as JSON.")
+@_training_options
+def resume(nproc: int, **kwargs) -> None:
+    """Carry on training from a sharded checkpoint or a full-weights file.
+
+    \b
+    Examples:
+      dsckpt resume runs/demo --nproc 2 --steps 10 --save-dir runs/demo
+      dsckpt resume --full-weights model.safetensors --nproc 3 --stage 3 --steps 10 --save-dir runs/ws3
+      dsckpt resume --full-weights model.safetensors --nproc 2 --check
+      dsckpt resume runs/demo --nproc 3 --reshard --steps 5
+    Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
+    optimizer moments start fresh; the client state comes from the sidecar.
+    """
+    from .runtime import launch
+
+    if launch.should_launch(nproc):
+        sys.exit(launch.launch(nproc))
+    from .runtime.commands import run_resume
+
+    run_resume(**kwargs)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

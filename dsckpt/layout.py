@@ -45,7 +45,7 @@ DEEPSPEED_KEYS = frozenset({
     MODULE, BUFFER_NAMES, PARAM_SHAPES, FROZEN_PARAM_SHAPES, FROZEN_PARAM_FRAGMENTS, SHARED_PARAMS,
     DS_CONFIG, DS_VERSION, GLOBAL_STEPS, DP_WORLD_SIZE, MP_WORLD_SIZE, OPTIMIZER, "lr_scheduler",
     "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_samples",
-    "checkpoint_parallel_dims", "universal_checkpoint_info",
+    "checkpoint_parallel_dims", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
 })
 
 # --- keys of the optimizer-states file ---------------------------------------------------------

@@ -62,8 +62,10 @@ class Checkpoint:
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
     lay = L.discover(path, tag)
     problems = [Problem(InconsistentCheckpointError, p) for p in lay.problems]
-    model_files = [TorchFile(f.path) for f in lay.model_files]
-    optim_files = [TorchFile(f.path) for f in lay.optim_files]
+    model_files = _parse(lay.model_files, problems)
+    optim_files = _parse(lay.optim_files, problems)
+    if not model_files:
+        _raise(problems[-1])  # nothing to read metadata from
     head = model_files[0].obj
     if not isinstance(head, dict) or L.MODULE not in head or L.BUFFER_NAMES not in head:
         raise UnsupportedCheckpointError(f"{lay.model_files[0].path}: not a DeepSpeed model-states file "
@@ -100,6 +102,21 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
                       client_state=client, problems=problems)
+
+
+def _parse(files: tuple[L.RankFile, ...], problems: list[Problem]) -> list[TorchFile]:
+    """Parse each rank file; a broken one becomes a problem so inspect can still report the rest."""
+    parsed = []
+    for f in files:
+        try:
+            parsed.append(TorchFile(f.path))
+        except DsckptError as exc:
+            problems.append(Problem(type(exc), str(exc)))
+    return parsed
+
+
+def _raise(problem: Problem):
+    raise problem.error(problem.message)
 
 
 def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:

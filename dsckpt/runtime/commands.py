@@ -7,7 +7,10 @@ import click
 
 
 def quiet_deepspeed() -> None:
+    import warnings
+
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes inside DeepSpeed
 
 
 def run_train(**kwargs) -> None:
@@ -21,3 +24,40 @@ def run_train(**kwargs) -> None:
         where = f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""
         click.echo(f"trained {len(losses)} steps (stage {trainer.runtime.stage}, world size {eng.world_size()}): "
                    f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{where}")
+    eng.shutdown()
+
+
+def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, as_json, **kwargs) -> None:
+    import json
+
+    from ..errors import ConfigError
+    from . import engine as eng
+    from .resume import check_against_file, resume_full_weights, resume_sharded
+    from .train import TrainOptions, Trainer
+
+    quiet_deepspeed()
+    if bool(checkpoint) == bool(full_weights):
+        raise ConfigError("give either CKPT_DIR or --full-weights FILE")
+    trainer = Trainer(TrainOptions(**kwargs))
+    if full_weights:
+        client = resume_full_weights(trainer, full_weights, client_state, strict, tuple(strip_prefix))
+    else:
+        resume_sharded(trainer, checkpoint, tag, reshard, strict)
+        client = None
+    if check:
+        if not full_weights:
+            raise ConfigError("--check compares against a --full-weights file")
+        report = check_against_file(trainer, full_weights, client, tuple(strip_prefix))
+        if eng.rank() == 0:
+            click.echo(json.dumps(report) if as_json else
+                       f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
+                       f"(max abs diff 0, fp32 masters diff {report['fp32_master_max_abs_diff']}); client state "
+                       f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
+        eng.shutdown()
+        return
+    start = trainer.global_step
+    losses = trainer.fit(trainer.opts.steps)
+    if eng.rank() == 0:
+        click.echo(f"resumed training: steps {start} -> {trainer.global_step}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+                   + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
+    eng.shutdown()

@@ -47,6 +47,13 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly (a rank exiting mid-teardown can abort its peers)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 

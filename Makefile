@@ -1,0 +1,41 @@
+# Two commands that work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU wheel: an unpinned torch would pull a multi-GB CUDA build. Override for GPU hosts.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= demo_run
+
+.PHONY: setup demo test fixtures bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
+	$(BIN)/dsckpt train --stage 3 --nproc 2 --steps 30 --save-dir $(DEMO_DIR)/ckpt
+	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
+	$(BIN)/dsckpt consolidate $(DEMO_DIR)/ckpt $(DEMO_DIR)/model.safetensors --verify
+	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --check
+	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir $(DEMO_DIR)/ckpt
+	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+fixtures: setup
+	$(BIN)/python fixtures/make_fixtures.py
+
+bench: setup
+	$(BIN)/python bench/bench_consolidate.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -1,0 +1,162 @@
+"""`dsckpt inspect`: a summary of a checkpoint (or a consolidated file) from metadata alone.
+
+``summarize(path)`` returns the JSON document (schema in docs/cli.md); ``render(summary)`` is the
+human view.  No tensor payload is read.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import DsckptError
+from .pickle_policy import Opaque, TensorRef
+from .plan import ITEMSIZE, build_plan
+from .reader import Checkpoint, open_checkpoint
+
+SCHEMA_VERSION = 1
+BASE_RSS = 150 << 20  # interpreter + numpy + buffers of a safetensors consolidation (measured: bench/)
+TOP_N = 5
+
+
+def summarize(path: str | os.PathLike, tag: str | None = None, tensors: bool = False) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_file() and (p.suffix in (".safetensors", ".bin", ".pth") or p.name.endswith(".index.json")
+                        or (p.suffix == ".pt" and not p.name.endswith("_states.pt"))):
+        from .inspect_file import summarize_file
+        return summarize_file(p, tensors)
+    if p.is_dir() and any(p.glob("*.index.json")) and not any(p.glob("*/*_states.pt")):
+        from .inspect_file import summarize_file
+        return summarize_file(next(p.glob("*.index.json")), tensors)
+    return summarize_checkpoint(open_checkpoint(path, tag), tensors)
+
+
+def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[str, Any]:
+    lay = ckpt.layout
+    trainable = ckpt.trainable
+    module = ckpt.module
+    shapes = dict(trainable)
+    shapes.update(ckpt.frozen)
+    if ckpt.zero_stage == 0:
+        shapes.update({n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in ckpt.buffers
+                       and n not in ckpt.shared})
+    numel = lambda names: sum(math.prod(shapes[n]) for n in names)
+    plan, plan_error = None, None
+    if not ckpt.problems:
+        try:
+            plan = build_plan(ckpt)
+        except DsckptError as exc:
+            plan_error = str(exc)
+    frozen = set(ckpt.frozen)
+    if plan is not None and ckpt.zero_stage == 0:  # stage 0 records no frozen list; the plan tells
+        frozen = {t.name for t in plan.tensors if t.kind == "frozen"}
+    params = [n for n in shapes if n not in frozen]
+    elements = numel(shapes) + sum(t.numel for t in ckpt.buffers.values())
+    largest = sorted(shapes.items(), key=lambda kv: -math.prod(kv[1]))[:TOP_N]
+    problems = [p.message for p in ckpt.problems] + ([plan_error] if plan_error else [])
+    fp32 = numel(shapes) * 4 + sum(t.nbytes for t in ckpt.buffers.values())
+    largest_bytes = max((math.prod(s) * 4 for s in shapes.values()), default=0)
+    summary = {
+        "schema": SCHEMA_VERSION,
+        "kind": "deepspeed",
+        "path": str(lay.root),
+        "tag": lay.tag,
+        "tags": list(lay.tags),
+        "latest": lay.latest,
+        "zero_stage": ckpt.zero_stage,
+        "world_size": ckpt.world_size,
+        "mp_world_size": ckpt.mp_world_size,
+        "ds_version": ckpt.ds_version,
+        "dtype": ckpt.precision,
+        "global_steps": ckpt.global_steps,
+        "parameters": {"count": len(params), "numel": numel(params), "groups": [len(g) for g in ckpt.param_groups]},
+        "frozen": {"count": len(frozen), "numel": numel(frozen)},
+        "tied": dict(ckpt.shared),
+        "buffers": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in ckpt.buffers.items()},
+        "largest": [{"name": n, "shape": list(s), "numel": math.prod(s)} for n, s in largest],
+        "client_state": {k: describe(v) for k, v in ckpt.client_state.items()},
+        "files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "size": f.size} for f in lay.all_files],
+        "estimates": {"elements": elements, "fp32_bytes": fp32,
+                      "bf16_bytes": numel(shapes) * 2 + sum(t.nbytes for t in ckpt.buffers.values()),
+                      "consolidate_peak_rss_bytes": BASE_RSS + min(largest_bytes, 64 << 20)},
+        "problems": problems,
+    }
+    if with_tensors:
+        summary["tensors"] = tensor_table(ckpt, plan, shapes)
+    return summary
+
+
+def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
+    if plan is None:  # problems: list what the metadata says, without file mapping
+        return [{"name": n, "shape": list(s), "dtype": None, "kind": "frozen" if n in ckpt.frozen else "param",
+                 "files": []} for n, s in shapes.items()]
+    rows = [{"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
+             "files": sorted({p.path.name for p in t.pieces})} for t in plan.tensors]
+    rows += [{"name": a, "shape": None, "dtype": None, "kind": "tied", "alias_of": s, "files": []}
+             for a, s in plan.aliases.items()]
+    return rows
+
+
+def describe(value: Any) -> dict[str, Any]:
+    """Type and a short value for scalars; sizes for containers; class path for opaque objects."""
+    if isinstance(value, Opaque):
+        return {"type": "opaque", "class": value.class_path}
+    if isinstance(value, TensorRef):
+        return {"type": "tensor", "dtype": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, (bool, int, float)) or value is None:
+        return {"type": type(value).__name__, "value": value if not isinstance(value, float) or math.isfinite(value) else str(value)}
+    if isinstance(value, str):
+        return {"type": "str", "value": value if len(value) <= 60 else value[:57] + "..."}
+    if isinstance(value, (dict, list, tuple, set)):
+        return {"type": type(value).__name__, "len": len(value)}
+    return {"type": type(value).__name__}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(s: dict[str, Any]) -> str:
+    if s["kind"] != "deepspeed":
+        from .inspect_file import render_file
+        return render_file(s)
+    lines = []
+    row = lambda k, v: lines.append(f"{k:<18}{v}")
+    tags = ", ".join(t + (" (latest)" if t == s["latest"] else "") for t in s["tags"])
+    row("checkpoint", s["path"])
+    row("tag", f"{s['tag']}    tags: {tags or '-'}")
+    row("zero stage", f"{s['zero_stage']}    world size: {s['world_size']}    dtype: {s['dtype']}    "
+                      f"ds_version: {s['ds_version']}    global steps: {s['global_steps']}")
+    p, f = s["parameters"], s["frozen"]
+    row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")
+    row("frozen", f"{f['count']} tensors, {f['numel']:,} elements")
+    row("tied", ", ".join(f"{a} -> {b}" for a, b in s["tied"].items()) or "none")
+    row("buffers", ", ".join(f"{n} ({b['dtype']})" for n, b in s["buffers"].items()) or "none")
+    lines.append("largest tensors")
+    for t in s["largest"]:
+        lines.append(f"  {t['name']:<40}{str(t['shape']):<20}{t['numel']:>14,}")
+    lines.append("client state")
+    for k, d in s["client_state"].items():
+        detail = d.get("value", d.get("len", d.get("class", d.get("shape", ""))))
+        lines.append(f"  {k:<32}{d['type']:<10}{detail}")
+    lines.append("rank files")
+    for f in s["files"]:
+        rank = "-" if f["rank"] is None else f["rank"]
+        lines.append(f"  {Path(f['path']).name:<52}{f['kind']:<7}rank {rank!s:<4}{human_bytes(f['size']):>12}")
+    e = s["estimates"]
+    row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
+    row("consolidate RSS", f"~{human_bytes(e['consolidate_peak_rss_bytes'])} (safetensors output, streaming)")
+    if "tensors" in s:
+        lines.append("tensors")
+        for t in s["tensors"]:
+            where = t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])
+            lines.append(f"  {t['name']:<40}{str(t['shape']):<16}{str(t['dtype']):<6}{t['kind']:<8}{where}")
+    if s["problems"]:
+        lines.append("PROBLEMS")
+        lines += [f"  - {m}" for m in s["problems"]]
+    return "\n".join(lines)

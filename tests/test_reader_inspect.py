@@ -1,0 +1,155 @@
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURE_NAMES, FIXTURES, run_cli
+from dsckpt.errors import CheckpointNotFoundError, CorruptFileError, MissingRankError, TagError
+from dsckpt.inspect import summarize
+from dsckpt.layout import discover
+from dsckpt.reader import open_checkpoint
+
+EXPECTED = {  # name -> (stage, world size, dtype)
+    "z0_ws1_fp32": (0, 1, "fp32"), "z0_ws2_bf16": (0, 2, "bf16"), "z1_ws2_fp32": (1, 2, "fp32"),
+    "z1_ws3_bf16": (1, 3, "bf16"), "z2_ws1_fp16": (2, 1, "fp16"), "z2_ws2_fp32": (2, 2, "fp32"),
+    "z2_ws3_bf16": (2, 3, "bf16"), "z3_ws1_fp32": (3, 1, "fp32"), "z3_ws2_fp32": (3, 2, "fp32"),
+    "z3_ws3_bf16": (3, 3, "bf16"),
+}
+
+
+def test_fixture_set_is_complete():
+    assert FIXTURE_NAMES == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_inspect_json_fields(name):
+    proc = run_cli("inspect", FIXTURES / name, "--json")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    stage, ws, dtype = EXPECTED[name]
+    assert (s["zero_stage"], s["world_size"], s["dtype"], s["tag"], s["tags"], s["latest"]) == \
+        (stage, ws, dtype, "step3", ["step3"], "step3")
+    ref = torch.load(FIXTURES / name / "reference.pt", weights_only=True)
+    ref_params = {k: v for k, v in ref.items() if k not in ("logit_scale", "tokens_seen", "head.weight")}
+    assert s["parameters"]["numel"] + s["frozen"]["numel"] == sum(v.numel() for v in ref_params.values())
+    if stage > 0 or dtype != "fp32":  # fp32 stage 0 cannot tell frozen from trainable
+        assert s["frozen"]["count"] == 12
+    assert s["tied"] == {"head.weight": "embed.weight"}
+    assert set(s["buffers"]) == {"logit_scale", "tokens_seen"} and s["buffers"]["tokens_seen"]["dtype"] == "I64"
+    assert s["client_state"]["global_step"] == {"type": "int", "value": 3}
+    assert s["client_state"]["rng"]["type"] == "dict"
+    assert len([f for f in s["files"] if f["kind"] == "optim"]) == (ws if stage else 0)
+    assert s["problems"] == []
+    assert s["estimates"]["fp32_bytes"] > 0 and s["ds_version"] == "0.19.8"
+
+
+def test_inspect_tensors_names_rank_files():
+    s = summarize(FIXTURES / "z3_ws2_fp32", tensors=True)
+    row = next(t for t in s["tensors"] if t["name"] == "embed.weight")
+    assert row["files"] == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert any(t["kind"] == "tied" and t["alias_of"] == "embed.weight" for t in s["tensors"])
+
+
+def test_layout_accepts_root_tag_folder_and_rank_file():
+    for path in (FIXTURES / "z2_ws2_fp32", FIXTURES / "z2_ws2_fp32" / "step3",
+                 FIXTURES / "z2_ws2_fp32" / "step3" / "mp_rank_00_model_states.pt"):
+        assert discover(path).tag == "step3"
+
+
+def test_tag_choice_errors(fixture_copy):
+    root = fixture_copy("z2_ws1_fp16")
+    shutil.copytree(root / "step3", root / "step9")
+    (root / "latest").unlink()
+    with pytest.raises(TagError, match="several tags and no usable 'latest'.*step3, step9"):
+        discover(root)
+    assert discover(root, tag="step9").tag == "step9"
+    with pytest.raises(TagError, match="tag 'nope' not found"):
+        discover(root, tag="nope")
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        discover(root / "missing")
+
+
+def test_latest_naming_missing_tag_is_a_problem(fixture_copy):
+    root = fixture_copy("z2_ws1_fp16")
+    shutil.copytree(root / "step3", root / "step4")
+    (root / "latest").write_text("step7")
+    proc = run_cli("inspect", root, "--tag", "step3")
+    assert proc.returncode == 1
+    assert "latest: names tag 'step7', which is not in" in proc.stdout
+
+
+def test_missing_rank_is_reported_and_typed(fixture_copy):
+    root = fixture_copy("z3_ws3_bf16")
+    (root / "step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    proc = run_cli("inspect", root, "--json")
+    assert proc.returncode == 1
+    assert any("optimizer-states file of rank 1 is missing" in p for p in json.loads(proc.stdout)["problems"])
+    with pytest.raises(MissingRankError, match="rank 1 is missing .*world size 3"):
+        open_checkpoint(root).require_complete()
+
+
+def test_truncated_rank_file_names_the_file(fixture_copy):
+    root = fixture_copy("z2_ws2_fp32")
+    victim = root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:5000])
+    proc = run_cli("inspect", root)
+    assert proc.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt: unreadable zip" in proc.stdout
+    proc = run_cli("consolidate", root, root / "out.safetensors")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in proc.stderr and not (root / "out.safetensors").exists()
+    debug = run_cli("consolidate", root, root / "out.safetensors", env={"DSCKPT_DEBUG": "1"})
+    assert "Traceback" in debug.stderr
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_client_state_is_never_executed(fixture_copy, tmp_path):
+    root = fixture_copy("z2_ws1_fp16")
+    marker = tmp_path / "pwned"
+    states = root / "step3" / "mp_rank_00_model_states.pt"
+    obj = torch.load(states, weights_only=True)
+    obj["evil"] = Evil(marker)
+    torch.save(obj, states)
+    proc = run_cli("inspect", root, "--json")
+    assert proc.returncode == 0, proc.stderr
+    evil = json.loads(proc.stdout)["client_state"]["evil"]
+    assert evil == {"type": "opaque", "class": f"{os.system.__module__}.system"}
+    proc = run_cli("consolidate", root, tmp_path / "out.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    sidecar = json.loads((tmp_path / "out.safetensors.client_state.json").read_text())
+    assert sidecar["client_state"]["evil"] == {"__opaque__": f"{os.system.__module__}.system"}
+    assert not marker.exists()
+
+
+def test_inspect_consolidated_safetensors_validates_header(tmp_path):
+    out = tmp_path / "m.safetensors"
+    assert run_cli("consolidate", FIXTURES / "z3_ws2_fp32", out, "-q").returncode == 0
+    s = summarize(out)
+    assert s["kind"] == "safetensors" and s["tensor_count"] == 30 and s["problems"] == []
+    data = bytearray(out.read_bytes())
+    data += b"junk"
+    out.write_bytes(bytes(data))
+    proc = run_cli("inspect", out)
+    assert proc.returncode == 1 and "4 trailing bytes after the last tensor" in proc.stdout
+
+
+def test_no_checkpoint_gives_one_line_error(tmp_path):
+    proc = run_cli("inspect", tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[0] == f"dsckpt: error: {tmp_path}: no DeepSpeed checkpoint found (no rank files, no tag folders)"
+
+
+def test_not_a_zip_is_typed(tmp_path):
+    bad = tmp_path / "mp_rank_00_model_states.pt"
+    bad.write_bytes(b"hello")
+    with pytest.raises(CorruptFileError, match="mp_rank_00_model_states.pt: not a torch zip checkpoint"):
+        open_checkpoint(bad)
