@@ -92,6 +92,8 @@ class Trainer:
     def restore(self, client: dict[str, Any]) -> None:
         self.global_step = int(client["global_step"])
         self.data_position = int(client["data_position"])
+        # the data stream is defined by (seed, position): a position means nothing under another seed
+        self.opts.seed = int(client.get("args", {}).get("seed", self.opts.seed))
         set_rng_state(client["rng"])
 
     def step(self) -> float:

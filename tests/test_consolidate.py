@@ -1,0 +1,159 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FIXTURE_NAMES, FIXTURES, ROOT, run_cli
+from dsckpt import consolidate, iter_state_dict, load_state_dict
+from dsckpt.errors import OutputError
+from dsckpt.output import TEMP_MARK
+
+TIED = {"head.weight": "embed.weight"}
+
+
+def reference(name):
+    return torch.load(FIXTURES / name / "reference.pt", weights_only=True)
+
+
+def assert_matches_reference(name, sd):
+    """Consolidated fp32 masters, cast to the module dtype, equal the live module bit for bit."""
+    for key, live in reference(name).items():
+        got = sd[key] if key in sd else sd[TIED[key]]
+        assert got.shape == live.shape, key
+        assert torch.equal(got.to(live.dtype), live), key
+        if key in ("tokens_seen",):
+            assert got.dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("form", ["model.safetensors", "model.pt", "sharded"])
+def test_every_fixture_and_form_matches_live_weights(name, form, tmp_path):
+    out = tmp_path / form
+    result = consolidate(FIXTURES / name, out, max_shard_size="10KB", verify=True)
+    assert result.verified
+    if form == "model.pt":
+        sd = torch.load(out, weights_only=True)
+        assert sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr()  # torch keeps real aliases
+    elif form == "sharded":
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files = sorted(p.name for p in out.glob("model-*.safetensors"))
+        assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+        sd = {}
+        for f in files:
+            part = load_file(out / f)
+            assert not set(part) & set(sd)  # every tensor exactly once
+            sd.update(part)
+        assert set(sd) == set(index["weight_map"])
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    else:
+        sd = load_file(out)
+        meta = json.loads(json.dumps(__import__("safetensors").safe_open(str(out), "pt").metadata()))
+        assert json.loads(meta["dsckpt.aliases"]) == TIED and "head.weight" not in sd
+    assert_matches_reference(name, sd)
+    for t in sd.values():
+        if t.is_floating_point() and t.dim() > 1:
+            assert t.dtype == torch.float32  # fp32 masters by default, frozen ones upcast
+
+
+@pytest.mark.parametrize("name", ["z1_ws2_fp32", "z2_ws3_bf16", "z3_ws3_bf16"])
+def test_trainable_params_equal_zero_to_fp32(name):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / name))
+    ours = load_state_dict(FIXTURES / name)
+    trainable = [k for k in theirs if not k.startswith("blocks.0.") and k not in ("logit_scale", "tokens_seen")]
+    assert len(trainable) == 17
+    for k in trainable:
+        assert torch.equal(ours[k], theirs[k].contiguous()), k
+    # where it is wrong: ZeRO-1 frozen params are missing from its output; bf16 frozen stay bf16
+    if name.startswith("z1"):
+        assert "blocks.0.qkv.weight" not in theirs and "blocks.0.qkv.weight" in ours
+    else:
+        assert theirs["blocks.0.qkv.weight"].dtype == torch.bfloat16 and ours["blocks.0.qkv.weight"].dtype == torch.float32
+
+
+def test_bf16_output_equals_fp32_output_cast(tmp_path):
+    consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "a.safetensors")
+    consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "b.safetensors", dtype="bf16")
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    for k in a:
+        want = a[k].to(torch.bfloat16) if a[k].is_floating_point() else a[k]
+        assert b[k].dtype == want.dtype and torch.equal(b[k], want), k
+    assert b["tokens_seen"].dtype == torch.int64
+
+
+def test_exclude_frozen_duplicate_tied_and_strip_prefix(tmp_path):
+    out = tmp_path / "m.safetensors"
+    consolidate(FIXTURES / "z2_ws2_fp32", out, exclude_frozen=True, duplicate_tied=True, strip_prefixes=("blocks.",))
+    sd = load_file(out)
+    assert not any(k.startswith("0.") for k in sd) and "1.qkv.weight" in sd
+    assert torch.equal(sd["head.weight"], sd["embed.weight"])
+
+
+def test_iterator_and_in_memory_api_agree():
+    full = load_state_dict(FIXTURES / "z3_ws3_bf16")
+    streamed = dict(iter_state_dict(FIXTURES / "z3_ws3_bf16"))
+    assert set(full) == set(streamed)
+    assert all(torch.equal(full[k], streamed[k]) for k in full)
+
+
+def test_client_state_sidecar_round_trips(tmp_path):
+    from dsckpt.sidecar import read_sidecar
+
+    consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
+    client = read_sidecar(tmp_path / "m.safetensors.client_state.json")
+    saved = torch.load(FIXTURES / "z3_ws2_fp32/step3/zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
+    assert client["global_step"] == saved["global_step"] == 3
+    assert client["rng"]["python"] == saved["rng"]["python"]  # tuples restored as tuples
+    assert torch.equal(client["rng"]["torch"], saved["rng"]["torch"])
+    assert client["user"]["nested"] == {"values": [1, 2.5, None], "pair": (3, "x")}
+    assert torch.equal(client["user"]["tensor"], saved["user"]["tensor"])
+
+
+def test_output_refusals(tmp_path, fixture_copy):
+    out = tmp_path / "m.safetensors"
+    out.write_text("keep me")
+    with pytest.raises(OutputError, match="already exists \\(use --force"):
+        consolidate(FIXTURES / "z2_ws2_fp32", out)
+    assert out.read_text() == "keep me"
+    root = fixture_copy("z2_ws2_fp32")
+    victim = root / "step3" / "mp_rank_00_model_states.pt"
+    with pytest.raises(OutputError, match="refusing to write over an input"):
+        consolidate(root, victim, force=True)
+    proc = run_cli("consolidate", root, tmp_path / "missing" / "m.safetensors")
+    assert proc.returncode == 2 and "folder" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    import dsckpt.writer as writer
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "_copy_range", boom)
+    with pytest.raises(OSError):
+        consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_kill_9_never_leaves_partial_output(tmp_path):
+    """kill -9 at several moments: OUT is absent or complete; the next run removes stray temps."""
+    out = tmp_path / "m.safetensors"
+    for delay in (0.05, 0.15, 0.3, 0.45, 0.6):
+        if out.exists():
+            out.unlink()
+        proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "consolidate", str(FIXTURES / "z3_ws3_bf16"), str(out),
+                                 "-q", "--no-client-state"], cwd=ROOT)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if out.exists():
+            assert len(load_file(out)) == 30
+    assert run_cli("consolidate", FIXTURES / "z3_ws3_bf16", out, "--force", "-q").returncode == 0
+    assert not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]
