@@ -1,0 +1,9 @@
+"""Benchmark models: the demo transformer at a size set by environment (BENCH_DIM, BENCH_LAYERS)."""
+import os
+
+from dsckpt.runtime.demo_model import TinyCausalLM
+
+
+def transformer():
+    dim, layers = int(os.environ.get("BENCH_DIM", "1024")), int(os.environ.get("BENCH_LAYERS", "8"))
+    return TinyCausalLM(vocab_size=256, dim=dim, n_layers=layers, n_heads=8, seq_len=16)
