@@ -35,6 +35,7 @@ fixtures: setup
 	$(BIN)/python fixtures/make_fixtures.py
 
 bench: setup
+	$(BIN)/pip install -q huggingface_hub  # zero_to_fp32 --safe_serialization needs it
 	$(BIN)/python bench/bench_consolidate.py
 
 clean:
