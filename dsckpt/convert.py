@@ -84,22 +84,12 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         else:
             files = tuple(write_sharded(plan, tmp, parse_size(max_shard_size), progress))
         if sidecars:
-            _write_sidecars(ckpt.client_state, out, sidecars)
+            write_sidecar(ckpt.client_state, out)
     verified = None
     if verify:
         verify_output(plan, out, form)
         verified = True
     return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None, verified)
-
-
-def _write_sidecars(client_state: dict[str, Any], out: Path, paths: tuple[Path, Path]) -> None:
-    json_path, tensors_path = paths
-    with atomic_output(json_path) as tmp_json, atomic_output(tensors_path) as tmp_tensors:
-        has_tensors = write_sidecar(client_state, out, tmp_json, tmp_tensors)
-        if not has_tensors:
-            tmp_tensors.write_bytes(b"")  # renamed, then removed below
-    if not has_tensors:
-        tensors_path.unlink()
 
 
 def _duplicate_aliases(plan: Plan) -> Plan:

@@ -78,19 +78,24 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def write_sidecar(client_state: dict[str, Any], out: Path, tmp_json: Path, tmp_tensors: Path) -> bool:
-    """Write JSON (and tensors, if any) to temp paths; returns whether a tensors file was written."""
+def write_sidecar(client_state: dict[str, Any], out: Path) -> Path:
+    """Write OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
+    from .output import atomic_output
     from .plan import Plan, TensorPlan, ref_pieces
     from .writer import write_safetensors
 
+    json_path, tensors_path = sidecar_paths(out)
     tensors: dict[str, TensorRef] = {}
     doc = {"format": "dsckpt.client_state/1", "weights": out.name, "client_state": encode(client_state, tensors)}
-    tmp_json.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    if not tensors:
-        return False
-    plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
-    write_safetensors(Plan(tuple(plans)), plans, tmp_tensors, {"format": "dsckpt.client_state"})
-    return True
+    if tensors:
+        plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
+        with atomic_output(tensors_path) as tmp:
+            write_safetensors(Plan(tuple(plans)), plans, tmp, {"format": "dsckpt.client_state"})
+    elif tensors_path.exists():
+        tensors_path.unlink()  # a companion left by an earlier --force run would be misread as ours
+    with atomic_output(json_path) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    return json_path
 
 
 def read_sidecar(json_path: Path) -> dict[str, Any]:

@@ -80,26 +80,21 @@ class WeightsFile:
         name = self.aliases.get(name, name)
         if self._torch is not None:
             return self._torch[name]
-        shard = self._where[name]
-        if shard not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[shard] = safe_open(str(self._dir / shard), framework="pt")
-        return self._handles[shard].get_tensor(name)
+        return self._handle(name).get_tensor(name)
 
     def shape(self, key: str) -> tuple[int, ...]:
         name = self.aliases.get(self.source[key], self.source[key])
         if self._torch is not None:
             return tuple(self._torch[name].shape)
-        return tuple(self.get(key).shape) if self._where[name] in self._handles else tuple(self._shape_from_header(name))
+        return tuple(self._handle(name).get_slice(name).get_shape())  # header only, no data
 
-    def _shape_from_header(self, name: str):
-        from safetensors import safe_open
-
+    def _handle(self, name: str):
         shard = self._where[name]
         if shard not in self._handles:
+            from safetensors import safe_open
+
             self._handles[shard] = safe_open(str(self._dir / shard), framework="pt")
-        return self._handles[shard].get_slice(name).get_shape()
+        return self._handles[shard]
 
 
 def expected_entries(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
