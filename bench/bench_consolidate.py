@@ -1,18 +1,25 @@
-"""Benchmark dsckpt consolidate / inspect against DeepSpeed's zero_to_fp32 on real checkpoints.
+"""Benchmark dsckpt against DeepSpeed's zero_to_fp32 on real checkpoints written by the dsckpt runtime.
 
-    python bench/bench_consolidate.py [--dim 1024 --layers 8] [--runs 3] [--stages 3 2]
+    python bench/bench_consolidate.py                     # main scenarios + scaling series
+    python bench/bench_consolidate.py --layers 26 --runs 5 --scaling 4 12 26 --plot docs/scaling.png
 
-1. Generates (and caches under bench/cache/) ZeRO-3 and ZeRO-2 checkpoints at world size 4 with the
-   dsckpt runtime: one real AdamW step of a transformer-shaped model.
-2. Measures, alternating A and B, each command as a whole child process: wall time and peak RSS
-   (the child's ru_maxrss from os.wait4): `dsckpt consolidate CKPT out.safetensors` vs
-   `python -m deepspeed.utils.zero_to_fp32 CKPT OUTDIR --safe_serialization`.
-3. Measures `dd` sequential read/write of the same byte count and `dsckpt inspect --json`.
-Prints a markdown table of medians and min-max; ratios are within the same run.
+Steps:
+1. Generate (cached under bench/cache/) ZeRO-3 and ZeRO-2 checkpoints at world size 4: one real AdamW
+   step of an untied transformer (dim 1024, ``--layers`` blocks; 26 blocks = ~330M parameters, the
+   largest that fits 24 GiB at world size 4 here).
+2. Consolidate, alternating A/B/C, each a whole child process (wall time, peak RSS = ru_maxrss):
+   A `dsckpt consolidate CKPT out.safetensors`; B `python -m deepspeed.utils.zero_to_fp32 CKPT DIR
+   --safe_serialization`; C zero_to_fp32's Python API writing one file
+   (`get_fp32_state_dict_from_zero_checkpoint` + `torch.save`).
+3. Disk floor: `dd` writes and re-reads the output's byte count (16 MiB blocks, page cache as warm as
+   for the consolidators); `inspect --json` time and the bytes it read (/proc/self/io rchar).
+4. Scaling series at ZeRO-3 over ``--scaling`` block counts; optional PNG plot (matplotlib).
+Figures are medians (min-max) of ``--runs`` runs; ratios compare runs of the same invocation.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -24,83 +31,157 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = sys.executable
+DIM = 1024
+MiB = 2**20
+
+Z2F_API = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+           "torch.save(g(sys.argv[1]), sys.argv[2])")
+INSPECT_IO = ("import sys, json; rc = lambda: int(open('/proc/self/io').read().split()[1]); from dsckpt.inspect import summarize; "
+              "a = rc(); summarize(sys.argv[1]); print(rc() - a)")
 
 
-def run(cmd: list[str], env=None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one child process."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
+def timed(cmd: list[str]) -> tuple[float, int, str]:
+    """Run ``cmd`` under a tiny wrapper that reports its own child's peak RSS exactly."""
+    wrapper = ("import os, subprocess, sys, time, json; t = time.perf_counter(); p = subprocess.Popen(sys.argv[1:], "
+               "stdout=subprocess.PIPE); out = p.stdout.read(); _, st, ru = os.wait4(p.pid, 0); "
+               "sys.stderr.write(json.dumps([time.perf_counter() - t, ru.ru_maxrss * 1024, os.waitstatus_to_exitcode(st)]) + '\\n'); "
+               "sys.stdout.buffer.write(out)")
+    proc = subprocess.run([PY, "-c", wrapper, *cmd], capture_output=True, cwd=ROOT)
+    wall, rss, code = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    if code != 0:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{proc.stderr.decode()[-3000:]}")
+    return wall, rss, proc.stdout.decode()
 
 
-def generate(stage: int, dim: int, layers: int) -> Path:
-    ckpt = HERE / "cache" / f"z{stage}_d{dim}_l{layers}_ws4"
+def generate(stage: int, layers: int) -> Path:
+    ckpt = HERE / "cache" / f"z{stage}_d{DIM}_l{layers}_ws4"
     if (ckpt / "latest").exists():
         return ckpt
     shutil.rmtree(ckpt, ignore_errors=True)
-    env = {**os.environ, "BENCH_DIM": str(dim), "BENCH_LAYERS": str(layers), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "BENCH_DIM": str(DIM), "BENCH_LAYERS": str(layers), "PYTHONPATH": str(ROOT)}
     subprocess.run([PY, "-m", "dsckpt", "train", "--model", "bench.models:transformer", "--stage", str(stage),
-                    "--nproc", "4", "--steps", "1", "--save-dir", str(ckpt)], check=True, env=env, cwd=ROOT)
+                    "--nproc", "4", "--steps", "1", "--save-dir", str(ckpt)], check=True, env=env, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return ckpt
 
 
-def dd_rate(nbytes: int, scratch: Path) -> tuple[float, float]:
-    """Sequential write then read of nbytes (16 MiB blocks); returns (write s, read s)."""
-    count = max(1, nbytes // (16 << 20))
-    f = scratch / "dd.bin"
-    w, _ = run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={count}", "conv=fsync"])
-    r, _ = run(["dd", f"if={f}", "of=/dev/null", "bs=16M"])
-    f.unlink()
-    return w, r
+def consolidators(ckpt: Path, scratch: Path) -> dict[str, list[str]]:
+    return {
+        "dsckpt": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d.safetensors"), "--force", "-q",
+                   "--no-client-state"],
+        "z2f_cli": [PY, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(scratch / "z2f"), "--safe_serialization"],
+        "z2f_api": [PY, "-c", Z2F_API, str(ckpt), str(scratch / "z2f_api.bin")],
+    }
 
 
-def fmt(values: list[float], scale: float = 1.0, unit: str = "") -> str:
-    vs = [v / scale for v in values]
-    return f"{statistics.median(vs):.2f}{unit} ({min(vs):.2f}-{max(vs):.2f})"
-
-
-def bench(ckpt: Path, runs: int, scratch: Path) -> dict:
-    out = scratch / "dsckpt.safetensors"
-    ds_out = scratch / "z2f"
-    ours_cmd = [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(out), "--force", "-q", "--no-client-state"]
-    theirs_cmd = [PY, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(ds_out), "--safe_serialization"]
-    ours, theirs = [], []
+def measure(ckpt: Path, runs: int, scratch: Path, which=("dsckpt", "z2f_cli", "z2f_api")) -> dict:
+    cmds = consolidators(ckpt, scratch)
+    results: dict[str, list[tuple[float, int]]] = {k: [] for k in which}
     for _ in range(runs):
-        ours.append(run(ours_cmd))
-        shutil.rmtree(ds_out, ignore_errors=True)
-        theirs.append(run(theirs_cmd))
-    size = out.stat().st_size
-    inspect = [run([PY, "-m", "dsckpt", "inspect", str(ckpt), "--json"]) for _ in range(runs)]
-    w, r = dd_rate(size, scratch)
-    return {"ckpt": ckpt.name, "bytes": size, "ours": ours, "theirs": theirs, "inspect": inspect, "dd": (w, r)}
+        for name in which:  # alternate, so drift hits every tool alike
+            shutil.rmtree(scratch / "z2f", ignore_errors=True)
+            wall, rss, _ = timed(cmds[name])
+            results[name].append((wall, rss))
+    out_bytes = (scratch / "d.safetensors").stat().st_size
+    inspect = [timed([PY, "-m", "dsckpt", "inspect", str(ckpt), "--json"])[0] for _ in range(runs)]
+    inspect_read = int(timed([PY, "-c", INSPECT_IO, str(ckpt)])[2].strip())
+    dd = dd_floor(out_bytes, scratch)
+    ckpt_bytes = sum(f.stat().st_size for f in ckpt.rglob("*.pt"))
+    return {"ckpt": ckpt.name, "ckpt_bytes": ckpt_bytes, "out_bytes": out_bytes, "results": results,
+            "inspect": inspect, "inspect_read": inspect_read, "dd": dd}
+
+
+def dd_floor(nbytes: int, scratch: Path) -> float:
+    """Seconds for dd to write then read ``nbytes`` (16 MiB blocks)."""
+    f = scratch / "dd.bin"
+    count = max(1, nbytes // (16 * MiB))
+    w = timed(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={count}"])[0]
+    r = timed(["dd", f"if={f}", "of=/dev/null", "bs=16M"])[0]
+    f.unlink()
+    return w + r
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def span(xs, scale=1.0, digits=2):
+    xs = [x / scale for x in xs]
+    return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
+
+
+def report(m: dict) -> list[str]:
+    r = m["results"]
+    ours_t = [w for w, _ in r["dsckpt"]]
+    ours_m = [s for _, s in r["dsckpt"]]
+    lines = []
+    for name in r:
+        t, s = [w for w, _ in r[name]], [x for _, x in r[name]]
+        ratio_t = med(t) / med(ours_t)
+        ratio_m = med(ours_m) / med(s)
+        lines.append(f"| {m['ckpt']} | {name} | {span(t)} | {span(s, MiB, 0)} | "
+                     + ("–" if name == "dsckpt" else f"{ratio_t:.1f}× slower / dsckpt RSS {ratio_m:.2f}×") + " |")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=26, help="blocks of the main scenario (26: ~330M params)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
+    ap.add_argument("--scaling", type=int, nargs="*", default=[4, 12, 26], help="block counts of the ZeRO-3 series")
+    ap.add_argument("--plot", default=None, help="write the scaling plot (PNG) here")
+    ap.add_argument("--json", default=None, help="also dump raw figures as JSON here")
     args = ap.parse_args()
     scratch = HERE / "out"
     scratch.mkdir(exist_ok=True)
-    print("| checkpoint | output | dsckpt s | zero_to_fp32 s | speed-up | dsckpt RSS MiB | z2f RSS MiB | RSS ratio | disk-bound % | inspect s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    raw = {"main": [], "scaling": []}
+    print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}; {time.strftime('%Y-%m-%d')}")
+    print("\n| checkpoint | tool | wall s | peak RSS MiB | vs dsckpt |\n|---|---|---|---|---|")
     for stage in args.stages:
-        r = bench(generate(stage, args.dim, args.layers), args.runs, scratch)
-        ot, tt = [w for w, _ in r["ours"]], [w for w, _ in r["theirs"]]
-        orss, trss = [m for _, m in r["ours"]], [m for _, m in r["theirs"]]
-        # bytes that must move: fp32 weights read + output written, at dd's measured rates
-        floor = r["dd"][0] + r["dd"][1]
-        print(f"| {r['ckpt']} | {r['bytes'] / 2**20:.0f} MiB | {fmt(ot)} | {fmt(tt)} | "
-              f"{statistics.median(tt) / statistics.median(ot):.1f}x | {fmt(orss, 2**20)} | {fmt(trss, 2**20)} | "
-              f"{statistics.median(orss) / statistics.median(trss):.2f} | {100 * floor / statistics.median(ot):.0f} | "
-              f"{fmt([w for w, _ in r['inspect']])} |")
+        m = measure(generate(stage, args.layers), args.runs, scratch)
+        raw["main"].append(m)
+        print("\n".join(report(m)), flush=True)
+    print("\n| checkpoint | output | dsckpt s | dd write+read s | fraction of disk floor | inspect s | inspect bytes read |")
+    print("|---|---|---|---|---|---|---|")
+    for m in raw["main"]:
+        t = med([w for w, _ in m["results"]["dsckpt"]])
+        print(f"| {m['ckpt']} ({m['ckpt_bytes'] / 2**30:.2f} GiB) | {m['out_bytes'] / MiB:.0f} MiB | {t:.2f} | "
+              f"{m['dd']:.2f} | {100 * m['dd'] / t:.0f} % | {span(m['inspect'])} | {m['inspect_read'] / 1024:.0f} KiB |")
+    if args.scaling:
+        print("\n| ZeRO-3 blocks | params (M) | dsckpt s | z2f s | dsckpt RSS MiB | z2f RSS MiB |\n|---|---|---|---|---|---|")
+        for layers in args.scaling:
+            m = measure(generate(3, layers), args.runs, scratch, which=("dsckpt", "z2f_cli"))
+            raw["scaling"].append({"layers": layers, **m})
+            r = m["results"]
+            print(f"| {layers} | {m['out_bytes'] / 4e6:.0f} | {span([w for w, _ in r['dsckpt']])} | "
+                  f"{span([w for w, _ in r['z2f_cli']])} | {span([s for _, s in r['dsckpt']], MiB, 0)} | "
+                  f"{span([s for _, s in r['z2f_cli']], MiB, 0)} |", flush=True)
+        if args.plot:
+            plot(raw["scaling"], Path(args.plot))
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def plot(series: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [m["out_bytes"] / 4e6 for m in series]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for tool, label in (("dsckpt", "dsckpt consolidate"), ("z2f_cli", "zero_to_fp32 --safe_serialization")):
+        a.plot(sizes, [med([w for w, _ in m["results"][tool]]) for m in series], "o-", label=label)
+        b.plot(sizes, [med([s for _, s in m["results"][tool]]) / MiB for m in series], "o-", label=label)
+    a.set(xlabel="parameters (M)", ylabel="wall time (s, median)", title="ZeRO-3, world size 4: time")
+    b.set(xlabel="parameters (M)", ylabel="peak RSS (MiB, median)", title="ZeRO-3, world size 4: memory")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

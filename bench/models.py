@@ -1,4 +1,8 @@
-"""Benchmark models: the demo transformer at a size set by environment (BENCH_DIM, BENCH_LAYERS)."""
+"""Benchmark models: the demo transformer sized by BENCH_DIM / BENCH_LAYERS.
+
+Untied, because DeepSpeed's zero_to_fp32 --safe_serialization fails on tied weights and the
+benchmark needs it to finish.
+"""
 import os
 
 from dsckpt.runtime.demo_model import TinyCausalLM
@@ -6,4 +10,4 @@ from dsckpt.runtime.demo_model import TinyCausalLM
 
 def transformer():
     dim, layers = int(os.environ.get("BENCH_DIM", "1024")), int(os.environ.get("BENCH_LAYERS", "8"))
-    return TinyCausalLM(vocab_size=256, dim=dim, n_layers=layers, n_heads=8, seq_len=16)
+    return TinyCausalLM(vocab_size=256, dim=dim, n_layers=layers, n_heads=8, seq_len=16, tie_embeddings=False)

@@ -12,7 +12,6 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .cast import cast_bytes
 from .errors import CorruptFileError
 from .plan import ITEMSIZE, Plan, TensorPlan
 
@@ -52,6 +51,8 @@ class SourceFiles:
 
 def iter_tensor_chunks(src: SourceFiles, t: TensorPlan, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The tensor's output bytes, in order, at most ~``chunk`` bytes at a time (cast applied)."""
+    from .cast import cast_bytes  # numpy only when a cast is needed
+
     step = max(ITEMSIZE[t.src_dtype], chunk - chunk % ITEMSIZE[t.src_dtype])
     for piece in t.pieces:
         for start in range(0, piece.nbytes, step):

@@ -35,7 +35,7 @@ class Block(nn.Module):
 
 class TinyCausalLM(nn.Module):
     def __init__(self, vocab_size: int = 64, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 seq_len: int = 32, freeze_first_block: bool = False):
+                 seq_len: int = 32, freeze_first_block: bool = False, tie_embeddings: bool = True):
         super().__init__()
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.embed = nn.Embedding(vocab_size, dim)
@@ -43,7 +43,8 @@ class TinyCausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        self.head.weight = self.embed.weight  # tied: one tensor, two names
+        if tie_embeddings:
+            self.head.weight = self.embed.weight  # tied: one tensor, two names
         self.register_buffer("logit_scale", torch.ones(vocab_size))  # persistent float buffer
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))  # persistent int buffer
         self.register_buffer("positions", torch.arange(seq_len), persistent=False)  # not saved

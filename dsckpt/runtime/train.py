@@ -99,7 +99,7 @@ class Trainer:
     def step(self) -> float:
         tokens = synthetic_batch(self.data_position * eng.world_size() + eng.rank(), seed=self.opts.seed,
                                  batch_size=self.opts.batch_size, seq_len=self.seq_len, vocab_size=self.vocab_size)
-        loss = self.engine(tokens)
+        loss = self.engine(tokens.to(self.engine.device))
         self.engine.backward(loss)
         self.engine.step()
         self.global_step += 1
