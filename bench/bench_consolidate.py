@@ -10,7 +10,8 @@ Steps:
 2. Consolidate, alternating A/B/C, each a whole child process (wall time, peak RSS = ru_maxrss):
    A `dsckpt consolidate CKPT out.safetensors`; B `python -m deepspeed.utils.zero_to_fp32 CKPT DIR
    --safe_serialization`; C zero_to_fp32's Python API writing one file
-   (`get_fp32_state_dict_from_zero_checkpoint` + `torch.save`).
+   (`get_fp32_state_dict_from_zero_checkpoint` + `torch.save`).  Dirty pages are synced before every
+   run (untimed) so no run pays for the previous one's writeback; inputs stay page-cache warm.
 3. Disk floor: `dd` writes and re-reads the output's byte count (16 MiB blocks, page cache as warm as
    for the consolidators); `inspect --json` time and the bytes it read (/proc/self/io rchar).
 4. Scaling series at ZeRO-3 over ``--scaling`` block counts; optional PNG plot (matplotlib).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -65,6 +67,9 @@ def generate(stage: int, layers: int) -> Path:
     return ckpt
 
 
+OUTPUTS = {"dsckpt": lambda d: d / "d.safetensors", "z2f_cli": lambda d: d / "z2f", "z2f_api": lambda d: d / "z2f_api.bin"}
+
+
 def consolidators(ckpt: Path, scratch: Path) -> dict[str, list[str]]:
     return {
         "dsckpt": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d.safetensors"), "--force", "-q",
@@ -79,10 +84,12 @@ def measure(ckpt: Path, runs: int, scratch: Path, which=("dsckpt", "z2f_cli", "z
     results: dict[str, list[tuple[float, int]]] = {k: [] for k in which}
     for _ in range(runs):
         for name in which:  # alternate, so drift hits every tool alike
-            shutil.rmtree(scratch / "z2f", ignore_errors=True)
+            old = OUTPUTS[name](scratch)  # a tool's previous output is removed untimed, for every tool alike:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)  # (unlink+discard ~1 s)
+            settle()
             wall, rss, _ = timed(cmds[name])
             results[name].append((wall, rss))
-    out_bytes = (scratch / "d.safetensors").stat().st_size
+    out_bytes = sum(math.prod(i["shape"]) * 4 for k, i in _header(scratch / "d.safetensors").items() if k != "__metadata__")
     inspect = [timed([PY, "-m", "dsckpt", "inspect", str(ckpt), "--json"])[0] for _ in range(runs)]
     inspect_read = int(timed([PY, "-c", INSPECT_IO, str(ckpt)])[2].strip())
     dd = dd_floor(out_bytes, scratch)
@@ -91,14 +98,35 @@ def measure(ckpt: Path, runs: int, scratch: Path, which=("dsckpt", "z2f_cli", "z
             "inspect": inspect, "inspect_read": inspect_read, "dd": dd}
 
 
+def _header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return json.loads(fh.read(n))
+
+
+def settle() -> None:
+    """Same start for every run: no dirty pages left by the previous tool's output (not timed).
+
+    Without it a run pays for the previous run's writeback (dirty-page throttling), which is noise
+    about the order of runs, not about the tool.  Inputs stay in the page cache (warm), as in the notes.
+    """
+    os.sync()
+
+
 def dd_floor(nbytes: int, scratch: Path) -> float:
-    """Seconds for dd to write then read ``nbytes`` (16 MiB blocks)."""
+    """Seconds for dd to write then read ``nbytes`` (16 MiB blocks), under the same conditions."""
     f = scratch / "dd.bin"
     count = max(1, nbytes // (16 * MiB))
-    w = timed(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={count}"])[0]
-    r = timed(["dd", f"if={f}", "of=/dev/null", "bs=16M"])[0]
+    totals = []
+    for _ in range(3):  # dd is noisy here: the median of three
+        f.unlink(missing_ok=True)
+        settle()
+        w = timed(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={count}"])[0]
+        settle()
+        r = timed(["dd", f"if={f}", "of=/dev/null", "bs=16M"])[0]
+        totals.append(w + r)
     f.unlink()
-    return w + r
+    return med(totals)
 
 
 def med(xs):
@@ -142,7 +170,7 @@ def main() -> None:
         m = measure(generate(stage, args.layers), args.runs, scratch)
         raw["main"].append(m)
         print("\n".join(report(m)), flush=True)
-    print("\n| checkpoint | output | dsckpt s | dd write+read s | fraction of disk floor | inspect s | inspect bytes read |")
+    print("\n| checkpoint | output | dsckpt s | dd write+read s | dsckpt throughput / dd's | inspect s | inspect bytes read |")
     print("|---|---|---|---|---|---|---|")
     for m in raw["main"]:
         t = med([w for w, _ in m["results"]["dsckpt"]])

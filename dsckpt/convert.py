@@ -2,12 +2,13 @@
 
 ``consolidate(ckpt, out)`` steps:
 1. open the checkpoint (``reader``) and build the plan (``plan``);
-2. check OUT (not an input, not existing unless ``force``);
-3. write weights (+ the client-state sidecar) to temp paths beside OUT, rename into place;
-4. optionally re-read OUT and compare it with the shards (``verify``).
+2. check OUT (not an input, not existing unless ``force``); with ``verify``, CRC-check the sources;
+3. write weights to a temp path beside OUT; with ``verify``, re-read it and compare with the shards;
+4. write the client-state sidecar (temp + rename too), then rename OUT into place.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from .output import atomic_output, check_output
 from .plan import Plan, build_plan
 from .reader import open_checkpoint
 from .sidecar import sidecar_paths, write_sidecar
+from .torch_writer import write_torch
+from .torchzip import TorchFile, check_storage_crcs, read_tensor_bytes
 from .writer import SourceFiles, read_tensor, torch_state_dict, write_safetensors, write_sharded
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -73,23 +76,31 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             check_output(p, inputs, force=True)
     if duplicate_tied and form != "torch":
         plan = _duplicate_aliases(plan)
+    if verify:
+        check_sources(plan)  # damaged source bytes are caught before anything is written
     files: tuple[str, ...] = (out.name,)
-    with atomic_output(out, directory=form == "sharded") as tmp:
+    with atomic_output(out, directory=form == "sharded") as tmp, _write_errors(out):
         if form == "safetensors":
             write_safetensors(plan, list(plan.tensors), tmp, plan.metadata, progress)
         elif form == "torch":
-            import torch
-
-            torch.save(torch_state_dict(plan, progress), tmp)
+            write_torch(plan, tmp, progress)
         else:
             files = tuple(write_sharded(plan, tmp, parse_size(max_shard_size), progress))
+        if verify:
+            verify_output(plan, tmp, form)  # before the rename: a failed check leaves nothing at OUT
         if sidecars:
             write_sidecar(ckpt.client_state, out)
-    verified = None
-    if verify:
-        verify_output(plan, out, form)
-        verified = True
-    return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None, verified)
+    return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None,
+                  True if verify else None)
+
+
+@contextlib.contextmanager
+def _write_errors(out: Path):
+    """A failing write (disk full, file too large, I/O error) is a typed error naming OUT."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"{out}: writing failed ({exc.strerror or exc}); nothing was left at OUT") from None
 
 
 def _duplicate_aliases(plan: Plan) -> Plan:
@@ -102,30 +113,33 @@ def _duplicate_aliases(plan: Plan) -> Plan:
     return Plan(plan.tensors + extra, {}, meta)
 
 
+def check_sources(plan: Plan) -> None:
+    """The zip CRC-32 of every storage the plan reads from (raw copies bypass zipfile's own check)."""
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    for t in plan.tensors:
+        for p in t.pieces:
+            ranges.setdefault(p.path, []).append((p.offset, p.nbytes))
+    for path, spans in ranges.items():
+        check_storage_crcs(path, spans)
+
+
 def verify_output(plan: Plan, out: Path, form: str) -> None:
     """Re-read OUT and compare every tensor byte-for-byte with the plan's source pieces."""
     expected = {t.name: t for t in plan.tensors}
     if form == "torch":
-        import torch
-
-        from .writer import torch_state_dict as _tsd
-
-        loaded = torch.load(out, map_location="cpu", weights_only=True, mmap=True)
-        ref = _tsd(plan)
-        for name, tensor in ref.items():
-            if name not in loaded or not torch.equal(loaded[name], tensor):
-                raise VerificationError(f"{out}: tensor {name!r} differs from the checkpoint")
-        return
-    files = [out] if form == "safetensors" else sorted(out.glob("model-*.safetensors"))
+        written = TorchFile(out).obj
+        stored = ((name, read_tensor_bytes(ref)) for name, ref in written.items() if name not in plan.aliases)
+    else:
+        files = [out] if form == "safetensors" else sorted(out.glob("model-*.safetensors"))
+        stored = (item for f in files for item in _iter_safetensors(f))
     seen = set()
     with SourceFiles() as src:
-        for f in files:
-            for name, data in _iter_safetensors(f):
-                if name not in expected:
-                    raise VerificationError(f"{f}: unexpected tensor {name!r}")
-                if data != read_tensor(src, expected[name]):
-                    raise VerificationError(f"{f}: tensor {name!r} differs from the checkpoint")
-                seen.add(name)
+        for name, data in stored:
+            if name not in expected:
+                raise VerificationError(f"{out}: unexpected tensor {name!r}")
+            if data != read_tensor(src, expected[name]):
+                raise VerificationError(f"{out}: tensor {name!r} differs from the checkpoint")
+            seen.add(name)
     missing = set(expected) - seen
     if missing:
         raise VerificationError(f"{out}: {len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}")

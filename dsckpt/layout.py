@@ -117,7 +117,8 @@ def _is_tag_dir(path: Path) -> bool:
 
 def list_tags(root: Path) -> list[str]:
     """Sub-folders of ``root`` that hold DeepSpeed rank files, sorted naturally."""
-    found = [e.name for e in os.scandir(root) if e.is_dir() and _is_tag_dir(Path(e.path))]
+    # hidden folders are dsckpt's in-progress saves (.<tag>.dsckpt-partial), not tags
+    found = [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_tag_dir(Path(e.path))]
     return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
 
 

@@ -117,15 +117,20 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         target = out_dtype if (out_dtype and src_dtype in FLOAT_DTYPES) else default_dtype
         tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
 
-    if ckpt.zero_stage == 0:
-        _plan_stage0(ckpt, add, exclude_frozen)
-    else:
-        if not exclude_frozen:
-            _plan_frozen(ckpt, add)
-        if ckpt.zero_stage == 3:
-            _plan_stage3(ckpt, add)
+    try:
+        if ckpt.zero_stage == 0:
+            _plan_stage0(ckpt, add, exclude_frozen)
         else:
-            _plan_stage12(ckpt, add)
+            if not exclude_frozen:
+                _plan_frozen(ckpt, add)
+            if ckpt.zero_stage == 3:
+                _plan_stage3(ckpt, add)
+            else:
+                _plan_stage12(ckpt, add)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # a structure DeepSpeed never writes (damaged or foreign file): a typed error, not a crash
+        raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
+                                          f"({type(exc).__name__}: {exc})") from None
     for name, ref in ckpt.buffers.items():
         add(name, ref.shape, ref.dtype, "buffer", ref_pieces(ref), ref.dtype)
     ordered = _module_order(ckpt, tensors)

@@ -78,14 +78,15 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
                                 f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
     _check_ranks(lay, stage, world, problems)
-    module = head.get(L.MODULE) or {}
-    buffer_names = list(head.get(L.BUFFER_NAMES) or [])
-    param_groups = [dict(g) for g in (head.get(L.PARAM_SHAPES) or [])]
-    shared = dict(head.get(L.SHARED_PARAMS) or {})
+    where = lay.model_files[0].path
+    module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
+    buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
+    param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
+    shared = _typed(head.get(L.SHARED_PARAMS) or {}, dict, where, L.SHARED_PARAMS)
     if stage == 0 and not shared:
         shared = _aliases_by_storage(module)
     trainable = {n for g in param_groups for n in g}
-    frozen = dict(head.get(L.FROZEN_PARAM_SHAPES) or {})
+    frozen = _shapes(head.get(L.FROZEN_PARAM_SHAPES) or {}, where, L.FROZEN_PARAM_SHAPES)
     if not frozen and stage in (1, 2):  # ZeRO-1 keeps frozen params only in `module`
         frozen = {n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in trainable
                   and n not in buffer_names and n not in shared}
@@ -102,6 +103,21 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
                       client_state=client, problems=problems)
+
+
+def _typed(value: Any, kind: type, path, key: str) -> Any:
+    if not isinstance(value, kind):
+        raise InconsistentCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, expected a {kind.__name__}")
+    return value
+
+
+def _shapes(value: Any, path, key: str) -> dict[str, tuple[int, ...]]:
+    """A name -> shape map, checked: names are strings, shapes tuples of non-negative ints."""
+    _typed(value, dict, path, key)
+    for name, shape in value.items():
+        if not (isinstance(name, str) and isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise InconsistentCheckpointError(f"{path}: '{key}' entry {name!r} is not a name -> shape pair")
+    return dict(value)
 
 
 def _parse(files: tuple[L.RankFile, ...], problems: list[Problem]) -> list[TorchFile]:

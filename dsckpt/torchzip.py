@@ -32,6 +32,7 @@ _LOCAL_MAGIC = b"PK\x03\x04"
 class StorageLocation:
     offset: int  # absolute byte offset of the storage's first byte in the file
     nbytes: int
+    crc32: int  # as recorded in the zip directory; checked by `consolidate --verify`
 
 
 class TorchFile:
@@ -76,7 +77,7 @@ class TorchFile:
                 start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
                 if start + info.file_size > self.size:
                     raise CorruptFileError(f"{self.path}: storage {info.filename} runs past the end of the file (truncated)")
-                self.storages[info.filename[len(data_dir):]] = StorageLocation(start, info.file_size)
+                self.storages[info.filename[len(data_dir):]] = StorageLocation(start, info.file_size, info.CRC)
         try:
             self.obj: Any = SafeUnpickler(io.BytesIO(pickle_bytes), self).load()
         except CorruptFileError:
@@ -92,6 +93,25 @@ class TorchFile:
             raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
                                    f"needs {storage.numel * storage.itemsize}")
         return loc
+
+
+def check_storage_crcs(path: Path, ranges: list[tuple[int, int]], chunk: int = 64 << 20) -> None:
+    """CRC-check every storage of ``path`` that overlaps one of the byte ranges ``(offset, nbytes)``."""
+    import zlib
+
+    tf = TorchFile(path)
+    with open(path, "rb") as fh:
+        for key, loc in tf.storages.items():
+            if not any(o < loc.offset + loc.nbytes and loc.offset < o + n for o, n in ranges):
+                continue
+            crc, pos = 0, 0
+            while pos < loc.nbytes:
+                data = os.pread(fh.fileno(), min(chunk, loc.nbytes - pos), loc.offset + pos)
+                if not data:
+                    raise CorruptFileError(f"{path}: storage {key!r} is truncated")
+                crc, pos = zlib.crc32(data, crc), pos + len(data)
+            if crc != loc.crc32:
+                raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)")
 
 
 def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:

@@ -48,6 +48,7 @@ def trained_z3(tmp_path_factory):
     root = tmp_path_factory.mktemp("z3run")
     proc = run_cli("train", "--stage", "3", "--nproc", "2", "--steps", "6", "--save-dir", root / "ckpt")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (root / "train.out").write_text(proc.stdout)
     proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root

@@ -137,7 +137,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(writer, "_copy_range", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="m.safetensors: writing failed \\(No space left on device\\)"):
         consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == []
 
@@ -157,3 +157,33 @@ def test_kill_9_never_leaves_partial_output(tmp_path):
             assert len(load_file(out)) == 30
     assert run_cli("consolidate", FIXTURES / "z3_ws3_bf16", out, "--force", "-q").returncode == 0
     assert not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]
+
+
+def test_torch_output_streams_aligned_zip64_entries(tmp_path, monkeypatch):
+    """Storages are 64-byte aligned even when zipfile adds zip64 fields (forced here with a tiny limit)."""
+    import zipfile
+
+    from dsckpt.torchzip import TorchFile
+
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 100)
+    out = tmp_path / "m.pt"
+    consolidate(FIXTURES / "z3_ws2_fp32", out, verify=True)
+    for loc in TorchFile(out).storages.values():
+        assert loc.offset % 64 == 0
+    assert_matches_reference("z3_ws2_fp32", torch.load(out, weights_only=True, mmap=True))
+
+
+def test_verify_catches_damaged_source_bytes(fixture_copy, tmp_path):
+    from dsckpt.errors import CorruptFileError
+    from dsckpt.torchzip import TorchFile
+
+    root = fixture_copy("z3_ws2_fp32")
+    victim = root / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    tf = TorchFile(victim)
+    loc = tf.storages[tf.obj["optimizer_state_dict"]["fp32_flat_groups"][0].storage.key]  # bytes the plan reads
+    data = bytearray(victim.read_bytes())
+    data[loc.offset + 5] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: storage .* fails its CRC-32"):
+        consolidate(root, tmp_path / "m.safetensors", verify=True)
+    assert not (tmp_path / "m.safetensors").exists()

@@ -16,7 +16,7 @@ EXPECTED = {  # name -> (stage, world size, dtype)
     "z0_ws1_fp32": (0, 1, "fp32"), "z0_ws2_bf16": (0, 2, "bf16"), "z1_ws2_fp32": (1, 2, "fp32"),
     "z1_ws3_bf16": (1, 3, "bf16"), "z2_ws1_fp16": (2, 1, "fp16"), "z2_ws2_fp32": (2, 2, "fp32"),
     "z2_ws3_bf16": (2, 3, "bf16"), "z3_ws1_fp32": (3, 1, "fp32"), "z3_ws2_fp32": (3, 2, "fp32"),
-    "z3_ws3_bf16": (3, 3, "bf16"),
+    "z3_ws3_bf16": (3, 3, "bf16"), "z3_ws1_bf16_cuda": (3, 1, "bf16"),  # written on an H200 with nccl
 }
 
 

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, run_cli, run_job
+from dsckpt.reader import open_checkpoint
 
 SMALL = ("--model", "dsckpt.runtime.demo_model:build_small_model")
 
@@ -65,3 +66,34 @@ def test_strict_loading_names_missing_extra_and_mis_shaped(trained_z3, tmp_path)
     msg = proc.stderr
     assert "1 missing keys: norm.bias" in msg and "1 unexpected keys: extra.weight" in msg
     assert "pos_embed: file [3, 3] vs model [32, 64]" in msg
+
+
+def test_interrupted_save_keeps_previous_tag_and_latest(tmp_path):
+    report = tmp_path / "report.json"
+    run_job("save_atomic.py", 1, tmp_path / "ckpt", report)
+    r = json.loads(report.read_text())
+    crash = r["after_crash"]
+    assert crash["latest"] == "step1" and crash["tags"] == ["step1"] and crash["step1_steps"] == 1
+    assert crash["hidden"] == [".step1.dsckpt-partial"]  # named so a user can tell what it is
+    assert r["latest"] == "step2" and r["tags"] == ["step1", "step2"]
+
+
+def test_demo_model_learns(trained_z3):
+    first, last = (float(x) for x in (trained_z3 / "train.out").read_text().split("loss ")[1].split(",")[0].split(" -> "))
+    assert last < first
+
+
+def test_reshard_loads_another_world_size(trained_z3, tmp_path):
+    proc = run_cli("resume", trained_z3 / "ckpt", "--stage", "3", "--nproc", "3", "--reshard", "--steps", "1",
+                   "--save-dir", tmp_path / "ws3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resharding: weights loaded from a consolidated copy" in proc.stdout
+    assert "steps 6 -> 7" in proc.stdout
+    assert open_checkpoint(tmp_path / "ws3").world_size == 3
+
+
+def test_version_and_module_entry_point():
+    from dsckpt import __version__
+
+    assert run_cli("--version").stdout.strip() == f"dsckpt, version {__version__}"
+    assert "consolidate" in run_cli("--help").stdout

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import click
 
@@ -38,6 +39,10 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
     quiet_deepspeed()
     if bool(checkpoint) == bool(full_weights):
         raise ConfigError("give either CKPT_DIR or --full-weights FILE")
+    if full_weights and int(os.environ.get("RANK", "0")) == 0:
+        from .full_weights import WeightsFile
+
+        WeightsFile(full_weights, tuple(strip_prefix))  # a broken file fails now, before DeepSpeed starts
     trainer = Trainer(TrainOptions(**kwargs))
     if full_weights:
         client = resume_full_weights(trainer, full_weights, client_state, strict, tuple(strip_prefix))

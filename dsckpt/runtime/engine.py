@@ -14,12 +14,13 @@ import logging
 import os
 import socket
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..errors import CheckpointNotFoundError, ConfigError, WorldSizeMismatchError
-from ..layout import DEEPSPEED_KEYS
+from ..layout import DEEPSPEED_KEYS, LATEST_FILE
 from .config import precision_of
 
 log = logging.getLogger("dsckpt")
@@ -64,6 +65,30 @@ def world_size() -> int:
 
 def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision_of(config), torch.float32)
+
+
+PARTIAL_SUFFIX = ".dsckpt-partial"
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and world_size() > 1:
+        torch.distributed.barrier()
+
+
+def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
+    """Rename a completely written tag folder into place, then update `latest` atomically."""
+    import shutil
+
+    final, staged = save_dir / tag, save_dir / partial
+    old = save_dir / f".{tag}.dsckpt-old"
+    if final.exists():  # re-saving a tag: the old one stays complete until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+    tmp = save_dir / f".{LATEST_FILE}.dsckpt-tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, save_dir / LATEST_FILE)
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -118,7 +143,14 @@ class Runtime:
         if clash:
             raise ConfigError(f"client state keys {clash} collide with DeepSpeed's own checkpoint keys; rename them")
         tag = tag or f"step{self.engine.global_steps}"
-        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state)
+        # Crash safety: DeepSpeed writes into a hidden partial folder; only when every rank is done
+        # does rank 0 rename it to the tag and then (atomically) point `latest` at it.
+        partial = f".{tag}{PARTIAL_SUFFIX}"
+        self.engine.save_checkpoint(str(save_dir), tag=partial, client_state=state, save_latest=False)
+        _barrier()
+        if rank() == 0:
+            publish_tag(Path(save_dir), partial, tag)
+        _barrier()
         if self.stage == 3 and world_size() > 1 and rank() == 0 and not self._warned_sharded:
             self._warned_sharded = True
             warnings.warn(f"{save_dir}/{tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "

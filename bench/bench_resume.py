@@ -1,0 +1,123 @@
+"""Per-rank memory of a full-weights load into ZeRO-3: dsckpt vs every-rank-loads-the-file.
+
+    python bench/bench_resume.py [--layers 12] [--nproc 4]
+
+B ("every rank loads", Lightning's approach): each rank reads the whole file into memory, then
+per module ``GatheredParameters(..., modifier_rank=0)`` and rank 0 copies in.
+A (dsckpt): ``load_full_weights`` - only rank 0 opens the file, lazily, one module at a time.
+Each rank samples its RSS every 2 ms during the load; the figure is peak-during-load minus RSS
+before the load, so engine setup does not count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.running = 0, True
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * PAGE
+
+    def run(self):
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.002)
+
+
+def every_rank_loads(engine, path: str) -> None:
+    import deepspeed
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(path)  # the whole file, on every rank
+    rank = torch.distributed.get_rank()
+    for mod_name, mod in engine.module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        params = list(mod.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if rank == 0:
+                for n, p in params:
+                    p.data.copy_(state[prefix + n])
+    engine.optimizer.refresh_fp32_params()
+
+
+def job(approach: str, weights: str, report: str) -> None:
+    import torch.distributed as dist
+
+    from dsckpt.runtime.commands import quiet_deepspeed
+    from dsckpt.runtime.full_weights import load_full_weights
+    from dsckpt.runtime.train import TrainOptions, Trainer
+
+    quiet_deepspeed()
+    trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3))
+    dist.barrier()
+    sampler = RssSampler()
+    before = sampler.rss()
+    sampler.start()
+    start = time.perf_counter()
+    if approach == "dsckpt":
+        load_full_weights(trainer.engine, weights)
+    else:
+        every_rank_loads(trainer.engine, weights)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    sampler.running = False
+    sampler.join()
+    row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed}
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        Path(report).write_text(json.dumps(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=1)
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from bench_consolidate import generate
+
+    ckpt = generate(3, args.layers)
+    weights = HERE / "cache" / f"weights_l{args.layers}.safetensors"
+    if not weights.exists():
+        subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(weights), "-q", "--no-client-state"],
+                       check=True, cwd=ROOT)
+    env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    print(f"file: {weights.stat().st_size / 2**20:.0f} MiB, world size {args.nproc}, ZeRO-3\n")
+    print("| approach | rank 0 growth MiB | other ranks growth MiB (max) | load s |\n|---|---|---|---|")
+    for _ in range(args.runs):
+        for approach in ("dsckpt", "every-rank-loads"):
+            report = HERE / "cache" / f"resume_{approach}.json"
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                            __file__, "--job", approach, str(weights), str(report)], check=True, env=env, cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rows = json.loads(report.read_text())
+            others = max(r["growth"] for r in rows[1:])
+            print(f"| {approach} | {rows[0]['growth'] / 2**20:.0f} | {others / 2**20:.0f} | {rows[0]['seconds']:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    if "--job" in sys.argv:
+        i = sys.argv.index("--job")
+        job(*sys.argv[i + 1:i + 4])
+    else:
+        main()
