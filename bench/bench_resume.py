@@ -2,7 +2,8 @@
 
     python bench/bench_resume.py [--layers 12] [--nproc 4]
 
-B ("every rank loads", Lightning's approach): each rank reads the whole file into memory, then
+The file is a torch ``.pt`` state dict (as Lightning users have).
+B ("every rank loads", Lightning's approach): each rank ``torch.load``s the whole file, then
 per module ``GatheredParameters(..., modifier_rank=0)`` and rank 0 copies in.
 A (dsckpt): ``load_full_weights`` - only rank 0 opens the file, lazily, one module at a time.
 Each rank samples its RSS every 2 ms during the load; the figure is peak-during-load minus RSS
@@ -43,9 +44,8 @@ class RssSampler(threading.Thread):
 def every_rank_loads(engine, path: str) -> None:
     import deepspeed
     import torch
-    from safetensors.torch import load_file
 
-    state = load_file(path)  # the whole file, on every rank
+    state = torch.load(path, map_location="cpu", weights_only=True)  # the whole file, on every rank
     rank = torch.distributed.get_rank()
     for mod_name, mod in engine.module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -96,19 +96,24 @@ def main() -> None:
     from bench_consolidate import generate
 
     ckpt = generate(3, args.layers)
-    weights = HERE / "cache" / f"weights_l{args.layers}.safetensors"
+    weights = HERE / "cache" / f"weights_l{args.layers}.pt"
     if not weights.exists():
         subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(weights), "-q", "--no-client-state"],
                        check=True, cwd=ROOT)
-    env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           **({"MALLOC_MMAP_THRESHOLD_": os.environ["MMAP_T"]} if os.environ.get("MMAP_T") else {})}
     print(f"file: {weights.stat().st_size / 2**20:.0f} MiB, world size {args.nproc}, ZeRO-3\n")
     print("| approach | rank 0 growth MiB | other ranks growth MiB (max) | load s |\n|---|---|---|---|")
     for _ in range(args.runs):
         for approach in ("dsckpt", "every-rank-loads"):
             report = HERE / "cache" / f"resume_{approach}.json"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                            __file__, "--job", approach, str(weights), str(report)], check=True, env=env, cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   __file__, "--job", approach, str(weights), str(report)]
+            for attempt in range(3):  # a rendezvous port race now and then; the job itself is deterministic
+                if subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+                    break
+            else:
+                raise SystemExit(f"failed three times: {' '.join(cmd)}")
             rows = json.loads(report.read_text())
             others = max(r["growth"] for r in rows[1:])
             print(f"| {approach} | {rows[0]['growth'] / 2**20:.0f} | {others / 2**20:.0f} | {rows[0]['seconds']:.2f} |",

@@ -40,7 +40,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
     if bool(checkpoint) == bool(full_weights):
         raise ConfigError("give either CKPT_DIR or --full-weights FILE")
     if full_weights and int(os.environ.get("RANK", "0")) == 0:
-        from .full_weights import WeightsFile
+        from .weights_file import WeightsFile
 
         WeightsFile(full_weights, tuple(strip_prefix))  # a broken file fails now, before DeepSpeed starts
     trainer = Trainer(TrainOptions(**kwargs))

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..errors import VerificationError, WorldSizeMismatchError
 from ..sidecar import JSON_SUFFIX, read_sidecar
 from . import engine as eng
-from .full_weights import WeightsFile, load_full_weights
+from .full_weights import load_full_weights
+from .weights_file import WeightsFile
 from .train import Trainer
 
 
