@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo_run
 
-.PHONY: setup demo test fixtures bench clean
+.PHONY: setup demo test fixtures bench fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ fixtures: setup
 bench: setup
 	$(BIN)/pip install -q huggingface_hub  # zero_to_fp32 --safe_serialization needs it
 	$(BIN)/python bench/bench_consolidate.py
+
+fuzz: setup
+	$(BIN)/pip install -q atheris
+	$(BIN)/python fuzz/fuzz_reader.py -max_total_time=120 -print_final_stats=1 fuzz/corpus
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -8,8 +8,8 @@ Steps:
    step of an untied transformer (dim 1024, ``--layers`` blocks; 26 blocks = ~330M parameters, the
    largest that fits 24 GiB at world size 4 here).
 2. Consolidate, alternating A/B/C, each a whole child process (wall time, peak RSS = ru_maxrss):
-   A `dsckpt consolidate CKPT out.safetensors`; B `python -m deepspeed.utils.zero_to_fp32 CKPT DIR
-   --safe_serialization`; C zero_to_fp32's Python API writing one file
+   A `dsckpt consolidate CKPT out.safetensors` (also to `.pt`, and with `--dtype bf16`);
+   B `python -m deepspeed.utils.zero_to_fp32 CKPT DIR --safe_serialization`; C zero_to_fp32's Python API writing one file
    (`get_fp32_state_dict_from_zero_checkpoint` + `torch.save`).  Dirty pages are synced before every
    run (untimed) so no run pays for the previous one's writeback; inputs stay page-cache warm.
 3. Disk floor: `dd` writes and re-reads the output's byte count (16 MiB blocks, page cache as warm as
@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = sys.executable
-DIM = 1024
+DIM = int(os.environ.get("BENCH_DIM", "1024"))  # bigger hosts: BENCH_DIM=2048 --layers 40 is ~2B parameters
 MiB = 2**20
 
 Z2F_API = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
@@ -67,7 +67,8 @@ def generate(stage: int, layers: int) -> Path:
     return ckpt
 
 
-OUTPUTS = {"dsckpt": lambda d: d / "d.safetensors", "z2f_cli": lambda d: d / "z2f", "z2f_api": lambda d: d / "z2f_api.bin"}
+OUTPUTS = {"dsckpt": lambda d: d / "d.safetensors", "z2f_cli": lambda d: d / "z2f", "z2f_api": lambda d: d / "z2f_api.bin",
+           "dsckpt_pt": lambda d: d / "d.pt", "dsckpt_bf16": lambda d: d / "d_bf16.safetensors"}
 
 
 def consolidators(ckpt: Path, scratch: Path) -> dict[str, list[str]]:
@@ -76,10 +77,15 @@ def consolidators(ckpt: Path, scratch: Path) -> dict[str, list[str]]:
                    "--no-client-state"],
         "z2f_cli": [PY, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(scratch / "z2f"), "--safe_serialization"],
         "z2f_api": [PY, "-c", Z2F_API, str(ckpt), str(scratch / "z2f_api.bin")],
+        "dsckpt_pt": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d.pt"), "--force", "-q",
+                      "--no-client-state"],
+        "dsckpt_bf16": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d_bf16.safetensors"), "--force",
+                        "-q", "--no-client-state", "--dtype", "bf16"],
     }
 
 
-def measure(ckpt: Path, runs: int, scratch: Path, which=("dsckpt", "z2f_cli", "z2f_api")) -> dict:
+def measure(ckpt: Path, runs: int, scratch: Path,
+            which=("dsckpt", "z2f_cli", "z2f_api", "dsckpt_pt", "dsckpt_bf16")) -> dict:
     cmds = consolidators(ckpt, scratch)
     results: dict[str, list[tuple[float, int]]] = {k: [] for k in which}
     for _ in range(runs):

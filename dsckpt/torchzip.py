@@ -52,8 +52,9 @@ class TorchFile:
             raise CorruptFileError(f"{self.path}: is a directory, expected a checkpoint file") from None
         except PermissionError:
             raise CorruptFileError(f"{self.path}: permission denied") from None
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as exc:
-            raise CorruptFileError(f"{self.path}: unreadable zip archive ({exc}); truncated or damaged?") from None
+        except Exception as exc:  # hostile bytes reach zipfile's parser: every failure is a format error
+            raise CorruptFileError(f"{self.path}: unreadable zip archive ({type(exc).__name__}: {exc}); "
+                                   "truncated or damaged?") from None
 
     def _index(self, fh) -> None:
         with zipfile.ZipFile(fh) as zf:

@@ -6,9 +6,11 @@ copy); pieces that need a cast go through bounded chunks.  Memory stays O(chunk)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,6 +18,8 @@ from .errors import CorruptFileError
 from .plan import ITEMSIZE, Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
+CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
+CAST_THREADS = min(4, os.cpu_count() or 1)
 HEADER_ALIGN = 8  # safetensors: data starts 8-byte aligned
 Progress = Callable[[int], None]
 
@@ -25,11 +29,13 @@ class SourceFiles:
 
     def __init__(self):
         self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()  # cast threads share one instance
 
     def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
 
     def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
         data = os.pread(self.fd(path), nbytes, offset)
@@ -88,27 +94,63 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
 
 
+def _cast_chunks(t: TensorPlan, pos: int, chunk: int = CAST_CHUNK_BYTES) -> Iterator[tuple[Path, int, int, int]]:
+    """(source path, source offset, source bytes, output offset) of each chunk of a cast tensor."""
+    src_size, dst_size = ITEMSIZE[t.src_dtype], ITEMSIZE[t.dtype]
+    step = max(src_size, chunk - chunk % src_size)
+    for piece in t.pieces:
+        for start in range(0, piece.nbytes, step):
+            n = min(step, piece.nbytes - start)
+            yield piece.path, piece.offset + start, n, pos
+            pos += n // src_size * dst_size
+
+
+def _cast_pool(needed: bool):
+    if not needed:
+        return contextlib.nullcontext()
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(CAST_THREADS)
+
+
 def write_safetensors(plan: Plan, tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
                       progress: Progress | None = None) -> None:
+    """Same-dtype tensors: ``copy_file_range`` in this thread.  Cast tensors: chunks handed to a few
+    threads (numpy and pread/pwrite release the GIL), each writing at its precomputed offset."""
     header, offsets = safetensors_header(tensors, metadata)
     total = len(header) + sum(t.nbytes for t in tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def cast_chunk(job, t: TensorPlan) -> int:
+        from .cast import cast_bytes  # numpy only when a cast is needed
+
+        src_path, src_off, n, dst_off = job
+        os.pwrite(fd, cast_bytes(src.pread(src_path, n, src_off), t.src_dtype, t.dtype), dst_off)
+        return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
+
     try:
         os.pwrite(fd, header, 0)
         os.ftruncate(fd, total)
-        with SourceFiles() as src:
+        with SourceFiles() as src, _cast_pool(any(t.src_dtype != t.dtype for t in tensors)) as pool:
+            pending = []
             for t, rel in zip(tensors, offsets):
                 pos = len(header) + rel
                 if t.src_dtype == t.dtype:
                     for p in t.pieces:
                         _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos)
                         pos += p.nbytes
+                    if progress:
+                        progress(t.nbytes)
                 else:
-                    for data in iter_tensor_chunks(src, t):
-                        os.pwrite(fd, data, pos)
-                        pos += len(data)
+                    pending += [pool.submit(cast_chunk, job, t) for job in _cast_chunks(t, pos)]
+                    while len(pending) > 2 * CAST_THREADS:  # bounded memory: a few chunks in flight
+                        done = pending.pop(0).result()
+                        if progress:
+                            progress(done)
+            for fut in pending:
+                done = fut.result()
                 if progress:
-                    progress(t.nbytes)
+                    progress(done)
     finally:
         os.close(fd)
 

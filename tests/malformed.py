@@ -233,7 +233,7 @@ def consolidated(damage: str):
         out = tmp / "m.safetensors"
         env = {**os.environ}
         subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(FIXTURES / "z3_ws2_fp32"), str(out), "-q",
-                        "--no-client-state"], check=True, cwd=ROOT, env=env)
+                        "--no-client-state"], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         data = bytearray(out.read_bytes())
         (n,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8:8 + n])
@@ -263,7 +263,7 @@ def sharded(damage: str):
     def build(tmp):
         out = tmp / "hf"
         subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(FIXTURES / "z3_ws2_fp32"), str(out), "-q",
-                        "--max-shard-size", "10KB", "--no-client-state"], check=True, cwd=ROOT)
+                        "--max-shard-size", "10KB", "--no-client-state"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         index = out / "model.safetensors.index.json"
         if damage == "missing shard":
             next(out.glob("model-00002-*.safetensors")).unlink()

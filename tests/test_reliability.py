@@ -57,3 +57,20 @@ def test_two_writers_same_out(tmp_path):
     assert [p.wait() for p in procs] == [0, 0]
     assert len(load_file(out)) == 30
     assert not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]
+
+
+def test_fuzzer_findings_stay_fixed(tmp_path):
+    """Inputs the atheris harness (fuzz/fuzz_reader.py) once crashed the reader with."""
+    import shutil
+
+    from dsckpt.errors import DsckptError
+    from dsckpt.reader import open_checkpoint
+
+    for finding in sorted((ROOT / "tests" / "data").glob("fuzz-*.bin")):
+        root = tmp_path / finding.stem
+        shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+        targets = sorted((root / "step3").glob("*.pt"))
+        data = finding.read_bytes()
+        targets[data[0] % len(targets)].write_bytes(data[1:])
+        with pytest.raises(DsckptError):
+            open_checkpoint(root).require_complete()

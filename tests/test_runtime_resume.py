@@ -35,7 +35,7 @@ def test_full_weights_into_zero3_at_any_world_size(trained_z3, nproc):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["tensors_checked"] == 31 and report["max_abs_diff"] == 0
     assert report["fp32_master_max_abs_diff"] == 0
-    assert report["client_state_keys_restored"] == ["global_step", "epoch", "data_position", "rng"]
+    assert report["client_state_keys_restored"] == ["global_step", "epoch", "data_position", "rng", "user"]
 
 
 def test_full_weights_resume_continues_step_count(trained_z3, tmp_path):
@@ -97,3 +97,11 @@ def test_version_and_module_entry_point():
 
     assert run_cli("--version").stdout.strip() == f"dsckpt, version {__version__}"
     assert "consolidate" in run_cli("--help").stdout
+
+
+def test_training_on_from_full_weights_saves_the_live_weights(trained_z3, tmp_path):
+    report = tmp_path / "report.json"
+    run_job("continue_from_full_weights.py", 3, trained_z3 / "model.safetensors", tmp_path / "ckpt", report)
+    r = json.loads(report.read_text())
+    assert (r["start"], r["end"]) == (6, 8)
+    assert r["equal"] and r["user"]

@@ -23,7 +23,7 @@ from ..sidecar import JSON_SUFFIX, read_sidecar
 from . import engine as eng
 from .full_weights import load_full_weights
 from .weights_file import WeightsFile
-from .train import Trainer
+from .train import Trainer, states_equal
 
 
 def default_sidecar(weights: Path) -> Path | None:
@@ -107,12 +107,11 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
                 checked += 1
     restored = []
     if client is not None:
-        now = trainer.client_state()
-        for key in ("global_step", "epoch", "data_position"):
-            if now[key] != client[key]:
-                raise VerificationError(f"client state {key!r}: restored {now[key]}, sidecar says {client[key]}")
+        now = trainer.client_state()  # read before anything draws random numbers
+        for key in ("global_step", "epoch", "data_position", "rng", "user"):
+            if key in client and not states_equal(now[key], client[key]):
+                raise VerificationError(f"client state {key!r}: the restored value differs from the sidecar's")
             restored.append(key)
-        restored.append("rng")
     report = {"rank": eng.rank(), "tensors_checked": checked, "max_abs_diff": max_diff,
               "fp32_master_max_abs_diff": master_diff, "client_state_keys_restored": restored}
     if max_diff or master_diff:

@@ -94,6 +94,7 @@ class Trainer:
         self.data_position = int(client["data_position"])
         # the data stream is defined by (seed, position): a position means nothing under another seed
         self.opts.seed = int(client.get("args", {}).get("seed", self.opts.seed))
+        self.opts.user_state = client.get("user", self.opts.user_state)  # carried into the next save
         set_rng_state(client["rng"])
 
     def step(self) -> float:
@@ -123,6 +124,17 @@ class Trainer:
         if self.opts.save_dir and (not self.opts.save_every or self.global_step % self.opts.save_every):
             self.save()
         return losses
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Exact equality of nested client states: containers by type and content, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _plain(value: Any) -> Any:

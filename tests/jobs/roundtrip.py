@@ -10,17 +10,7 @@ import torch
 
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import full_state_dict, rank
-from dsckpt.runtime.train import TrainOptions, Trainer
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
+from dsckpt.runtime.train import TrainOptions, Trainer, states_equal
 
 
 def main(stage: int, save_dir: str, report: str) -> None:
@@ -42,7 +32,7 @@ def main(stage: int, save_dir: str, report: str) -> None:
         Path = __import__("pathlib").Path
         Path(report).write_text(json.dumps({
             "weights_equal": weights.keys() == reloaded.keys() and all(torch.equal(weights[k], reloaded[k]) for k in weights),
-            "client_equal": same(saved_client, {k: client[k] for k in saved_client}),
+            "client_equal": states_equal(saved_client, {k: client[k] for k in saved_client}),
             "loss_uninterrupted": loss_uninterrupted, "loss_resumed": loss_resumed,
         }))
 
