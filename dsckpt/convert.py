@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 from .errors import OutputError, VerificationError
 from .output import atomic_output, check_output
-from .plan import Plan, build_plan
+from .plan import Plan, TensorPlan, build_plan
 from .reader import open_checkpoint
 from .sidecar import sidecar_paths, write_sidecar
 from .torch_writer import write_torch
@@ -90,6 +90,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             verify_output(plan, tmp, form)  # before the rename: a failed check leaves nothing at OUT
         if sidecars:
             write_sidecar(ckpt.client_state, out)
+        else:  # a sidecar left from an earlier OUT would restore the wrong counters
+            for stale in sidecar_paths(out):
+                stale.unlink(missing_ok=True)
     return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None,
                   True if verify else None)
 
@@ -104,8 +107,6 @@ def _write_errors(out: Path):
 
 
 def _duplicate_aliases(plan: Plan) -> Plan:
-    from .plan import TensorPlan
-
     by_name = {t.name: t for t in plan.tensors}
     extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
                              by_name[s].pieces) for a, s in plan.aliases.items())

@@ -187,3 +187,11 @@ def test_verify_catches_damaged_source_bytes(fixture_copy, tmp_path):
     with pytest.raises(CorruptFileError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: storage .* fails its CRC-32"):
         consolidate(root, tmp_path / "m.safetensors", verify=True)
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_stale_sidecar_is_removed_when_out_is_replaced_without_one(tmp_path):
+    out = tmp_path / "m.safetensors"
+    consolidate(FIXTURES / "z3_ws2_fp32", out)
+    assert (tmp_path / "m.safetensors.client_state.json").exists()
+    consolidate(FIXTURES / "z3_ws2_fp32", out, force=True, client_state=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
