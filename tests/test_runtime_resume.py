@@ -34,8 +34,19 @@ def test_full_weights_into_zero3_at_any_world_size(trained_z3, nproc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["tensors_checked"] == 31 and report["max_abs_diff"] == 0
-    assert report["fp32_master_max_abs_diff"] == 0
+    assert report["fp32_masters_checked"] == 29 and report["fp32_master_max_abs_diff"] == 0  # tied: 2 names
     assert report["client_state_keys_restored"] == ["global_step", "epoch", "data_position", "rng", "user"]
+
+
+@pytest.mark.parametrize("stage,precision", [(3, "bf16"), (1, "16"), (0, "bf16")])
+def test_full_weights_into_16_bit_runs_keeps_fp32_masters(trained_z3, stage, precision):
+    """16-bit models get the file's fp32 values in their masters, not the 16-bit rounding."""
+    proc = run_cli("resume", "--full-weights", trained_z3 / "model.safetensors", "--stage", stage, "--precision",
+                   precision, "--nproc", "2", "--check", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["max_abs_diff"] == 0 and report["fp32_master_max_abs_diff"] == 0
+    assert report["fp32_masters_checked"] == 29
 
 
 def test_full_weights_resume_continues_step_count(trained_z3, tmp_path):

@@ -56,7 +56,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
         if eng.rank() == 0:
             click.echo(json.dumps(report) if as_json else
                        f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
-                       f"(max abs diff 0, fp32 masters diff {report['fp32_master_max_abs_diff']}); client state "
+                       f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
         eng.shutdown()
         return

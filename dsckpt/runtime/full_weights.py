@@ -123,22 +123,47 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     return {"loaded": loaded, "expected": len(expected)}
 
 
+def stage0_masters(optimizer) -> dict[int, torch.Tensor]:
+    """id(16-bit parameter) -> fp32 master, for DeepSpeed's stage-0 16-bit optimizer.
+
+    ZeRO 1-3 and BF16_Optimizer expose masters through ``safe_get/set_full_fp32_param``; the
+    stage-0 fp16/bf16 optimizer (``FP16_UnfusedOptimizer``) only has parallel lists of parameters.
+    """
+    pairs = {}
+    for group16, group32 in zip(getattr(optimizer, "fp16_groups", []), getattr(optimizer, "fp32_groups", [])):
+        if isinstance(group32, list):
+            pairs.update((id(p16), p32) for p16, p32 in zip(group16, group32))
+    return pairs
+
+
+def get_fp32_master(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)
+    return master if master is not None else stage0_masters(engine.optimizer).get(id(param))
+
+
 def _set_fp32_masters(engine, src: WeightsFile | None, have: set[str]) -> None:
     """Make the optimizer's fp32 masters hold the file's values (else step() reverts the load)."""
     opt = engine.optimizer
     if opt is None:
         return
     sixteen_bit = any(p.dtype in (torch.float16, torch.bfloat16) for p in engine.module.parameters())
-    if sixteen_bit:
-        from deepspeed.utils import safe_set_full_fp32_param
+    if not sixteen_bit:
+        if hasattr(opt, "refresh_fp32_params"):
+            opt.refresh_fp32_params()  # masters = the (fp32) weights just loaded
+        return
+    from deepspeed.utils import safe_set_full_fp32_param
 
-        for name, p in engine.module.named_parameters():
-            if not p.requires_grad or name not in have:
-                continue
-            full = src.get(name).to(torch.float32).reshape(getattr(p, "ds_shape", p.shape)).contiguous() if src else \
-                torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=torch.float32)
-            if eng.world_size() > 1:
-                dist.broadcast(full, 0)
+    stage0 = stage0_masters(opt)
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad or name not in have:
+            continue
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        full = src.get(name).to(torch.float32).reshape(shape).contiguous() if src else torch.empty(shape)
+        if eng.world_size() > 1:
+            dist.broadcast(full, 0)  # one parameter at a time: no rank holds the whole file
+        if id(p) in stage0:
+            stage0[id(p)].data.copy_(full.view_as(stage0[id(p)]))
+        else:
             safe_set_full_fp32_param(p, full)
-    elif hasattr(opt, "refresh_fp32_params"):
-        opt.refresh_fp32_params()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..errors import VerificationError, WorldSizeMismatchError
 from ..sidecar import JSON_SUFFIX, read_sidecar
 from . import engine as eng
-from .full_weights import load_full_weights
+from .full_weights import get_fp32_master, load_full_weights
 from .weights_file import WeightsFile
 from .train import Trainer, states_equal
 
@@ -77,11 +77,9 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
                        strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
     """Gather every parameter on every rank and compare with the file; compare the client state."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-
     src = WeightsFile(weights, strip_prefixes)  # every rank reads, lazily: this is a check, not a load
     module = trainer.engine.module
-    checked, max_diff, master_diff = 0, 0.0, 0.0
+    checked, masters, max_diff, master_diff = 0, 0, 0.0, 0.0
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         params = list(mod.named_parameters(recurse=False))
@@ -95,8 +93,9 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
                 checked += 1
         for n, p in params:
             if p.requires_grad and prefix + n in src.source and trainer.engine.optimizer is not None:
-                master = safe_get_full_fp32_param(p)
+                master = get_fp32_master(trainer.engine, p)
                 if master is not None:
+                    masters += 1
                     want = src.get(prefix + n).float()
                     if p.dtype != torch.float32 and src.get(prefix + n).dtype != torch.float32:
                         want = want.to(p.dtype).float()
@@ -113,7 +112,8 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
                 raise VerificationError(f"client state {key!r}: the restored value differs from the sidecar's")
             restored.append(key)
     report = {"rank": eng.rank(), "tensors_checked": checked, "max_abs_diff": max_diff,
-              "fp32_master_max_abs_diff": master_diff, "client_state_keys_restored": restored}
+              "fp32_masters_checked": masters, "fp32_master_max_abs_diff": master_diff,
+              "client_state_keys_restored": restored}
     if max_diff or master_diff:
         raise VerificationError(f"rank {eng.rank()}: loaded weights differ from {weights} "
                                 f"(max abs diff {max_diff}, fp32 masters {master_diff})")
