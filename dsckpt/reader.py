@@ -70,15 +70,16 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     if not isinstance(head, dict) or L.MODULE not in head or L.BUFFER_NAMES not in head:
         raise UnsupportedCheckpointError(f"{lay.model_files[0].path}: not a DeepSpeed model-states file "
                                          f"(no '{L.MODULE}' / '{L.BUFFER_NAMES}' entries)")
-    world = int(head.get(L.DP_WORLD_SIZE) or 1)
-    mp = int(head.get(L.MP_WORLD_SIZE) or 1)
+    where = lay.model_files[0].path
+    world = _count(head.get(L.DP_WORLD_SIZE), where, L.DP_WORLD_SIZE)
+    mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
     stage = _zero_stage(lay, optim_files)
     if mp > 1 or any(f.mp_rank for f in lay.all_files) or lay.pipeline_files:
         problems.append(Problem(UnsupportedCheckpointError,
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
                                 f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
     _check_ranks(lay, stage, world, problems)
-    where = lay.model_files[0].path
+    _check_same_run(model_files, optim_files, world, problems)
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
     param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
@@ -103,6 +104,32 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
                       client_state=client, problems=problems)
+
+
+def _count(value: Any, path, key: str) -> int:
+    """A world size as recorded: a positive int (absent means 1)."""
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InconsistentCheckpointError(f"{path}: '{key}' is {value!r}, expected a positive integer")
+    return value
+
+
+def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], world: int,
+                    problems: list[Problem]) -> None:
+    """Rank files of another run (another world size) mixed into this tag."""
+    for f in model_files[1:]:
+        other = f.obj.get(L.DP_WORLD_SIZE) if isinstance(f.obj, dict) else None
+        if other != world:
+            problems.append(Problem(InconsistentCheckpointError,
+                                    f"{f.path}: records world size {other!r}, rank 0's model states {world}"))
+    for f in optim_files:
+        osd = f.obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(f.obj, dict) else None
+        count = osd.get(L.PARTITION_COUNT) if isinstance(osd, dict) else None
+        counts = count if isinstance(count, list) else [count]
+        if any(c != world for c in counts):
+            problems.append(Problem(InconsistentCheckpointError,
+                                    f"{f.path}: partition count {count!r} differs from world size {world}"))
 
 
 def _typed(value: Any, kind: type, path, key: str) -> Any:
