@@ -31,6 +31,10 @@ def _training_options(fn):
         click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks, started through torch.distributed.run."),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--freeze", is_flag=True, help="Built-in model: freeze its first block."),
+        click.option("--offload-optimizer/--no-offload-optimizer", default=None, help="ZeRO-Offload of optimizer state (default: the preset's)."),
+        click.option("--offload-parameters/--no-offload-parameters", default=None, help="ZeRO-3 parameter offload (default: the preset's)."),
+        click.option("--gradient-accumulation-steps", type=int, default=None),
+        click.option("--gradient-clip-val", type=float, default=None, help="Clip by global norm (DeepSpeed's only mode)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

@@ -60,3 +60,16 @@ def test_more_than_one_optimizer_is_refused(monkeypatch):
     rt = eng.Runtime(build_config(stage=1))
     with pytest.raises(ConfigError, match="exactly one optimizer, got 2"):
         rt.setup(lambda: torch.nn.Linear(2, 2), lambda ps: [torch.optim.SGD(ps, lr=1), torch.optim.SGD(ps, lr=1)])
+
+
+def test_train_options_reach_the_config():
+    from dsckpt.runtime.train import TrainOptions
+
+    cfg = TrainOptions(stage=3, precision="bf16", offload_optimizer=True, offload_parameters=True,
+                       gradient_accumulation_steps=4, gradient_clip_val=1.0).deepspeed_config()
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 1.0 and cfg["bf16"]["enabled"]
+    assert TrainOptions().deepspeed_config()["zero_optimization"]["stage"] == 3  # the default: ZeRO-3
+    preset = TrainOptions(preset="deepspeed_stage_2_offload", offload_optimizer=False).deepspeed_config()
+    assert "offload_optimizer" not in preset["zero_optimization"]  # an explicit flag beats the preset

@@ -11,7 +11,7 @@ from dsckpt.reader import open_checkpoint
 SMALL = ("--model", "dsckpt.runtime.demo_model:build_small_model")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3", "deepspeed_stage_3_offload"])
 def test_save_load_round_trip_at_world_size_2(stage, tmp_path):
     report = tmp_path / "report.json"
     run_job("roundtrip.py", 2, stage, tmp_path / "ckpt", report)

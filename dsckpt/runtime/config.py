@@ -115,6 +115,10 @@ def build_config(
     if "nvme" in (offload_params_device if offload_parameters else "", offload_optimizer_device if offload_optimizer else "") or remote_device == "nvme":
         config["aio"] = {"block_size": block_size, "queue_depth": queue_depth, "single_submit": single_submit,
                          "overlap_events": overlap_events, "thread_count": thread_count}
+    if offload_optimizer:
+        # dsckpt's trainer brings a client torch AdamW (no JIT build); DeepSpeed refuses that with
+        # offload unless told otherwise. For speed, pass a config with DeepSpeedCPUAdam instead.
+        config["zero_force_ds_cpu_optimizer"] = False
     if remote_device is not None:
         config["dsckpt_remote_device"] = remote_device  # consumed by zero.Init, removed before initialize
     _apply_precision(config, precision, loss_scale=loss_scale, initial_scale_power=initial_scale_power,

@@ -36,12 +36,21 @@ class TrainOptions:
     batch_size: int = 8
     lr: float = 3e-3
     freeze: bool = False  # built-in model: freeze the first block
+    offload_optimizer: bool | None = None  # None: as the preset says
+    offload_parameters: bool | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clip_val: float | None = None
     user_state: dict[str, Any] = field(default_factory=dict)
 
     def deepspeed_config(self) -> dict[str, Any]:
-        kwargs = {} if self.stage is None else {"stage": self.stage}
+        kwargs: dict[str, Any] = {} if self.stage is None else {"stage": self.stage}
+        for key in ("offload_optimizer", "offload_parameters"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
         preset = self.preset or (None if self.stage is not None or self.config else "deepspeed_stage_3")
-        return resolve_config(self.config, preset=preset, precision=self.precision, **kwargs)
+        return resolve_config(self.config, preset=preset, precision=self.precision,
+                              gradient_accumulation_steps=self.gradient_accumulation_steps,
+                              gradient_clip_val=self.gradient_clip_val, **kwargs)
 
 
 def load_factory(spec: str | None, freeze: bool = False) -> Callable[[], torch.nn.Module]:

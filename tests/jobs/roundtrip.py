@@ -13,11 +13,11 @@ from dsckpt.runtime.engine import full_state_dict, rank
 from dsckpt.runtime.train import TrainOptions, Trainer, states_equal
 
 
-def main(stage: int, save_dir: str, report: str) -> None:
+def main(stage_or_preset: str, save_dir: str, report: str) -> None:
     quiet_deepspeed()
     user = {"nested": {"list": [1, (2, 3)], "t": torch.arange(4)}, "name": "run"}
-    opts = dict(model="dsckpt.runtime.demo_model:build_small_model", stage=stage, save_dir=save_dir, seed=3,
-                batch_size=4)
+    which = {"stage": int(stage_or_preset)} if stage_or_preset.isdigit() else {"preset": stage_or_preset}
+    opts = dict(model="dsckpt.runtime.demo_model:build_small_model", save_dir=save_dir, seed=3, batch_size=4, **which)
     first = Trainer(TrainOptions(**opts, user_state=user))
     first.fit(3, progress=False)
     saved_client = first.client_state()
@@ -38,4 +38,4 @@ def main(stage: int, save_dir: str, report: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
