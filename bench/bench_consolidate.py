@@ -60,7 +60,7 @@ def generate(stage: int, layers: int) -> Path:
     if (ckpt / "latest").exists():
         return ckpt
     shutil.rmtree(ckpt, ignore_errors=True)
-    env = {**os.environ, "BENCH_DIM": str(DIM), "BENCH_LAYERS": str(layers), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "BENCH_DIM": str(DIM), "BENCH_LAYERS": str(layers), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run([PY, "-m", "dsckpt", "train", "--model", "bench.models:transformer", "--stage", str(stage),
                     "--nproc", "4", "--steps", "1", "--save-dir", str(ckpt)], check=True, env=env, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

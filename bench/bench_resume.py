@@ -100,7 +100,7 @@ def main() -> None:
     if not weights.exists():
         subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(weights), "-q", "--no-client-state"],
                        check=True, cwd=ROOT)
-    env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1",
            **({"MALLOC_MMAP_THRESHOLD_": os.environ["MMAP_T"]} if os.environ.get("MMAP_T") else {})}
     print(f"file: {weights.stat().st_size / 2**20:.0f} MiB, world size {args.nproc}, ZeRO-3\n")
     print("| approach | rank 0 growth MiB | other ranks growth MiB (max) | load s |\n|---|---|---|---|")

@@ -108,12 +108,12 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool) -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
               help="Cast floating-point tensors (default: fp32 masters, buffers as stored).")
 @click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")
-@click.option("--duplicate-tied", is_flag=True, help="safetensors: write tied weights once per name.")
+@click.option("--duplicate-tied", is_flag=True, help="safetensors: write a copy of a tied weight under each of its names.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
-@click.option("--verify", is_flag=True, help="Re-read OUT and compare it with the shards.")
+@click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
