@@ -147,30 +147,30 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     if not os.access(p, os.R_OK | os.X_OK):
         raise CheckpointNotFoundError(f"{p}: permission denied")
     problems: list[str] = []
-    if _is_tag_dir(p) and tag is None:
-        root, tag_dir = p.parent, p
-        tags = list_tags(root) if root != p else [p.name]
-        latest = read_latest(root)
+    if _is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
+        root, tag = p.parent, tag or p.name
     else:
         root = p
-        tags = list_tags(root)
-        latest = read_latest(root)
-        if latest is not None and latest not in tags:
-            problems.append(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
-        if tag is None:
-            if latest in tags:
-                tag = latest
-            elif len(tags) == 1:
-                tag = tags[0]
-            elif not tags:
-                if latest is not None:
-                    raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
-                raise CheckpointNotFoundError(f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)")
-            else:
-                raise TagError(f"{root}: several tags and no usable 'latest'; pick one with --tag: {', '.join(tags)}")
-        elif tag not in tags:
-            raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
-        tag_dir = root / tag
+    tags = list_tags(root)
+    if root != p and p.name not in tags:
+        tags.append(p.name)  # e.g. a hidden in-progress save named explicitly
+    latest = read_latest(root)
+    if latest is not None and latest not in tags:
+        problems.append(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
+    if tag is None:
+        if latest in tags:
+            tag = latest
+        elif len(tags) == 1:
+            tag = tags[0]
+        elif not tags:
+            if latest is not None:
+                raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
+            raise CheckpointNotFoundError(f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)")
+        else:
+            raise TagError(f"{root}: several tags and no usable 'latest'; pick one with --tag: {', '.join(tags)}")
+    elif tag not in tags:
+        raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
+    tag_dir = root / tag
     model, optim, pipeline = _scan_tag_dir(tag_dir)
     if not model:
         raise CheckpointNotFoundError(f"{tag_dir}: no *_model_states.pt file")

@@ -153,3 +153,10 @@ def test_not_a_zip_is_typed(tmp_path):
     bad.write_bytes(b"hello")
     with pytest.raises(CorruptFileError, match="mp_rank_00_model_states.pt: not a torch zip checkpoint"):
         open_checkpoint(bad)
+
+
+def test_tag_folder_with_another_tag_named(fixture_copy):
+    root = fixture_copy("z2_ws1_fp16")
+    shutil.copytree(root / "step3", root / "step5")
+    assert discover(root / "step3").tag == "step3"
+    assert discover(root / "step3", tag="step5").tag == "step5"  # --tag wins; the root is the parent
