@@ -109,7 +109,7 @@ def main() -> None:
             report = HERE / "cache" / f"resume_{approach}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--job", approach, str(weights), str(report)]
-            for attempt in range(3):  # a rendezvous port race now and then; the job itself is deterministic
+            for _ in range(3):  # a rendezvous port race now and then; the job itself is deterministic
                 if subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
                     break
             else:

@@ -81,7 +81,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     files: tuple[str, ...] = (out.name,)
     with atomic_output(out, directory=form == "sharded") as tmp, _write_errors(out):
         if form == "safetensors":
-            write_safetensors(plan, list(plan.tensors), tmp, plan.metadata, progress)
+            write_safetensors(list(plan.tensors), tmp, plan.metadata, progress)
         elif form == "torch":
             write_torch(plan, tmp, progress)
         else:

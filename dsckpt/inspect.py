@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import DsckptError
 from .pickle_policy import Opaque, TensorRef
-from .plan import ITEMSIZE, build_plan
+from .plan import build_plan
 from .reader import Checkpoint, open_checkpoint
 
 SCHEMA_VERSION = 1

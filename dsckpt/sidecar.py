@@ -81,7 +81,7 @@ def _hashable(v: Any) -> Any:
 def write_sidecar(client_state: dict[str, Any], out: Path) -> Path:
     """Write OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
     from .output import atomic_output
-    from .plan import Plan, TensorPlan, ref_pieces
+    from .plan import TensorPlan, ref_pieces
     from .writer import write_safetensors
 
     json_path, tensors_path = sidecar_paths(out)
@@ -90,7 +90,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path) -> Path:
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
         with atomic_output(tensors_path) as tmp:
-            write_safetensors(Plan(tuple(plans)), plans, tmp, {"format": "dsckpt.client_state"})
+            write_safetensors(plans, tmp, {"format": "dsckpt.client_state"})
     elif tensors_path.exists():
         tensors_path.unlink()  # a companion left by an earlier --force run would be misread as ours
     with atomic_output(json_path) as tmp:

@@ -113,7 +113,7 @@ def _cast_pool(needed: bool):
     return ThreadPoolExecutor(CAST_THREADS)
 
 
-def write_safetensors(plan: Plan, tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
+def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
                       progress: Progress | None = None) -> None:
     """Same-dtype tensors: ``copy_file_range`` in this thread.  Cast tensors: chunks handed to a few
     threads (numpy and pread/pwrite release the GIL), each writing at its precomputed offset."""
@@ -174,7 +174,7 @@ def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress |
     weight_map, names = {}, []
     for i, group in enumerate(groups, 1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        write_safetensors(plan, group, folder / name, plan.metadata, progress)
+        write_safetensors(group, folder / name, plan.metadata, progress)
         weight_map.update({t.name: name for t in group})
         names.append(name)
     index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}

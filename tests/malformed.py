@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -146,7 +146,7 @@ def extra_rank(tmp):
 def mixed(source: str, source_pattern: str, fixture: str, target_pattern: str):
     def build(tmp):
         root = copy(tmp, fixture)
-        shutil.copy(rank_file(FIXTURES / source if False else FIXTURES / source, source_pattern),
+        shutil.copy(rank_file(FIXTURES / source, source_pattern),
                     rank_file(root, target_pattern))
         return root
     return build
