@@ -4,7 +4,8 @@ Protocol (every rank runs it; only rank 0 opens the file):
 1. rank 0 opens the file (``weights_file.WeightsFile``: positional reads, one tensor at a time), expands tied aliases recorded by ``dsckpt consolidate``, and checks keys and shapes against the
    model; the verdict is broadcast so every rank fails the same way.
 2. module by module: ``GatheredParameters(module.parameters(recurse=False), modifier_rank=0)``;
-   rank 0 copies values in; DeepSpeed re-partitions on exit.  Stages 0-2 need no gathering, and
+   rank 0 copies values in (having read them on a helper thread while the previous module was
+   gathered); DeepSpeed re-partitions on exit.  Stages 0-2 need no gathering, and
    rank 0's values are broadcast.  Persistent buffers are broadcast from rank 0.
 3. the optimizer's fp32 masters are set from the file: ``refresh_fp32_params()`` for fp32 models;
    for 16-bit models each parameter's fp32 value is broadcast and set with
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -94,31 +98,42 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     if problems:
         raise StateDictMismatchError(f"{path}: does not fit the model - " + "; ".join(problems),
                                      hint="use --no-strict to skip missing/unexpected keys, --strip-prefix for wrapper prefixes")
-    loaded = 0
     have = _broadcast_object(set(src.keys()) if src else None)
+    steps = []  # per module, in module order: (parameters, persistent buffers) found in the file
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if prefix + n in have]
-        if params:
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+        buffers = [(prefix + n, b) for n, b in mod.named_buffers(recurse=False)
+                   if b is not None and n not in mod._non_persistent_buffers_set and prefix + n in have]
+        if params or buffers:
+            steps.append((params, buffers))
+
+    def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread
+        return {name: src.get(name) for name, _ in steps[i][0] + steps[i][1]}
+
+    loaded = 0
+    with ThreadPoolExecutor(1) as pool:
+        # rank 0 reads module i+1 from disk while module i is gathered and scattered: two modules in memory
+        ahead = pool.submit(read, 0) if src and steps else None
+        for i, (params, buffers) in enumerate(steps):
+            values = ahead.result() if ahead else {}
+            ahead = pool.submit(read, i + 1) if src and i + 1 < len(steps) else None
+            gathered = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0) if params \
+                else contextlib.nullcontext()
+            with gathered, torch.no_grad():
                 for name, p in params:
                     if eng.rank() == 0:
-                        with torch.no_grad():
-                            p.data.copy_(src.get(name).to(p.dtype).view(p.shape))
+                        p.data.copy_(values[name].to(p.dtype).view(p.shape))
                     if not hasattr(p, "ds_id") and eng.world_size() > 1:
                         dist.broadcast(p.data, 0)  # stages 0-2: replicate rank 0's values
-                    loaded += 1
-        for n, b in mod.named_buffers(recurse=False):
-            name = prefix + n
-            if b is None or n in mod._non_persistent_buffers_set or name not in have:
-                continue
-            if eng.rank() == 0:
-                b.data.copy_(src.get(name).to(b.dtype).view(b.shape))
-            if eng.world_size() > 1:
-                dist.broadcast(b.data, 0)  # GatheredParameters does not cover buffers
-            loaded += 1
-        if progress:
-            progress(1)
+            for name, b in buffers:
+                if eng.rank() == 0:
+                    b.data.copy_(values[name].to(b.dtype).view(b.shape))
+                if eng.world_size() > 1:
+                    dist.broadcast(b.data, 0)  # GatheredParameters does not cover buffers
+            loaded += len(params) + len(buffers)
+            if progress:
+                progress(1)
     _set_fp32_masters(engine, src, have)
     return {"loaded": loaded, "expected": len(expected)}
 
