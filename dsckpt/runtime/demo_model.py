@@ -37,7 +37,7 @@ class TinyCausalLM(nn.Module):
     def __init__(self, vocab_size: int = 64, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                  seq_len: int = 32, freeze_first_block: bool = False, tie_embeddings: bool = True):
         super().__init__()
-        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.vocab_size, self.seq_len, self.dim = vocab_size, seq_len, dim
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos_embed = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
@@ -56,7 +56,8 @@ class TinyCausalLM(nn.Module):
         x = self.embed(inputs) + self.pos_embed[self.positions[: inputs.shape[1]]].to(self.embed.weight.dtype)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x)) * self.logit_scale.to(x.dtype)
+        # 1/sqrt(dim): the head shares the N(0, 1) embedding, whose raw logits would start the loss near 60
+        logits = self.head(self.norm(x)) * (self.logit_scale.to(x.dtype) * self.dim ** -0.5)
         if self.training:
             self.tokens_seen += inputs.numel()
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
