@@ -84,6 +84,9 @@ def job(approach: str, weights: str, report: str) -> None:
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
         Path(report).write_text(json.dumps(rows))
+    from dsckpt.runtime.engine import shutdown
+
+    shutdown()
 
 
 def main() -> None:

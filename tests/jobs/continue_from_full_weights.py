@@ -8,7 +8,7 @@ import torch
 
 import dsckpt
 from dsckpt.runtime.commands import quiet_deepspeed
-from dsckpt.runtime.engine import full_state_dict, rank
+from dsckpt.runtime.engine import full_state_dict, rank, shutdown
 from dsckpt.runtime.resume import resume_full_weights
 from dsckpt.runtime.train import TrainOptions, Trainer
 
@@ -30,4 +30,6 @@ def main(weights: str, save_dir: str, report: str) -> None:
 
 
 if __name__ == "__main__":
+    # every job leaves the process group explicitly: a rank exiting while a peer still tears down can abort it
     main(*sys.argv[1:4])
+    shutdown()  # only after success: a barrier after a failure would wait for peers that may be gone

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from dsckpt.runtime.commands import quiet_deepspeed
-from dsckpt.runtime.engine import full_state_dict, rank
+from dsckpt.runtime.engine import full_state_dict, rank, shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer, states_equal
 
 
@@ -38,4 +38,6 @@ def main(stage_or_preset: str, save_dir: str, report: str) -> None:
 
 
 if __name__ == "__main__":
+    # every job leaves the process group explicitly: a rank exiting while a peer still tears down can abort it
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    shutdown()  # only after success: a barrier after a failure would wait for peers that may be gone

@@ -6,6 +6,7 @@ from pathlib import Path
 from dsckpt.reader import open_checkpoint
 from dsckpt.layout import list_tags
 from dsckpt.runtime.commands import quiet_deepspeed
+from dsckpt.runtime.engine import shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer
 
 
@@ -37,4 +38,6 @@ def main(save_dir: str, report: str) -> None:
 
 
 if __name__ == "__main__":
+    # every job leaves the process group explicitly: a rank exiting while a peer still tears down can abort it
     main(sys.argv[1], sys.argv[2])
+    shutdown()  # only after success: a barrier after a failure would wait for peers that may be gone
