@@ -86,7 +86,7 @@ def job(approach: str, weights: str, report: str) -> None:
         Path(report).write_text(json.dumps(rows))
     from dsckpt.runtime.engine import shutdown
 
-    shutdown()
+    shutdown(exit_process=True)
 
 
 def main() -> None:

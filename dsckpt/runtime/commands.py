@@ -25,7 +25,7 @@ def run_train(**kwargs) -> None:
         where = f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""
         click.echo(f"trained {len(losses)} steps (stage {trainer.runtime.stage}, world size {eng.world_size()}): "
                    f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{where}")
-    eng.shutdown()
+    eng.shutdown(exit_process=True)
 
 
 def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, as_json, **kwargs) -> None:
@@ -58,11 +58,11 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                        f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
-        eng.shutdown()
+        eng.shutdown(exit_process=True)
         return
     start = trainer.global_step
     losses = trainer.fit(trainer.opts.steps)
     if eng.rank() == 0:
         click.echo(f"resumed training: steps {start} -> {trainer.global_step}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
-    eng.shutdown()
+    eng.shutdown(exit_process=True)

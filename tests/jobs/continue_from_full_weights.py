@@ -30,6 +30,6 @@ def main(weights: str, save_dir: str, report: str) -> None:
 
 
 if __name__ == "__main__":
-    # every job leaves the process group explicitly: a rank exiting while a peer still tears down can abort it
+    # leave the process group and skip teardown explicitly (see dsckpt.runtime.engine.shutdown)
     main(*sys.argv[1:4])
-    shutdown()  # only after success: a barrier after a failure would wait for peers that may be gone
+    shutdown(exit_process=True)  # only after success: a barrier after a failure would wait for gone peers
