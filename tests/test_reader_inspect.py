@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,12 @@ def test_inspect_json_fields(name):
     assert len([f for f in s["files"] if f["kind"] == "optim"]) == (ws if stage else 0)
     assert s["problems"] == []
     assert s["estimates"]["fp32_bytes"] > 0 and s["ds_version"] == "0.19.8"
+    assert (s["global_steps"], s["mp_world_size"], s["schema"], s["kind"]) == (3, 1, 1, "deepspeed")
+    assert s["parameters"]["groups"] == ([] if stage == 0 else [len(ref_params) - s["frozen"]["count"]])
+    sizes = [t["numel"] for t in s["largest"]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == max(v.numel() for v in ref_params.values())
+    assert all(f["size"] > 0 and Path(f["path"]).is_file() for f in s["files"])
+    assert s["estimates"]["elements"] == sum(v.numel() for k, v in ref.items() if k != "head.weight")
 
 
 def test_inspect_tensors_names_rank_files():
