@@ -270,12 +270,17 @@ def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, st
     return meta
 
 
+def strip_name(name: str, prefixes: tuple[str, ...]) -> str:
+    """``name`` without the first of ``prefixes`` it starts with (wrapper prefixes like ``module.``)."""
+    for p in prefixes:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
 def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
     def strip(name: str) -> str:
-        for p in prefixes:
-            if name.startswith(p):
-                return name[len(p):]
-        return name
+        return strip_name(name, prefixes)
 
     tensors = tuple(TensorPlan(strip(t.name), t.shape, t.src_dtype, t.dtype, t.kind, t.pieces) for t in plan.tensors)
     names = [t.name for t in tensors]

@@ -55,15 +55,24 @@ class SourceFiles:
         self.close()
 
 
+def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, int, int]]:
+    """(source path, source offset, source bytes, output offset) of each chunk of a tensor, whose
+    output starts at ``pos``; chunks hold whole elements."""
+    src_size, dst_size = ITEMSIZE[t.src_dtype], ITEMSIZE[t.dtype]
+    step = max(src_size, chunk - chunk % src_size)
+    for piece in t.pieces:
+        for start in range(0, piece.nbytes, step):
+            n = min(step, piece.nbytes - start)
+            yield piece.path, piece.offset + start, n, pos
+            pos += n // src_size * dst_size
+
+
 def iter_tensor_chunks(src: SourceFiles, t: TensorPlan, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The tensor's output bytes, in order, at most ~``chunk`` bytes at a time (cast applied)."""
     from .cast import cast_bytes  # numpy only when a cast is needed
 
-    step = max(ITEMSIZE[t.src_dtype], chunk - chunk % ITEMSIZE[t.src_dtype])
-    for piece in t.pieces:
-        for start in range(0, piece.nbytes, step):
-            data = src.pread(piece.path, min(step, piece.nbytes - start), piece.offset + start)
-            yield cast_bytes(data, t.src_dtype, t.dtype)
+    for path, offset, nbytes, _ in _chunks(t, 0, chunk):
+        yield cast_bytes(src.pread(path, nbytes, offset), t.src_dtype, t.dtype)
 
 
 def read_tensor(src: SourceFiles, t: TensorPlan) -> bytes:
@@ -92,17 +101,6 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
         if n == 0:
             raise CorruptFileError("unexpected end of a rank file while copying (truncated?)")
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
-
-
-def _cast_chunks(t: TensorPlan, pos: int, chunk: int = CAST_CHUNK_BYTES) -> Iterator[tuple[Path, int, int, int]]:
-    """(source path, source offset, source bytes, output offset) of each chunk of a cast tensor."""
-    src_size, dst_size = ITEMSIZE[t.src_dtype], ITEMSIZE[t.dtype]
-    step = max(src_size, chunk - chunk % src_size)
-    for piece in t.pieces:
-        for start in range(0, piece.nbytes, step):
-            n = min(step, piece.nbytes - start)
-            yield piece.path, piece.offset + start, n, pos
-            pos += n // src_size * dst_size
 
 
 def _cast_pool(needed: bool):
@@ -142,7 +140,7 @@ def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str,
                     if progress:
                         progress(t.nbytes)
                 else:
-                    pending += [pool.submit(cast_chunk, job, t) for job in _cast_chunks(t, pos)]
+                    pending += [pool.submit(cast_chunk, job, t) for job in _chunks(t, pos, CAST_CHUNK_BYTES)]
                     while len(pending) > 2 * CAST_THREADS:  # bounded memory: a few chunks in flight
                         done = pending.pop(0).result()
                         if progress:

@@ -73,6 +73,10 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
         click.echo(f"resumed {ckpt_dir} at step {trainer.global_step}")
 
 
+def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.reshape(want.shape).float() - want.float()).abs().max().item() if want.numel() else 0.0
+
+
 def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | None,
                        strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
     """Gather every parameter on every rank and compare with the file; compare the client state."""
@@ -82,27 +86,21 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
     checked, masters, max_diff, master_diff = 0, 0, 0.0, 0.0
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        params = list(mod.named_parameters(recurse=False))
+        params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if prefix + n in src.source]
+        wanted = {name: src.get(name) for name, _ in params}  # each tensor read once
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            for n, p in params:
-                if prefix + n not in src.source:
-                    continue
-                want = src.get(prefix + n)
-                got = p.detach().reshape(want.shape)
-                max_diff = max(max_diff, (got.float() - want.to(p.dtype).float()).abs().max().item() if want.numel() else 0)
+            for name, p in params:
+                max_diff = max(max_diff, _max_diff(p.detach(), wanted[name].to(p.dtype)))
                 checked += 1
-        for n, p in params:
-            if p.requires_grad and prefix + n in src.source and trainer.engine.optimizer is not None:
-                master = get_fp32_master(trainer.engine, p)
-                if master is not None:
-                    masters += 1
-                    want = src.get(prefix + n).float()
-                    if p.dtype != torch.float32 and src.get(prefix + n).dtype != torch.float32:
-                        want = want.to(p.dtype).float()
-                    master_diff = max(master_diff, (master.reshape(want.shape) - want).abs().max().item() if want.numel() else 0)
+        for name, p in params:
+            master = get_fp32_master(trainer.engine, p) if p.requires_grad and trainer.engine.optimizer else None
+            if master is not None:
+                masters += 1
+                want = wanted[name] if wanted[name].dtype == torch.float32 else wanted[name].to(p.dtype)
+                master_diff = max(master_diff, _max_diff(master, want))
         for n, b in mod.named_buffers(recurse=False):
             if b is not None and prefix + n in src.source:
-                max_diff = max(max_diff, (b.float() - src.get(prefix + n).to(b.dtype).float()).abs().max().item() if b.numel() else 0)
+                max_diff = max(max_diff, _max_diff(b, src.get(prefix + n).to(b.dtype)))
                 checked += 1
     restored = []
     if client is not None:

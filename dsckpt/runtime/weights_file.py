@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptFileError
-from ..plan import ITEMSIZE
+from ..plan import ITEMSIZE, strip_name
 from ..pickle_policy import TensorRef
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -50,7 +50,7 @@ class WeightsFile:
         except (OSError, ValueError) as exc:
             raise CorruptFileError(f"{self.path}: cannot read weights ({exc})") from None
         self.aliases = {a: s for a, s in aliases.items() if a not in self.entries and s in self.entries}
-        self.source = {_strip(n, strip_prefixes): n for n in list(self.entries) + list(self.aliases)}
+        self.source = {strip_name(n, strip_prefixes): n for n in list(self.entries) + list(self.aliases)}
 
     # -- formats ------------------------------------------------------------------------------
     @staticmethod
@@ -118,9 +118,3 @@ class WeightsFile:
             return flat.reshape(e.shape)
         return flat.as_strided(e.shape, e.stride).clone()
 
-
-def _strip(name: str, prefixes: tuple[str, ...]) -> str:
-    for p in prefixes:
-        if name.startswith(p):
-            return name[len(p):]
-    return name
