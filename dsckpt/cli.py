@@ -21,12 +21,12 @@ EXIT_ERROR = 2  # a typed dsckpt error
 def _training_options(fn):
     opts = [
         click.option("--model", default=None, metavar="PKG.MODULE:FACTORY", help="Model factory (default: built-in tiny causal LM)."),
-        click.option("--preset", default=None, help="deepspeed, deepspeed_stage_1, ..._2, ..._2_offload, ..._3, ..._3_offload, ..._3_offload_nvme."),
-        click.option("--stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage (overrides the preset's)."),
+        click.option("--preset", default=None, help="deepspeed, deepspeed_stage_1, ..._2, ..._2_offload, ..._3, ..._3_offload, ..._3_offload_nvme (default: deepspeed_stage_3 unless --stage or --config is given)."),
+        click.option("--stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage (overrides the preset's; default: the preset's)."),
         click.option("--config", "config", default=None, type=click.Path(dir_okay=False), help="DeepSpeed JSON config (else $DSCKPT_DEEPSPEED_CONFIG)."),
         click.option("--precision", type=click.Choice(["32", "bf16", "16"]), default="32", show_default=True),
         click.option("--steps", type=int, default=20, show_default=True),
-        click.option("--save-dir", type=click.Path(file_okay=False), default=None),
+        click.option("--save-dir", type=click.Path(file_okay=False), default=None, help="Where to save checkpoints (default: nowhere; nothing is saved)."),
         click.option("--save-every", type=int, default=0, help="Save every N steps (0: once at the end)."),
         click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks, started through torch.distributed.run."),
         click.option("--seed", type=int, default=1234, show_default=True),
@@ -35,6 +35,7 @@ def _training_options(fn):
         click.option("--offload-parameters/--no-offload-parameters", default=None, help="ZeRO-3 parameter offload (default: the preset's)."),
         click.option("--gradient-accumulation-steps", type=int, default=None),
         click.option("--gradient-clip-val", type=float, default=None, help="Clip by global norm (DeepSpeed's only mode)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document (logs go to stderr)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -57,7 +58,7 @@ def cli() -> None:
 
 @cli.command()
 @_training_options
-def train(nproc: int, **kwargs) -> None:
+def train(nproc: int, as_json: bool, **kwargs) -> None:
     """Train a model with DeepSpeed and save sharded checkpoints with client state.
 
     \b
@@ -66,13 +67,13 @@ def train(nproc: int, **kwargs) -> None:
       dsckpt train --preset deepspeed_stage_2 --precision bf16 --save-dir runs/z2
       torchrun --nproc_per_node 2 -m dsckpt train --config ds.json --save-dir runs/x
     """
-    from .runtime import launch
+    from .runtime import commands, launch
 
+    if not _in_launched_rank():
+        commands.preflight_train(_world_size(nproc), **kwargs)
     if launch.should_launch(nproc):
         sys.exit(launch.launch(nproc))
-    from .runtime.commands import run_train
-
-    run_train(**kwargs)
+    commands.run_train(as_json=as_json, **kwargs)
 
 
 @cli.command()
@@ -114,10 +115,11 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool) -> None:
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
+@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, force, verify, quiet, as_json) -> None:
+                max_shard_size, no_client_state, force, verify, no_fsync, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
@@ -142,7 +144,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
               file=sys.stderr, leave=False) as bar:
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
-                     client_state=not no_client_state, force=force, verify=verify, progress=bar.update)
+                     client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
+                     progress=bar.update)
     if as_json:
         click.echo(json.dumps({"out": str(result.out), "form": result.form, "tensors": result.tensors,
                                "bytes": result.nbytes, "files": list(result.files),
@@ -157,13 +160,14 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
 @cli.command()
 @click.argument("checkpoint", required=False, type=click.Path())
 @click.option("--full-weights", type=click.Path(), default=None, help="One weights file (.safetensors/.pt/.bin or sharded folder).")
-@click.option("--client-state", type=click.Path(dir_okay=False), default=None, help="Sidecar JSON (default: FILE.client_state.json).")
+@click.option("--client-state", type=click.Path(dir_okay=False), default=None,
+              help="Client-state sidecar JSON, or 'none' to restore nothing (default: FILE.client_state.json, "
+                   "else what a .pt holds beside its state_dict; for CKPT_DIR: the checkpoint's own).")
 @click.option("--tag", default=None, help="Tag of CHECKPOINT to resume.")
 @click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
 @click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: load its consolidated weights.")
-@click.option("--json", "as_json", is_flag=True, help="--check report as JSON.")
 @_training_options
 def resume(nproc: int, **kwargs) -> None:
     """Carry on training from a sharded checkpoint or a full-weights file.
@@ -177,13 +181,24 @@ def resume(nproc: int, **kwargs) -> None:
     Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
     optimizer moments start fresh; the client state comes from the sidecar.
     """
-    from .runtime import launch
+    from .runtime import commands, launch
 
+    if not _in_launched_rank():
+        commands.preflight_resume(_world_size(nproc), **kwargs)
     if launch.should_launch(nproc):
         sys.exit(launch.launch(nproc))
-    from .runtime.commands import run_resume
+    commands.run_resume(**kwargs)
 
-    run_resume(**kwargs)
+
+def _in_launched_rank() -> bool:
+    """A rank started by `--nproc` (its launcher already ran the preflight)."""
+    from .runtime.console import ERROR_DIR_ENV
+
+    return ERROR_DIR_ENV in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _world_size(nproc: int) -> int:
+    return int(os.environ.get("WORLD_SIZE", "1")) if "LOCAL_RANK" in os.environ else nproc
 
 
 def main() -> None:
@@ -192,12 +207,20 @@ def main() -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        hint = f"see `{exc.ctx.command_path} --help`" if exc.ctx else "see `dsckpt --help`"
+        click.echo(f"dsckpt: error: {exc.format_message()}\nhint: {hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"dsckpt: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except DsckptError as exc:
         if os.environ.get("DSCKPT_DEBUG") == "1":
             raise
+        from .runtime.console import report_rank_error
+
+        if _in_launched_rank() and report_rank_error(str(exc), exc.hint):
+            sys.exit(EXIT_ERROR)  # the launcher prints it once for all ranks
         click.echo(f"dsckpt: error: {exc}", err=True)
         if exc.hint:
             click.echo(f"hint: {exc.hint}", err=True)

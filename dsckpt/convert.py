@@ -4,7 +4,8 @@
 1. open the checkpoint (``reader``) and build the plan (``plan``);
 2. check OUT (not an input, not existing unless ``force``); with ``verify``, CRC-check the sources;
 3. write weights to a temp path beside OUT; with ``verify``, re-read it and compare with the shards;
-4. write the client-state sidecar (temp + rename too), then rename OUT into place.
+4. write the client-state sidecar (temp + rename too), then rename OUT into place; with ``fsync``
+   (the default) OUT is flushed before the rename and its folder after it.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def output_form(out: Path) -> str:
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
-                client_state: bool = True, force: bool = False, verify: bool = False,
+                client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 progress: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO checkpoint into ``out`` (form chosen by its suffix); see the module docstring."""
     ckpt = open_checkpoint(checkpoint, tag)
@@ -79,7 +80,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     if verify:
         check_sources(plan)  # damaged source bytes are caught before anything is written
     files: tuple[str, ...] = (out.name,)
-    with atomic_output(out, directory=form == "sharded") as tmp, _write_errors(out):
+    with atomic_output(out, directory=form == "sharded", fsync=fsync) as tmp, _write_errors(out):
         if form == "safetensors":
             write_safetensors(list(plan.tensors), tmp, plan.metadata, progress)
         elif form == "torch":
@@ -89,7 +90,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         if verify:
             verify_output(plan, tmp, form)  # before the rename: a failed check leaves nothing at OUT
         if sidecars:
-            write_sidecar(ckpt.client_state, out)
+            write_sidecar(ckpt.client_state, out, fsync)
         else:  # a sidecar left from an earlier OUT would restore the wrong counters
             for stale in sidecar_paths(out):
                 stale.unlink(missing_ok=True)

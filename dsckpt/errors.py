@@ -21,6 +21,10 @@ class ConfigError(DsckptError):
     """A DeepSpeed config or runtime argument is invalid."""
 
 
+class UnsupportedPrecisionError(ConfigError):
+    """The requested training precision cannot run on this machine (or the model came out in another)."""
+
+
 class CheckpointNotFoundError(DsckptError):
     """The path does not exist or holds no DeepSpeed checkpoint."""
 

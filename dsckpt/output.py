@@ -70,15 +70,35 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def fsync_path(path: Path, *, files: bool = True) -> None:
+    """Flush a file, or a folder's entries (and, with ``files``, each file in it), to stable storage."""
+    if files and path.is_dir() and not path.is_symlink():
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False):
+                fsync_path(Path(entry.path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_output(out: Path, *, directory: bool = False) -> Iterator[Path]:
-    """Yield a temp path beside ``out``; on success rename it to ``out``, on any error delete it."""
+def atomic_output(out: Path, *, directory: bool = False, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temp path beside ``out``; on success rename it to ``out``, on any error delete it.
+
+    With ``fsync`` (trusted systems' rule: data durable before it is published) the temp output is
+    flushed before the rename and the folder after it, so a power loss leaves the old OUT or the
+    complete new one, never a renamed file whose data blocks were not written yet.
+    """
     clean_stale_temps(out)
     tmp = _temp_name(out)
     if directory:
         tmp.mkdir()
     try:
         yield tmp
+        if fsync:
+            fsync_path(tmp)
         if directory and out.is_dir():
             old = _temp_name(out)
             os.replace(out, old)  # a directory cannot be replaced in one step; keep the old one until then
@@ -88,6 +108,8 @@ def atomic_output(out: Path, *, directory: bool = False) -> Iterator[Path]:
             if out.is_dir():
                 raise OutputError(f"{out}: is a directory; choose a file name or remove it")
             os.replace(tmp, out)
+        if fsync:
+            fsync_path(out.parent if str(out.parent) else Path("."))
     except BaseException:
         _remove(tmp)
         raise

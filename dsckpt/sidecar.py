@@ -78,7 +78,7 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def write_sidecar(client_state: dict[str, Any], out: Path) -> Path:
+def write_sidecar(client_state: dict[str, Any], out: Path, fsync: bool = True) -> Path:
     """Write OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
     from .output import atomic_output
     from .plan import TensorPlan, ref_pieces
@@ -89,11 +89,11 @@ def write_sidecar(client_state: dict[str, Any], out: Path) -> Path:
     doc = {"format": "dsckpt.client_state/1", "weights": out.name, "client_state": encode(client_state, tensors)}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
-        with atomic_output(tensors_path) as tmp:
+        with atomic_output(tensors_path, fsync=fsync) as tmp:
             write_safetensors(plans, tmp, {"format": "dsckpt.client_state"})
     elif tensors_path.exists():
         tensors_path.unlink()  # a companion left by an earlier --force run would be misread as ours
-    with atomic_output(json_path) as tmp:
+    with atomic_output(json_path, fsync=fsync) as tmp:
         tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return json_path
 

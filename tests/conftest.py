@@ -16,8 +16,12 @@ FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and (p /
 JOB_TIMEOUT = 240  # gloo's own timeout is 10 minutes; fail well before
 
 
+MODELS = ROOT / "tests" / "models"  # test-only models, importable as `--model odd_model:build`
+PYTHONPATH = os.pathsep.join([str(ROOT), str(MODELS), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def run_cli(*args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     return subprocess.run([sys.executable, "-m", "dsckpt", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=ROOT)
@@ -27,7 +31,7 @@ def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT) -> subprocess.C
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "jobs" / script), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -46,7 +50,7 @@ def fixture_copy(tmp_path):
 def trained_z3(tmp_path_factory):
     """One real 2-rank ZeRO-3 run of the demo model, consolidated: shared by the resume tests."""
     root = tmp_path_factory.mktemp("z3run")
-    proc = run_cli("train", "--stage", "3", "--nproc", "2", "--steps", "6", "--save-dir", root / "ckpt")
+    proc = run_cli("train", "--stage", "3", "--nproc", fit_ranks(2), "--steps", "6", "--save-dir", root / "ckpt")
     assert proc.returncode == 0, proc.stderr[-4000:]
     (root / "train.out").write_text(proc.stdout)
     proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
@@ -56,3 +60,31 @@ def trained_z3(tmp_path_factory):
 
 def load_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def _capabilities() -> tuple[str, ...]:
+    from dsckpt.runtime.precision import supported_precisions
+
+    return supported_precisions()
+
+
+def skip_unless_supported(precision: str) -> None:
+    """Machines differ: a precision this CPU (or GPU) cannot train in is skipped, with the reason."""
+    if precision not in _capabilities():
+        pytest.skip(f"precision {precision!r} is not supported by this machine's DeepSpeed accelerator "
+                    f"(supported: {', '.join(_capabilities())})")
+
+
+def skip_beyond_devices(nproc: int) -> None:
+    """On a GPU host every rank needs its own GPU (nccl); on a CPU, gloo runs any small world size."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"{nproc} ranks need {nproc} GPUs; this host has {torch.cuda.device_count()}")
+
+
+def fit_ranks(nproc: int) -> int:
+    """``nproc`` ranks, or as many as this host has GPUs (a fixture that any world size can use)."""
+    import torch
+
+    return min(nproc, torch.cuda.device_count()) if torch.cuda.is_available() else nproc

@@ -1,10 +1,21 @@
-"""Bodies of the runtime's CLI commands (train, resume); each runs on every rank."""
+"""Bodies of the runtime's commands (train, resume): a preflight in the launching process, then the
+work on every rank.
+
+``preflight_*`` check everything that needs no rank (flag combinations, the config, the machine's
+precisions, input files, world sizes) so a mistake costs no DeepSpeed start-up and is reported once.
+``run_*`` run on every rank; results go through ``console.result`` (rank 0, stdout only).
+"""
 from __future__ import annotations
 
+import json
 import logging
 import os
+from typing import Any
 
-import click
+from ..errors import ConfigError, WorldSizeMismatchError
+from . import console
+
+NO_CLIENT_STATE = "none"  # --client-state none: restore nothing
 
 
 def quiet_deepspeed() -> None:
@@ -12,49 +23,106 @@ def quiet_deepspeed() -> None:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes inside DeepSpeed
+    # nccl: DeepSpeed's barriers name no device_id; harmless, printed at every barrier on a GPU
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 
-def run_train(**kwargs) -> None:
+def _options(kwargs: dict[str, Any]):
+    from .train import TrainOptions
+
+    return TrainOptions(**kwargs)
+
+
+def _check_precision(opts) -> None:
+    import torch
+
+    from .config import precision_of
+    from .launch import quiet_accelerator_choice
+
+    quiet_accelerator_choice()  # before DeepSpeed is imported: its logger writes to stdout
+    from .precision import require_supported
+
+    if not torch.cuda.is_available():  # on a GPU host the ranks check (asking here would hold a CUDA context)
+        require_supported(precision_of(opts.deepspeed_config()))
+
+
+def preflight_train(world_size: int, *, saves: bool = True, **kwargs) -> None:
+    opts = _options(kwargs)
+    opts.deepspeed_config()  # a bad config or preset fails here
+    _check_precision(opts)
+    if opts.save_every and not opts.save_dir:
+        raise ConfigError("--save-every needs --save-dir")
+    if saves and not opts.save_dir:
+        console.info("note: no --save-dir given: this run trains and saves nothing")
+
+
+def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strict, strip_prefix, check,
+                     reshard, as_json, **kwargs) -> None:
+    if bool(checkpoint) == bool(full_weights):
+        raise ConfigError("give either CKPT_DIR or --full-weights FILE, not both or neither")
+    if check and not full_weights:
+        raise ConfigError("--check compares the loaded model with a --full-weights file; give one")
+    if reshard and not checkpoint:
+        raise ConfigError("--reshard applies to a sharded CKPT_DIR; a --full-weights file loads at any world size")
+    if client_state and client_state != NO_CLIENT_STATE and not os.path.isfile(client_state):
+        raise ConfigError(f"--client-state {client_state}: no such file (or 'none' to restore nothing)")
+    if full_weights:
+        from .weights_file import WeightsFile
+
+        WeightsFile(full_weights, tuple(strip_prefix))  # a missing or broken file fails now
+    else:
+        from ..reader import open_checkpoint
+
+        ckpt = open_checkpoint(checkpoint, tag=tag)
+        ckpt.require_complete()
+        if ckpt.world_size != world_size and not reshard:
+            raise WorldSizeMismatchError(
+                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
+                f"world size {world_size}; DeepSpeed cannot reshard it",
+                hint=f"add --reshard, or run `dsckpt consolidate {checkpoint} model.safetensors`, then "
+                     "`dsckpt resume --full-weights model.safetensors` at any world size")
+    preflight_train(world_size, saves=not check, **kwargs)
+
+
+def run_train(as_json: bool = False, **kwargs) -> None:
     from . import engine as eng
-    from .train import TrainOptions, Trainer
+    from .train import Trainer
 
+    console.claim_stdout()
     quiet_deepspeed()
-    trainer = Trainer(TrainOptions(**kwargs))
+    trainer = Trainer(_options(kwargs))
     losses = trainer.fit(trainer.opts.steps)
-    if eng.rank() == 0:
-        where = f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""
-        click.echo(f"trained {len(losses)} steps (stage {trainer.runtime.stage}, world size {eng.world_size()}): "
-                   f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{where}")
+    summary = {"steps": len(losses), "stage": trainer.runtime.stage, "world_size": eng.world_size(),
+               "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+               "save_dir": trainer.opts.save_dir}
+    console.result(json.dumps(summary) if as_json else
+                   f"trained {len(losses)} steps (stage {summary['stage']}, world size {summary['world_size']}): "
+                   f"loss {_fmt(losses)}" + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     eng.shutdown(exit_process=True)
 
 
-def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, as_json, **kwargs) -> None:
-    import json
+def _fmt(losses: list[float]) -> str:
+    return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a (0 steps)"
 
-    from ..errors import ConfigError
+
+def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, as_json,
+               **kwargs) -> None:
     from . import engine as eng
     from .resume import check_against_file, resume_full_weights, resume_sharded
-    from .train import TrainOptions, Trainer
+    from .train import Trainer
 
+    console.claim_stdout()
     quiet_deepspeed()
-    if bool(checkpoint) == bool(full_weights):
-        raise ConfigError("give either CKPT_DIR or --full-weights FILE")
-    if full_weights and int(os.environ.get("RANK", "0")) == 0:
-        from .weights_file import WeightsFile
-
-        WeightsFile(full_weights, tuple(strip_prefix))  # a broken file fails now, before DeepSpeed starts
-    trainer = Trainer(TrainOptions(**kwargs))
+    trainer = Trainer(_options(kwargs))
+    skip_client = client_state == NO_CLIENT_STATE
     if full_weights:
-        client = resume_full_weights(trainer, full_weights, client_state, strict, tuple(strip_prefix))
+        restored = resume_full_weights(trainer, full_weights, None if skip_client else client_state, strict,
+                                       tuple(strip_prefix), skip_client=skip_client)
     else:
-        resume_sharded(trainer, checkpoint, tag, reshard, strict)
-        client = None
+        restored = resume_sharded(trainer, checkpoint, tag, reshard, strict, skip_client=skip_client)
     if check:
-        if not full_weights:
-            raise ConfigError("--check compares against a --full-weights file")
-        report = check_against_file(trainer, full_weights, client, tuple(strip_prefix))
-        if eng.rank() == 0:
-            click.echo(json.dumps(report) if as_json else
+        report = check_against_file(trainer, full_weights, restored, tuple(strip_prefix))
+        console.result(json.dumps(report) if as_json else
                        f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
@@ -62,7 +130,11 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
         return
     start = trainer.global_step
     losses = trainer.fit(trainer.opts.steps)
-    if eng.rank() == 0:
-        click.echo(f"resumed training: steps {start} -> {trainer.global_step}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    summary = {"start_step": start, "end_step": trainer.global_step, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "save_dir": trainer.opts.save_dir,
+               "client_state_keys_restored": restored.restored if restored else [],
+               "client_state_keys_left_alone": restored.left_alone if restored else []}
+    console.result(json.dumps(summary) if as_json else
+                   f"resumed training: steps {start} -> {trainer.global_step}, loss {_fmt(losses)}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     eng.shutdown(exit_process=True)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ConfigError, WorldSizeMismatchError
+from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedPrecisionError, WorldSizeMismatchError
 from ..layout import DEEPSPEED_KEYS, LATEST_FILE
 from .config import precision_of
 
@@ -81,6 +81,18 @@ def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision_of(config), torch.float32)
 
 
+def check_model_dtype(module: torch.nn.Module, wanted: torch.dtype) -> None:
+    """Refuse to train in another precision than the config asks for (see ``build_model``)."""
+    found = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if found and found != {wanted}:
+        from .precision import LABELS
+
+        names = {torch.float32: "32", torch.bfloat16: "bf16", torch.float16: "16"}
+        raise UnsupportedPrecisionError(
+            f"the model's parameters are {sorted(str(d) for d in found)} but the DeepSpeed config asks for "
+            f"{LABELS[names[wanted]]}", hint="a model factory must not cast its parameters itself")
+
+
 PARTIAL_SUFFIX = ".dsckpt-partial"
 
 
@@ -93,7 +105,10 @@ def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
     """Rename a completely written tag folder into place, then update `latest` atomically."""
     import shutil
 
+    from ..output import fsync_path
+
     final, staged = save_dir / tag, save_dir / partial
+    fsync_path(staged)  # every rank file's data, then the tag folder's entries, before publishing
     old = save_dir / f".{tag}.dsckpt-old"
     if final.exists():  # re-saving a tag: the old one stays complete until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -102,7 +117,10 @@ def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
     tmp = save_dir / f".{LATEST_FILE}.dsckpt-tmp"
     tmp.write_text(tag)
+    fsync_path(tmp)
+    fsync_path(save_dir, files=False)  # the renamed tag folder is durable before `latest` names it
     os.replace(tmp, save_dir / LATEST_FILE)
+    fsync_path(save_dir, files=False)
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -130,7 +148,16 @@ class Runtime:
 
         offload = self.config.get("zero_optimization", {}).get("offload_param", {}).get("device")
         remote = self.remote_device or (offload if offload in ("cpu", "nvme") else None)
-        with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=self.config, dtype=model_dtype(self.config)):
+        # zero.Init patches torch.Tensor.__new__; a factory that imports transformers inside itself
+        # triggers the first `import torch._dynamo` under that patch, which fails ("Signature mismatch
+        # between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor ...>").  Import it first.
+        import torch._dynamo  # noqa: F401
+
+        # dtype=None, not the config's dtype: DeepSpeed 0.19.8's `Init._set_dtype` evaluates
+        # `dtype or torch.float16 if is_fp16_supported() else torch.bfloat16 ...` as
+        # `(dtype or fp16) if ... else bf16`, so on a CPU without fp16 any explicit dtype gives a bf16
+        # model.  With dtype=None it takes the config's bf16/fp16 flags (fp32 when neither is on).
+        with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=self.config, dtype=None):
             return factory()
 
     def setup(self, factory: Callable[[], torch.nn.Module],
@@ -146,6 +173,7 @@ class Runtime:
                 raise ConfigError(f"DeepSpeed supports exactly one optimizer, got {len(optimizer)}")
             optimizer = optimizer[0]
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        check_model_dtype(self.engine.module, model_dtype(self.config))
         return self.engine
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -8,8 +8,8 @@ Protocol (every rank runs it; only rank 0 opens the file):
    gathered); DeepSpeed re-partitions on exit.  Stages 0-2 need no gathering, and
    rank 0's values are broadcast.  Persistent buffers are broadcast from rank 0.
 3. the optimizer's fp32 masters are set from the file: ``refresh_fp32_params()`` for fp32 models;
-   for 16-bit models each parameter's fp32 value is broadcast and set with
-   ``safe_set_full_fp32_param`` so masters keep full precision.
+   for 16-bit models each parameter's fp32 value is broadcast and each rank sets its own slice of
+   its partition (``set_full_fp32``) so masters keep full precision.
 """
 from __future__ import annotations
 
@@ -158,6 +158,42 @@ def get_fp32_master(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     return master if master is not None else stage0_masters(engine.optimizer).get(id(param))
 
 
+def comm_device() -> torch.device:
+    """Where collectives need their tensors: the GPU under nccl, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_full_fp32(engine, param: torch.nn.Parameter, full: torch.Tensor, state_key: str | None = None) -> None:
+    """Set ``param``'s fp32 master (or optimizer state ``state_key``) from its full value, on every rank.
+
+    ZeRO-3: DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.set_full_hp_param`` (behind
+    ``safe_set_full_fp32_param``) cuts ``value.narrow(0, partition_numel * rank, partition_numel)``,
+    which runs past the end on the last rank whenever the element count is not a multiple of the
+    world size ("start (2492) + length (1246) exceeds dimension size (3737)").  Each rank here
+    copies its own slice, clipped to the parameter, and zeroes the padding after it.
+    """
+    opt = engine.optimizer
+    if hasattr(param, "ds_id") and hasattr(opt, "fp32_partitioned_groups_flat"):
+        if not param.requires_grad:
+            return
+        part, group = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=state_key)
+        start = part.numel() * opt._get_param_partition_rank(param)
+        mine = full.reshape(-1)[start:start + part.numel()]  # slicing clips: the last rank gets fewer
+        part.data[:mine.numel()].copy_(mine)
+        part.data[mine.numel():].zero_()
+        if opt._swappable_optimizer_subgroup(group):
+            opt._optimizer_states_and_gradient_swap_out(group)
+        return
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if state_key is None:
+        safe_set_full_fp32_param(param, full)
+    else:
+        safe_set_full_optimizer_state(param, full, state_key)
+
+
 def _set_fp32_masters(engine, src: WeightsFile | None, have: set[str]) -> None:
     """Make the optimizer's fp32 masters hold the file's values (else step() reverts the load)."""
     opt = engine.optimizer
@@ -168,17 +204,19 @@ def _set_fp32_masters(engine, src: WeightsFile | None, have: set[str]) -> None:
         if hasattr(opt, "refresh_fp32_params"):
             opt.refresh_fp32_params()  # masters = the (fp32) weights just loaded
         return
-    from deepspeed.utils import safe_set_full_fp32_param
-
     stage0 = stage0_masters(opt)
+    device = comm_device()
     for name, p in engine.module.named_parameters():
         if not p.requires_grad or name not in have:
             continue
         shape = tuple(getattr(p, "ds_shape", p.shape))
-        full = src.get(name).to(torch.float32).reshape(shape).contiguous() if src else torch.empty(shape)
+        if src:
+            full = src.get(name).to(device=device, dtype=torch.float32).reshape(shape).contiguous()
+        else:
+            full = torch.empty(shape, dtype=torch.float32, device=device)
         if eng.world_size() > 1:
             dist.broadcast(full, 0)  # one parameter at a time: no rank holds the whole file
         if id(p) in stage0:
             stage0[id(p)].data.copy_(full.view_as(stage0[id(p)]))
         else:
-            safe_set_full_fp32_param(p, full)
+            set_full_fp32(engine, p, full)

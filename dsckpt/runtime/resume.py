@@ -3,27 +3,29 @@
 * ``resume CKPT_DIR``: the engine's ``load_checkpoint`` (weights, optimizer moments, client state),
   same world size only; ``--reshard`` consolidates to a temp file first and loads it as full weights.
 * ``resume --full-weights FILE``: ``full_weights.load_full_weights`` at any world size, then the
-  client state from the sidecar beside FILE (``FILE.client_state.json``) or ``--client-state``.
+  client state: ``--client-state PATH``, else the sidecar beside FILE (``FILE.client_state.json``),
+  else what a ``.pt`` holds beside its ``state_dict`` (Lightning's converted checkpoints).  Rank 0
+  reads it and broadcasts it, so every rank resumes at the same step and saves under the same tag.
 * ``--check``: load, then gather every parameter and compare with the file bit-exactly, and compare
-  the restored client state with the sidecar; no training.
+  the restored client state with its source; no training.
 """
 from __future__ import annotations
 
-import tempfile
-import warnings
+import shutil
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
 import torch.distributed as dist
 
-from ..errors import VerificationError, WorldSizeMismatchError
+from ..errors import VerificationError
 from ..sidecar import JSON_SUFFIX, read_sidecar
+from . import console
 from . import engine as eng
-from .full_weights import get_fp32_master, load_full_weights
-from .weights_file import WeightsFile
+from .client_state import Position, describe, hf_trainer_state
+from .full_weights import _broadcast_object, get_fp32_master, load_full_weights
 from .train import Trainer, states_equal
+from .weights_file import WeightsFile
 
 
 def default_sidecar(weights: Path) -> Path | None:
@@ -31,53 +33,84 @@ def default_sidecar(weights: Path) -> Path | None:
     return candidate if candidate.exists() else None
 
 
+def read_client_state(weights: Path, client_state: str | None) -> tuple[Any, str | None]:
+    """The client state for a full-weights resume and where it came from (rank 0 reads files)."""
+    sidecar = Path(client_state) if client_state else default_sidecar(weights)
+    if sidecar is not None:
+        return read_sidecar(sidecar), str(sidecar)
+    embedded = WeightsFile(weights).embedded_state()
+    if embedded:
+        return embedded, f"{weights} (beside its state_dict)"
+    return None, None
+
+
 def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None, strict: bool,
-                        strip_prefixes: tuple[str, ...]) -> dict[str, Any] | None:
+                        strip_prefixes: tuple[str, ...], skip_client: bool = False) -> Position | None:
     stats = load_full_weights(trainer.engine, weights, strict=strict, strip_prefixes=strip_prefixes)
     if eng.rank() == 0:
-        warnings.warn("a full-weights file holds no optimizer moments: Adam state starts fresh", stacklevel=2)
-    sidecar = Path(client_state) if client_state else default_sidecar(Path(weights))
-    client = read_sidecar(sidecar) if sidecar else None
-    if client is not None:
-        trainer.restore(client)
-        trainer.engine.global_steps = trainer.global_step  # tags and schedules continue the count
-    if eng.rank() == 0:
-        click.echo(f"loaded {stats['loaded']} tensors from {weights}"
-                   + (f"; client state from {sidecar} (step {trainer.global_step})" if client is not None else
-                      "; no client-state sidecar found, counters start at 0"))
-    return client
+        console.info("note: a full-weights file holds no optimizer moments: Adam state starts fresh")
+    found = None if skip_client or eng.rank() != 0 else read_client_state(Path(weights), client_state)
+    client, source = _broadcast_object(found) or (None, None)
+    pos = trainer.restore(client) if client is not None else None
+    if pos is not None:
+        trainer.client_source = client
+    console.info(f"loaded {stats['loaded']} tensors from {weights}; "
+                 + (f"client state from {source}: {describe(pos)} (step {trainer.global_step})" if pos else
+                    "client state skipped (--client-state none)" if skip_client else
+                    "no client state found, counters start at 0"))
+    return pos
 
 
-def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bool, strict: bool) -> None:
+def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bool, strict: bool,
+                   skip_client: bool = False) -> Position | None:
+    from ..reader import open_checkpoint
+
+    if open_checkpoint(ckpt_dir, tag=tag).world_size != eng.world_size():
+        if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
+            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag)
+        return _resume_resharded(trainer, ckpt_dir, tag, strict, skip_client)
+    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag)
+    if not skip_client and not any(k in client for k in ("global_step", "epoch")):
+        client = {**(hf_trainer_state(Path(ckpt_dir)) or {}), **client}  # an HF Trainer's checkpoint-N
+    pos = None if skip_client else trainer.restore(client)
+    if pos is not None and pos.global_step is None:  # a foreign job: DeepSpeed's own count
+        trainer.global_step = trainer.data_position = trainer.engine.global_steps
+    console.info(f"resumed {ckpt_dir} at step {trainer.global_step}"
+                 + (f"; client state: {describe(pos)}" if pos else "; client state skipped"))
+    return pos
+
+
+def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: bool,
+                      skip_client: bool) -> Position | None:
+    """Another world size: consolidate on rank 0 into one temp folder that every rank then uses."""
+    import tempfile
+
+    from ..convert import consolidate
+
+    tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=Path(ckpt_dir)) if eng.rank() == 0 else None
+    tmp = Path(_broadcast_object(str(tmp) if tmp else None))
     try:
-        client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag)
-    except WorldSizeMismatchError:
-        if not reshard:
-            raise
-        from ..convert import consolidate
-
-        with tempfile.TemporaryDirectory(prefix="dsckpt-reshard-", dir=Path(ckpt_dir)) as tmp:
-            out = Path(tmp) / "weights.safetensors"
-            if eng.rank() == 0:
-                consolidate(ckpt_dir, out, tag=tag)
-            if eng.world_size() > 1:
-                dist.barrier()
-            if eng.rank() == 0:
-                click.echo("resharding: weights loaded from a consolidated copy; optimizer moments start fresh")
-            resume_full_weights(trainer, str(out), None, strict, ())
-            if eng.world_size() > 1:
-                dist.barrier()
-        return
-    trainer.restore(client)
-    if eng.rank() == 0:
-        click.echo(f"resumed {ckpt_dir} at step {trainer.global_step}")
+        if eng.rank() == 0:
+            consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False)
+        if eng.world_size() > 1:
+            dist.barrier()
+        console.info("resharding: weights loaded from a consolidated copy; optimizer moments start fresh")
+        return resume_full_weights(trainer, str(tmp / "weights.safetensors"), None, strict, (), skip_client)
+    finally:
+        if eng.world_size() > 1:
+            dist.barrier()
+        if eng.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got.reshape(want.shape).float() - want.float()).abs().max().item() if want.numel() else 0.0
+    """Largest absolute difference; both sides on the CPU (a GPU model is compared with a file)."""
+    if not want.numel():
+        return 0.0
+    return (got.detach().to("cpu", torch.float32).reshape(want.shape) - want.float()).abs().max().item()
 
 
-def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | None,
+def check_against_file(trainer: Trainer, weights: str, restored: Position | None,
                        strip_prefixes: tuple[str, ...]) -> dict[str, Any]:
     """Gather every parameter on every rank and compare with the file; compare the client state."""
     import deepspeed
@@ -90,7 +123,7 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
         wanted = {name: src.get(name) for name, _ in params}  # each tensor read once
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
             for name, p in params:
-                max_diff = max(max_diff, _max_diff(p.detach(), wanted[name].to(p.dtype)))
+                max_diff = max(max_diff, _max_diff(p, wanted[name].to(p.dtype)))
                 checked += 1
         for name, p in params:
             master = get_fp32_master(trainer.engine, p) if p.requires_grad and trainer.engine.optimizer else None
@@ -102,17 +135,24 @@ def check_against_file(trainer: Trainer, weights: str, client: dict[str, Any] | 
             if b is not None and prefix + n in src.source:
                 max_diff = max(max_diff, _max_diff(b, src.get(prefix + n).to(b.dtype)))
                 checked += 1
-    restored = []
-    if client is not None:
+    source = getattr(trainer, "client_source", None)
+    if restored is not None and source is not None:
         now = trainer.client_state()  # read before anything draws random numbers
-        for key in ("global_step", "epoch", "data_position", "rng", "user"):
-            if key in client and not states_equal(now[key], client[key]):
-                raise VerificationError(f"client state {key!r}: the restored value differs from the sidecar's")
-            restored.append(key)
+        for key in restored.restored:
+            got, want = (now["args"]["seed"], source["args"]["seed"]) if key == "args.seed" else \
+                (now[key], _as_restored(key, source[key]))
+            if not states_equal(got, want):
+                raise VerificationError(f"client state {key!r}: the restored value differs from its source")
     report = {"rank": eng.rank(), "tensors_checked": checked, "max_abs_diff": max_diff,
               "fp32_masters_checked": masters, "fp32_master_max_abs_diff": master_diff,
-              "client_state_keys_restored": restored}
+              "client_state_keys_restored": restored.restored if restored else [],
+              "client_state_keys_left_alone": restored.left_alone if restored else []}
     if max_diff or master_diff:
         raise VerificationError(f"rank {eng.rank()}: loaded weights differ from {weights} "
                                 f"(max abs diff {max_diff}, fp32 masters {master_diff})")
     return report
+
+
+def _as_restored(key: str, value: Any) -> Any:
+    """The source's value as the trainer holds it (HF's float epoch is the epoch index)."""
+    return int(value) if key == "epoch" and isinstance(value, float) else value

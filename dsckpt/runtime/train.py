@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from . import engine as eng
+from .client_state import Position, interpret
 from .config import resolve_config
 from .demo_model import build_demo_model, synthetic_batch
 
@@ -83,6 +84,7 @@ class Trainer:
         self.opts = opts
         self.runtime = eng.Runtime(opts.deepspeed_config())
         self.global_step = 0
+        self.epoch = 0
         self.data_position = 0
         self.last_loss: float | None = None
         random.seed(opts.seed)
@@ -94,17 +96,25 @@ class Trainer:
         self.seq_len = getattr(module, "seq_len", 32)
 
     def client_state(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "epoch": self.data_position // STEPS_PER_EPOCH,
-                "data_position": self.data_position, "rng": rng_state(), "args": _plain(asdict(self.opts)),
-                "user": self.opts.user_state}
+        return {"global_step": self.global_step, "epoch": self.epoch, "data_position": self.data_position,
+                "rng": rng_state(), "args": _plain(asdict(self.opts)), "user": self.opts.user_state}
 
-    def restore(self, client: dict[str, Any]) -> None:
-        self.global_step = int(client["global_step"])
-        self.data_position = int(client["data_position"])
-        # the data stream is defined by (seed, position): a position means nothing under another seed
-        self.opts.seed = int(client.get("args", {}).get("seed", self.opts.seed))
-        self.opts.user_state = client.get("user", self.opts.user_state)  # carried into the next save
-        set_rng_state(client["rng"])
+    def restore(self, client: Any) -> Position:
+        """Take the training position from any client state (see ``client_state.interpret``)."""
+        pos = interpret(client)
+        if pos.global_step is not None:
+            self.global_step = pos.global_step
+            self.engine.global_steps = pos.global_step  # tags and schedules continue the count
+        if pos.data_position is not None:
+            self.data_position = pos.data_position
+        self.epoch = pos.epoch if pos.epoch is not None else self.data_position // STEPS_PER_EPOCH
+        if pos.seed is not None:  # the data stream is (seed, position): a position means nothing under another seed
+            self.opts.seed = pos.seed
+        if pos.user is not None:
+            self.opts.user_state = pos.user  # carried into the next save
+        if pos.rng is not None:
+            set_rng_state(pos.rng)
+        return pos
 
     def step(self) -> float:
         tokens = synthetic_batch(self.data_position * eng.world_size() + eng.rank(), seed=self.opts.seed,
@@ -114,6 +124,8 @@ class Trainer:
         self.engine.step()
         self.global_step += 1
         self.data_position += 1
+        if self.data_position % STEPS_PER_EPOCH == 0:
+            self.epoch += 1
         self.last_loss = float(loss.detach().float())
         return self.last_loss
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CorruptFileError
+from ..errors import CheckpointNotFoundError, CorruptFileError
 from ..plan import ITEMSIZE, strip_name
 from ..pickle_policy import TensorRef
 
@@ -39,7 +39,10 @@ class WeightsFile:
 
     def __init__(self, path: str | Path, strip_prefixes: tuple[str, ...] = ()):
         self.path = Path(path)
+        self._beside: dict = {}  # a .pt training checkpoint's other top-level entries
         aliases: dict[str, str] = {}
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"{self.path}: no such weights file or folder")
         try:
             if self.path.is_dir() or self.path.name.endswith(".index.json"):
                 self.entries, aliases = self._sharded()
@@ -80,6 +83,7 @@ class WeightsFile:
         tf = TorchFile(self.path)
         obj = tf.obj
         if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            self._beside = {k: v for k, v in obj.items() if k != "state_dict"}
             obj = obj["state_dict"]  # a training checkpoint (e.g. Lightning's): its weights
         if not isinstance(obj, dict):
             raise CorruptFileError(f"{self.path}: not a state dict")
@@ -94,6 +98,25 @@ class WeightsFile:
         return entries
 
     # -- access -------------------------------------------------------------------------------
+    def embedded_state(self) -> dict:
+        """What a ``.pt`` training checkpoint holds beside ``state_dict`` (Lightning: ``epoch``,
+        ``global_step``, ``hyper_parameters``...), as plain values: tensors read, objects of classes
+        dsckpt does not load kept as ``{"__opaque__": "module.Class"}``."""
+        from ..sidecar import decode, encode
+
+        refs: dict = {}
+        encoded = encode(self._beside, refs)
+        tensors = {key: self._read_ref(ref) for key, ref in refs.items()}
+        return decode(encoded, tensors)
+
+    @staticmethod
+    def _read_ref(ref: TensorRef) -> torch.Tensor:
+        from ..torchzip import read_tensor_bytes
+
+        data = bytearray(read_tensor_bytes(ref))
+        flat = torch.frombuffer(data, dtype=TORCH_DTYPES[ref.dtype]) if data else torch.empty(0, dtype=TORCH_DTYPES[ref.dtype])
+        return flat.reshape(ref.shape)
+
     def keys(self) -> list[str]:
         return list(self.source)
 
