@@ -41,6 +41,7 @@ bench: setup
 fuzz: setup
 	$(BIN)/pip install -q atheris
 	$(BIN)/python fuzz/fuzz_reader.py -max_total_time=120 -print_final_stats=1 fuzz/corpus
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_fuzz_readers.py  # 20,000 examples per property
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -168,6 +168,9 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
 @click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: load its consolidated weights.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
+                   "Default: refuse classes beyond DeepSpeed's own.")
 @_training_options
 def resume(nproc: int, **kwargs) -> None:
     """Carry on training from a sharded checkpoint or a full-weights file.

@@ -10,14 +10,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import OutputError, VerificationError
-from .output import atomic_output, check_output
+from .errors import CorruptFileError, OutputError, VerificationError
+from .output import TEMP_MARK, check_output, staged
 from .plan import Plan, TensorPlan, build_plan
 from .reader import open_checkpoint
 from .sidecar import sidecar_paths, write_sidecar
@@ -70,17 +71,17 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     out = Path(out)
     form = output_form(out)
     inputs = [f.path for f in ckpt.layout.all_files]
-    check_output(out, inputs, force)
-    sidecars = sidecar_paths(out) if client_state and ckpt.client_state else None
-    if sidecars:
-        for p in sidecars:
-            check_output(p, inputs, force=True)
+    check_output(out, inputs, force, directory=form == "sharded", tree=ckpt.layout.root)
+    write_client = bool(client_state and ckpt.client_state)
+    for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
+        check_output(path, inputs, force)
     if duplicate_tied and form != "torch":
         plan = _duplicate_aliases(plan)
     if verify:
         check_sources(plan)  # damaged source bytes are caught before anything is written
     files: tuple[str, ...] = (out.name,)
-    with atomic_output(out, directory=form == "sharded", fsync=fsync) as tmp, _write_errors(out):
+    with staged(fsync) as stage, _write_errors(out):
+        tmp = stage.temp_for(out, directory=form == "sharded")
         if form == "safetensors":
             write_safetensors(list(plan.tensors), tmp, plan.metadata, progress)
         elif form == "torch":
@@ -89,11 +90,11 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             files = tuple(write_sharded(plan, tmp, parse_size(max_shard_size), progress))
         if verify:
             verify_output(plan, tmp, form)  # before the rename: a failed check leaves nothing at OUT
-        if sidecars:
-            write_sidecar(ckpt.client_state, out, fsync)
-        else:  # a sidecar left from an earlier OUT would restore the wrong counters
-            for stale in sidecar_paths(out):
-                stale.unlink(missing_ok=True)
+        if write_client:
+            write_sidecar(ckpt.client_state, out, stage)
+        else:  # (only with --force) a sidecar of the OUT being replaced would restore the wrong counters
+            stage.remove_on_commit(p for p in sidecar_paths(out) if os.path.lexists(p))
+    sidecars = sidecar_paths(out) if write_client else None
     return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None,
                   True if verify else None)
 
@@ -104,7 +105,12 @@ def _write_errors(out: Path):
     try:
         yield
     except OSError as exc:
-        raise OutputError(f"{out}: writing failed ({exc.strerror or exc}); nothing was left at OUT") from None
+        if exc.filename and TEMP_MARK not in Path(exc.filename).name:  # not ours: an input
+            raise CorruptFileError(f"{exc.filename}: reading failed ({exc.strerror or exc}); nothing was left at {out}") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+            raise OutputError(f"{out}: writing failed ({exc.strerror or exc}); nothing was left at OUT") from None
+        raise OutputError(f"{out}: copying into OUT failed ({exc.strerror or exc}: a source or the destination); "
+                          "nothing was left at OUT") from None
 
 
 def _duplicate_aliases(plan: Plan) -> Plan:

@@ -41,12 +41,28 @@ class CorruptFileError(DsckptError):
     """A file cannot be parsed: truncated, not a zip, a broken pickle, a bad header."""
 
 
+class LimitExceededError(CorruptFileError):
+    """A size a file declares (pickle, container, world size, nesting...) is beyond a safety limit."""
+
+
+class ByteRangeError(CorruptFileError):
+    """A tensor or zip entry points outside its storage or file, or overlaps another."""
+
+
+class UnsafeCheckpointError(DsckptError):
+    """Loading would need a class outside the allowlist (code could run); names the class."""
+
+
 class UnsupportedCheckpointError(DsckptError):
     """A valid checkpoint of a kind dsckpt does not handle yet (TP/PP > 1, unknown stage)."""
 
 
 class InconsistentCheckpointError(DsckptError):
     """Files disagree with each other or with the recorded shapes (numel accounting, mixed runs)."""
+
+
+class AmbiguousRankError(InconsistentCheckpointError):
+    """Two files claim the same rank (``zero_pp_rank_0`` and ``zero_pp_rank_00``, a stale ``bf16_`` copy)."""
 
 
 class OutputError(DsckptError):

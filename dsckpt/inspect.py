@@ -84,6 +84,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
                       "consolidate_peak_rss_bytes": CONSOLIDATE_RSS,
                       "consolidate_cast_peak_rss_bytes": CONSOLIDATE_CAST_RSS},
         "problems": problems,
+        "notes": list(ckpt.layout.notes),
     }
     if with_tensors:
         summary["tensors"] = tensor_table(ckpt, plan, shapes)
@@ -107,6 +108,8 @@ def describe(value: Any) -> dict[str, Any]:
         return {"type": "opaque", "class": value.class_path}
     if isinstance(value, TensorRef):
         return {"type": "tensor", "dtype": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, int) and value.bit_length() > 64:
+        return {"type": "int", "bits": value.bit_length()}  # str() of a 5000-digit int raises
     if isinstance(value, (bool, int, float)) or value is None:
         return {"type": type(value).__name__, "value": value if not isinstance(value, float) or math.isfinite(value) else str(value)}
     if isinstance(value, str):
@@ -160,6 +163,9 @@ def render(s: dict[str, Any]) -> str:
         for t in s["tensors"]:
             where = t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])
             lines.append(f"  {t['name']:<40}{str(t['shape']):<16}{str(t['dtype']):<6}{t['kind']:<8}{where}")
+    if s.get("notes"):
+        lines.append("notes")
+        lines += [f"  - {m}" for m in s["notes"]]
     if s["problems"]:
         lines.append("PROBLEMS")
         lines += [f"  - {m}" for m in s["problems"]]

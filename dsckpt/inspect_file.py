@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import DsckptError
 from .pickle_policy import TensorRef
-from .safetensors_file import read_header, read_index
+from .safetensors_file import check_shard_names, parse_aliases, read_header, read_index
 from .torchzip import TorchFile
 
 
@@ -29,7 +29,10 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
                 rows += [(n, t.dtype, list(t.shape)) for n, t in _tensors(TorchFile(f).obj)]
             else:
                 header, _ = read_header(f)
+                if kind == "safetensors-sharded":
+                    check_shard_names(path, weight_map, f.name, header)
                 metadata = {**header.get("__metadata__", {}), **{k: str(v) for k, v in metadata.items()}}
+                parse_aliases(metadata.get("dsckpt.aliases"), f)
                 rows += [(n, i["dtype"], i["shape"]) for n, i in header.items() if n != "__metadata__"]
         except DsckptError as exc:
             problems.append(str(exc))

@@ -9,12 +9,13 @@ A checkpoint root looks like::
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError, TagError
+from .errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
@@ -56,8 +57,6 @@ SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # stage 1/2
 FP32_FLAT_GROUPS = "fp32_flat_groups"  # stage 3 flat partitions
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # optional per-param padding (stage 1/2)
 BASE_OPTIMIZER_STATE = "base_optimizer_state"  # Adam moments; never needed for weights
-# Stage 0 with bf16 (BF16_Optimizer) keeps fp32 groups in the model-states optimizer entry.
-BF16_FP32_GROUPS = "single_partition_of_fp32_groups"
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,6 @@ class RankFile:
     kind: str  # "model" | "optim"
     dp_rank: int | None  # None for stage 0-2 mp_rank_XX_model_states.pt
     mp_rank: int
-    bf16: bool
     size: int
 
 
@@ -82,25 +80,49 @@ class Layout:
     model_files: tuple[RankFile, ...]
     optim_files: tuple[RankFile, ...]
     pipeline_files: tuple[Path, ...] = field(default=())
-    problems: tuple[str, ...] = field(default=())
+    problems: tuple[tuple[type, str], ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())  # worth telling, not wrong (a tag linked from elsewhere)
 
     @property
     def all_files(self) -> tuple[RankFile, ...]:
         return self.model_files + self.optim_files
 
 
-def _scan_tag_dir(tag_dir: Path) -> tuple[list[RankFile], list[RankFile], list[Path]]:
+def file_kind(path: Path | str) -> str | None:
+    """None for a regular file (links followed); else what it is, for a message."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return "a symlink loop" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "not a regular file")
+
+
+def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]) -> tuple[list[RankFile], list[RankFile], list[Path]]:
     model, optim, pipeline = [], [], []
+    claimed: dict[tuple[str, int | None, int], Path] = {}
     for entry in sorted(os.scandir(tag_dir), key=lambda e: e.name):
         match = RANK_FILE_RE.match(entry.name)
         if match:
-            if not entry.is_file():
-                raise CheckpointNotFoundError(f"{entry.path}: expected a file, found a directory")
+            kind = file_kind(entry.path)
+            if kind is not None:
+                raise CheckpointNotFoundError(f"{entry.path}: expected a rank file, found {kind}")
             dp = match.group("dp")
             rank_file = RankFile(
                 path=Path(entry.path), kind=match.group("kind"), dp_rank=None if dp is None else int(dp),
-                mp_rank=int(match.group("mp")), bf16=bool(match.group("bf16")), size=entry.stat().st_size,
+                mp_rank=int(match.group("mp")), size=os.stat(entry.path).st_size,
             )
+            slot = (rank_file.kind, rank_file.dp_rank, rank_file.mp_rank)
+            if slot in claimed:  # zero_pp_rank_0 beside zero_pp_rank_00, or a stale bf16_ copy
+                problems.append((AmbiguousRankError, f"{tag_dir}: {claimed[slot].name} and {entry.name} both claim "
+                                 f"{rank_file.kind}-states rank {rank_file.dp_rank or 0}; remove the stale one"))
+                continue
+            claimed[slot] = rank_file.path
             (model if rank_file.kind == "model" else optim).append(rank_file)
         elif PIPELINE_LAYER_RE.match(entry.name):
             pipeline.append(Path(entry.path))
@@ -123,10 +145,30 @@ def list_tags(root: Path) -> list[str]:
 
 
 def read_latest(root: Path) -> str | None:
+    """The tag `latest` names: a short text file inside the root (a link may not lead elsewhere)."""
     latest = root / LATEST_FILE
-    if not latest.is_file():
+    if not os.path.lexists(latest):
         return None
-    return latest.read_text(errors="replace").strip() or None
+    if latest.is_symlink() and not _inside(latest.resolve(), root):
+        raise TagError(f"{latest}: is a symlink to {os.readlink(latest)!r}, outside the checkpoint; not read")
+    kind = file_kind(latest)
+    if kind is not None:
+        raise TagError(f"{latest}: expected a text file naming a tag, found {kind}")
+    from .limits import limit
+
+    with open(latest, "rb") as fh:
+        data = fh.read(limit("MAX_LATEST_BYTES") + 1)
+    if len(data) > limit("MAX_LATEST_BYTES"):
+        raise TagError(f"{latest}: longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name")
+    tag = data.decode("utf-8", errors="replace").strip()
+    if tag and (os.sep in tag or tag in (".", "..") or not tag.isprintable()):
+        raise TagError(f"{latest}: {tag[:80]!r} is not a tag folder name")
+    return tag or None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    root = root.resolve()
+    return path == root or root in path.parents
 
 
 def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
@@ -137,8 +179,11 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     only tag present; anything else is a ``TagError`` that lists the tags found.
     """
     p = Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
+    kind = file_kind(p)
+    if kind not in (None, "a directory"):
+        raise CheckpointNotFoundError(f"{p}: is {kind}, not a checkpoint folder or rank file")
     if p.is_file():
         if not RANK_FILE_RE.match(p.name):
             raise CheckpointNotFoundError(
@@ -146,7 +191,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         p = p.parent
     if not os.access(p, os.R_OK | os.X_OK):
         raise CheckpointNotFoundError(f"{p}: permission denied")
-    problems: list[str] = []
+    problems: list[tuple[type, str]] = []  # (error class, message): reported by inspect, raised by readers
     if _is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
         root, tag = p.parent, tag or p.name
     else:
@@ -156,7 +201,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         tags.append(p.name)  # e.g. a hidden in-progress save named explicitly
     latest = read_latest(root)
     if latest is not None and latest not in tags:
-        problems.append(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
+        problems.append((InconsistentCheckpointError, f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}"))
     if tag is None:
         if latest in tags:
             tag = latest
@@ -171,9 +216,12 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     elif tag not in tags:
         raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
     tag_dir = root / tag
-    model, optim, pipeline = _scan_tag_dir(tag_dir)
+    notes = []
+    if tag_dir.is_symlink() and not _inside(tag_dir.resolve(), root):
+        notes.append(f"{tag_dir}: a symlink to {tag_dir.resolve()}, outside {root}; followed")
+    model, optim, pipeline = _scan_tag_dir(tag_dir, problems)
     if not model:
         raise CheckpointNotFoundError(f"{tag_dir}: no *_model_states.pt file")
     return Layout(root=root, tag=tag_dir.name, tag_dir=tag_dir, tags=tuple(tags), latest=latest,
                   model_files=tuple(model), optim_files=tuple(optim), pipeline_files=tuple(pipeline),
-                  problems=tuple(problems))
+                  problems=tuple(problems), notes=tuple(notes))

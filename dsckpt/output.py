@@ -1,7 +1,8 @@
 """Safe output paths: refuse clobbering, never write over an input, write-to-temp then rename.
 
 An interrupted or failed write leaves nothing at OUT: data goes to ``.<name>.dsckpt-tmp-<pid>-<id>``
-in OUT's own folder and is renamed into place only when complete.  Temp files of processes that no
+in OUT's own folder and is renamed into place only when complete; OUT and its sidecars are staged
+together (``staged``) and published together.  Temp files of processes that no
 longer run are removed by the next run for the same OUT.
 """
 from __future__ import annotations
@@ -18,7 +19,13 @@ from .errors import OutputError
 TEMP_MARK = ".dsckpt-tmp-"
 
 
-def check_output(out: Path, inputs: Iterable[Path], force: bool) -> None:
+def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: bool = False,
+                 tree: Path | None = None) -> None:
+    """Refuse an OUT that cannot be written, would clobber, or would land in an input.
+
+    ``directory``: OUT will be a folder (sharded output).  ``tree``: the checkpoint root, which OUT
+    may not be inside (a file in a tag folder pollutes the checkpoint) nor be.
+    """
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"{out}: folder {parent} does not exist")
@@ -29,8 +36,17 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool) -> None:
         src = Path(src).resolve()
         if resolved == src or resolved in src.parents:
             raise OutputError(f"{out}: refusing to write over an input of this command ({src})")
-    if out.exists() and not force:
-        raise OutputError(f"{out}: already exists (use --force to replace it)")
+    if tree is not None:
+        root = tree.resolve()
+        if resolved == root or root in resolved.parents:
+            raise OutputError(f"{out}: inside the checkpoint {tree}; write the output elsewhere")
+    if os.path.lexists(out):
+        if not force:
+            raise OutputError(f"{out}: already exists (use --force to replace it)")
+        if directory and not out.is_dir():
+            raise OutputError(f"{out}: is a file, and a sharded output is a folder; choose another name")
+        if not directory and out.is_dir():
+            raise OutputError(f"{out}: is a directory; choose a file name or remove it")
 
 
 def _temp_name(out: Path) -> Path:
@@ -83,33 +99,68 @@ def fsync_path(path: Path, *, files: bool = True) -> None:
         os.close(fd)
 
 
+class Staging:
+    """Outputs written to temp paths beside their destinations and published together.
+
+    ``temp_for(final)`` hands out a temp path; on success every temp is flushed (with ``fsync``),
+    ``remove_on_commit`` paths are deleted, and each temp is renamed to its destination, the first
+    one staged last (OUT after its sidecars); then the folders are flushed.  On any error every
+    temp is deleted and nothing at a destination changes.
+    """
+
+    def __init__(self, fsync: bool = True):
+        self.fsync = fsync
+        self._items: list[tuple[Path, Path, bool]] = []  # (temp, destination, is a directory)
+        self._stale: list[Path] = []
+
+    def temp_for(self, final: Path, directory: bool = False) -> Path:
+        clean_stale_temps(final)
+        tmp = _temp_name(final)
+        if directory:
+            tmp.mkdir()
+        self._items.append((tmp, final, directory))
+        return tmp
+
+    def remove_on_commit(self, paths: Iterable[Path]) -> None:
+        self._stale.extend(paths)
+
+    def _commit(self) -> None:
+        if self.fsync:
+            for tmp, _, _ in self._items:
+                fsync_path(tmp)
+        for path in self._stale:
+            _remove(path)
+        for tmp, final, directory in reversed(self._items):
+            if directory and final.is_dir():
+                old = _temp_name(final)
+                os.replace(final, old)  # a directory cannot be replaced in one step; keep the old one until then
+                os.replace(tmp, final)
+                _remove(old)
+            else:
+                os.replace(tmp, final)
+        if self.fsync:
+            for parent in {final.parent if str(final.parent) else Path(".") for _, final, _ in self._items}:
+                fsync_path(parent, files=False)
+
+    def _abort(self) -> None:
+        for tmp, _, _ in self._items:
+            _remove(tmp)
+
+
+@contextlib.contextmanager
+def staged(fsync: bool = True) -> Iterator[Staging]:
+    """A ``Staging`` that commits when the block succeeds and aborts when it raises."""
+    stage = Staging(fsync)
+    try:
+        yield stage
+        stage._commit()
+    except BaseException:
+        stage._abort()
+        raise
+
+
 @contextlib.contextmanager
 def atomic_output(out: Path, *, directory: bool = False, fsync: bool = True) -> Iterator[Path]:
-    """Yield a temp path beside ``out``; on success rename it to ``out``, on any error delete it.
-
-    With ``fsync`` (trusted systems' rule: data durable before it is published) the temp output is
-    flushed before the rename and the folder after it, so a power loss leaves the old OUT or the
-    complete new one, never a renamed file whose data blocks were not written yet.
-    """
-    clean_stale_temps(out)
-    tmp = _temp_name(out)
-    if directory:
-        tmp.mkdir()
-    try:
-        yield tmp
-        if fsync:
-            fsync_path(tmp)
-        if directory and out.is_dir():
-            old = _temp_name(out)
-            os.replace(out, old)  # a directory cannot be replaced in one step; keep the old one until then
-            os.replace(tmp, out)
-            _remove(old)
-        else:
-            if out.is_dir():
-                raise OutputError(f"{out}: is a directory; choose a file name or remove it")
-            os.replace(tmp, out)
-        if fsync:
-            fsync_path(out.parent if str(out.parent) else Path("."))
-    except BaseException:
-        _remove(tmp)
-        raise
+    """One output: a temp path beside ``out``, renamed to ``out`` on success (see ``Staging``)."""
+    with staged(fsync) as stage:
+        yield stage.temp_for(out, directory)

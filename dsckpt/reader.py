@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import layout as L
+from .limits import check, limit
 from .errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
 from .pickle_policy import TensorRef, opaque_int
 from .torchzip import TorchFile
@@ -25,6 +26,7 @@ PRECISION_BY_DTYPE = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64
 class Problem:
     error: type[DsckptError]
     message: str
+    hint: str | None = None
 
 
 @dataclass
@@ -56,12 +58,13 @@ class Checkpoint:
     def require_complete(self) -> None:
         """Raise the first recorded problem as its typed error."""
         if self.problems:
-            raise self.problems[0].error(self.problems[0].message)
+            first = self.problems[0]
+            raise first.error(first.message, hint=first.hint)
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
     lay = L.discover(path, tag)
-    problems = [Problem(InconsistentCheckpointError, p) for p in lay.problems]
+    problems = [Problem(error, message) for error, message in lay.problems]
     model_files = _parse(lay.model_files, problems)
     optim_files = _parse(lay.optim_files, problems)
     if not model_files:
@@ -111,8 +114,16 @@ def _count(value: Any, path, key: str) -> int:
     if value is None:
         return 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InconsistentCheckpointError(f"{path}: '{key}' is {value!r}, expected a positive integer")
+        raise InconsistentCheckpointError(f"{path}: '{key}' is {_short(value)}, expected a positive integer")
+    check("MAX_WORLD_SIZE", value, str(path), f"'{key}'")
     return value
+
+
+def _short(value: Any) -> str:
+    """A value for a message: huge ints by size (str() of them is refused beyond 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{value!r:.80}"
 
 
 def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], world: int,
@@ -122,14 +133,14 @@ def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], 
         other = f.obj.get(L.DP_WORLD_SIZE) if isinstance(f.obj, dict) else None
         if other != world:
             problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: records world size {other!r}, rank 0's model states {world}"))
+                                    f"{f.path}: records world size {_short(other)}, rank 0's model states {world}"))
     for f in optim_files:
         osd = f.obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(f.obj, dict) else None
         count = osd.get(L.PARTITION_COUNT) if isinstance(osd, dict) else None
         counts = count if isinstance(count, list) else [count]
         if any(c != world for c in counts):
             problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: partition count {count!r} differs from world size {world}"))
+                                    f"{f.path}: partition count {_short(count)} differs from world size {world}"))
 
 
 def _typed(value: Any, kind: type, path, key: str) -> Any:
@@ -154,12 +165,12 @@ def _parse(files: tuple[L.RankFile, ...], problems: list[Problem]) -> list[Torch
         try:
             parsed.append(TorchFile(f.path))
         except DsckptError as exc:
-            problems.append(Problem(type(exc), str(exc)))
+            problems.append(Problem(type(exc), str(exc), exc.hint))
     return parsed
 
 
 def _raise(problem: Problem):
-    raise problem.error(problem.message)
+    raise problem.error(problem.message, hint=problem.hint)
 
 
 def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
@@ -175,18 +186,30 @@ def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
 
 
 def _check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem]) -> None:
-    expected = set(range(world))
+    """Missing and extra rank files; a run of many is one problem (a world size of 10**7 is not 10**7 lines)."""
+    expected = range(world)
     groups = [("optimizer", lay.optim_files)] if stage else []
     if stage == 3:
         groups.append(("model", lay.model_files))
     for kind, files in groups:
         ranks = {f.dp_rank for f in files}
-        for r in sorted(expected - ranks):
-            problems.append(Problem(MissingRankError, f"{lay.tag_dir}: {kind}-states file of rank {r} is missing "
-                                                      f"(the checkpoint records world size {world})"))
-        for r in sorted(ranks - expected, key=str):
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{lay.tag_dir}: extra {kind}-states file for rank {r}, beyond world size {world}"))
+        missing = (r for r in expected if r not in ranks)  # lazy: world sizes are bounded, still large
+        extra = sorted((r for r in ranks if r is None or r >= world), key=str)
+        _summarized(problems, MissingRankError, missing, world - len(ranks - set(extra)),
+                    lambda r: f"{lay.tag_dir}: {kind}-states file of rank {r} is missing "
+                              f"(the checkpoint records world size {world})")
+        _summarized(problems, InconsistentCheckpointError, iter(extra), len(extra),
+                    lambda r: f"{lay.tag_dir}: extra {kind}-states file for rank {r}, beyond world size {world}")
+
+
+def _summarized(problems: list[Problem], error: type, items, count: int, message) -> None:
+    """One problem per item up to MAX_LISTED_PROBLEMS, then one line for the rest."""
+    listed = limit("MAX_LISTED_PROBLEMS")
+    for i, item in enumerate(items):
+        if i == listed:
+            problems.append(Problem(error, f"... and {count - listed:,} more like the above"))
+            return
+        problems.append(Problem(error, message(item)))
 
 
 def _aliases_by_storage(module: dict[str, Any]) -> dict[str, str]:

@@ -33,6 +33,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
         raise CorruptFileError(f"{path}: header is not valid JSON") from None
+    except RecursionError:
+        raise CorruptFileError(f"{path}: header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise CorruptFileError(f"{path}: header is not a JSON object")
     data_start = 8 + n
@@ -43,8 +45,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
                 raise CorruptFileError(f"{path}: __metadata__ must map strings to strings")
             continue
         try:
-            dtype, shape, (b, e) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
-            if dtype not in ITEMSIZE or any(s < 0 for s in shape) or not (isinstance(b, int) and isinstance(e, int)):
+            dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+            # exact ints: ["4"] or [2.5, 1.9] are not shapes, whatever int() would make of them
+            if dtype not in ITEMSIZE or not isinstance(shape, list) or not all(map(_is_count, [*shape, b, e])):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry") from None
@@ -65,16 +68,60 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, data_start
 
 
-def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """A sharded folder's ``*.index.json``: (metadata, weight_map); every shard must exist."""
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON document of bounded size and nesting; any failure is a ``CorruptFileError`` naming it."""
+    from .limits import check
+
     try:
-        doc = json.loads(path.read_text())
-        weight_map = doc["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptFileError(f"{path}: not a safetensors index ({exc})") from None
+        check("MAX_JSON_BYTES", path.stat().st_size, str(path), f"the size of this {what}")
+        return json.loads(path.read_bytes())
+    except RecursionError:
+        raise CorruptFileError(f"{path}: {what} is nested too deeply") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(f"{path}: not a readable {what} ({exc})") from None
+
+
+def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """A sharded folder's ``*.index.json``: (metadata, weight_map).
+
+    ``weight_map`` must map tensor names to shard file names inside the index's own folder (no
+    paths: an index may not make dsckpt read files elsewhere), and every shard must exist.
+    """
+    doc = read_json(path, "safetensors index")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CorruptFileError(f"{path}: not a safetensors index ('weight_map' must map tensor names to file names)")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CorruptFileError(f"{path}: 'metadata' is a {type(metadata).__name__}, expected an object")
     for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise CorruptFileError(f"{path}: shard {shard[:120]!r} is a path; an index names files in its own folder")
         if not (path.parent / shard).is_file():
             raise CorruptFileError(f"{path}: names shard {shard!r}, which does not exist")
-    return doc.get("metadata", {}), weight_map
+    return metadata, weight_map
+
+
+def check_shard_names(index: Path, weight_map: dict[str, str], shard: str, names) -> None:
+    """Each tensor lives in the one shard the index names (two shards holding one name is ambiguous)."""
+    for name in names:
+        if name != "__metadata__" and weight_map.get(name) != shard:
+            where = f"the index puts it in {weight_map[name]!r}" if name in weight_map else "the index does not list it"
+            raise CorruptFileError(f"{index}: tensor {name!r} is in shard {shard!r}, but {where}")
+
+
+def parse_aliases(text: str | None, where: Path) -> dict[str, str]:
+    """The ``dsckpt.aliases`` metadata (tied name -> stored name), validated."""
+    if not text:
+        return {}
+    try:
+        aliases = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CorruptFileError(f"{where}: metadata 'dsckpt.aliases' is not JSON") from None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise CorruptFileError(f"{where}: metadata 'dsckpt.aliases' must map names to names")
+    return aliases

@@ -8,6 +8,7 @@ JSON cannot hold every Python value, so a few tagged objects stand in (all code-
     {"__bytes__": "<base64>"}       bytes
     {"__float__": "nan"}            nan / inf / -inf
     {"__opaque__": "pkg.Class"}     an object of a class dsckpt would not unpickle (kept as a name only)
+    {"__int_hex__": "0x..."}        an int too long for decimal (str() refuses beyond 4300 digits)
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import base64
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptFileError
 from .pickle_policy import Opaque, TensorRef
+
+if TYPE_CHECKING:
+    from .output import Staging
 
 JSON_SUFFIX = ".client_state.json"
 TENSORS_SUFFIX = ".client_state.safetensors"
@@ -28,19 +32,44 @@ def sidecar_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.name + JSON_SUFFIX), out.with_name(out.name + TENSORS_SUFFIX)
 
 
-def encode(value: Any, tensors: dict[str, TensorRef]) -> Any:
+HUGE_INT_BITS = 10_000  # str() of an int refuses beyond 4300 digits (~14,000 bits): such ints go as hex
+
+
+class _Budget:
+    """Counts values as they are encoded: shared references expand once per use, so a small pickle
+    of lists referencing lists ("billion laughs") would otherwise become a huge JSON file."""
+
+    def __init__(self, where: str):
+        from .limits import limit
+
+        self.left, self.where = limit("MAX_VALUES"), where
+
+    def spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            from .limits import check, limit
+
+            check("MAX_VALUES", limit("MAX_VALUES") + 1, self.where, "the number of values in the client state")
+
+
+def encode(value: Any, tensors: dict[str, TensorRef], budget: _Budget | None = None) -> Any:
+    budget = budget or _Budget("client state")
+    budget.spend()
+    encode_ = lambda v: encode(v, tensors, budget)  # noqa: E731
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > HUGE_INT_BITS:
+        return {"__int_hex__": hex(value)}
     if isinstance(value, TensorRef):
         key = f"t{len(tensors)}"
         tensors[key] = value
         return {"__tensor__": key}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
-            return {k: encode(v, tensors) for k, v in value.items()}
-        return {"__dict_items__": [[encode(k, tensors), encode(v, tensors)] for k, v in value.items()]}
+            return {k: encode_(v) for k, v in value.items()}
+        return {"__dict_items__": [[encode_(k), encode_(v)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, tensors) for v in value]}
+        return {"__tuple__": [encode_(v) for v in value]}
     if isinstance(value, (list, set, frozenset)):
-        return [encode(v, tensors) for v in value]
+        return [encode_(v) for v in value]
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, float) and not math.isfinite(value):
@@ -64,7 +93,11 @@ def decode(value: Any, tensors: dict[str, Any]) -> Any:
         if tag == "__dict_items__":
             return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in inner}
         if tag == "__tensor__":
+            if inner not in tensors:
+                raise CorruptFileError(f"client state names tensor {str(inner)[:80]!r}, absent from its companion file")
             return tensors[inner]
+        if tag == "__int_hex__":
+            return int(inner, 16)
         if tag == "__bytes__":
             return base64.b64decode(inner)
         if tag == "__float__":
@@ -78,37 +111,43 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def write_sidecar(client_state: dict[str, Any], out: Path, fsync: bool = True) -> Path:
-    """Write OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
-    from .output import atomic_output
+def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> Path:
+    """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
     from .plan import TensorPlan, ref_pieces
     from .writer import write_safetensors
 
     json_path, tensors_path = sidecar_paths(out)
     tensors: dict[str, TensorRef] = {}
-    doc = {"format": "dsckpt.client_state/1", "weights": out.name, "client_state": encode(client_state, tensors)}
+    doc = {"format": "dsckpt.client_state/1", "weights": out.name,
+           "client_state": encode(client_state, tensors, _Budget(f"{out}: client state"))}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
-        with atomic_output(tensors_path, fsync=fsync) as tmp:
-            write_safetensors(plans, tmp, {"format": "dsckpt.client_state"})
+        write_safetensors(plans, stage.temp_for(tensors_path), {"format": "dsckpt.client_state"})
     elif tensors_path.exists():
-        tensors_path.unlink()  # a companion left by an earlier --force run would be misread as ours
-    with atomic_output(json_path, fsync=fsync) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        stage.remove_on_commit([tensors_path])  # a companion left by an earlier --force run would be misread as ours
+    stage.temp_for(json_path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return json_path
 
 
 def read_sidecar(json_path: Path) -> dict[str, Any]:
     """Decode a sidecar into Python values; tensors come back as torch tensors."""
-    try:
-        doc = json.loads(json_path.read_text())
-        encoded = doc["client_state"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptFileError(f"{json_path}: not a dsckpt client-state sidecar ({exc})") from None
+    from .safetensors_file import read_json
+
+    doc = read_json(json_path, "dsckpt client-state sidecar")
+    if not isinstance(doc, dict) or "client_state" not in doc:
+        raise CorruptFileError(f"{json_path}: not a dsckpt client-state sidecar (no 'client_state' entry)")
     tensors: dict[str, Any] = {}
     tensors_path = json_path.with_name(json_path.name[: -len(JSON_SUFFIX)] + TENSORS_SUFFIX)
     if tensors_path.exists():
         from safetensors.torch import load_file
 
+        from .safetensors_file import read_header
+
+        read_header(tensors_path)  # validated by dsckpt's reader before safetensors parses it
         tensors = load_file(str(tensors_path))
-    return decode(encoded, tensors)
+    try:
+        return decode(doc["client_state"], tensors)
+    except CorruptFileError as exc:
+        raise CorruptFileError(f"{json_path}: {exc}") from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise CorruptFileError(f"{json_path}: malformed client state ({type(exc).__name__})") from None

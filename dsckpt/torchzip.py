@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptFileError
+from .errors import ByteRangeError, CorruptFileError
+from .limits import check, limit
 from .pickle_policy import SafeUnpickler, StorageRef, TensorRef  # noqa: F401  (re-exported)
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -62,6 +63,8 @@ class TorchFile:
             if len(pickles) != 1:
                 raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
             self.prefix = pickles[0].filename[: -len("data.pkl")]
+            check("MAX_PICKLE_BYTES", pickles[0].file_size, str(self.path), "the size data.pkl declares")
+            spans = [(*self._entry_span(fh, pickles[0]), pickles[0].filename)]
             pickle_bytes = zf.read(pickles[0])  # CRC-checked by zipfile
             self.storages: dict[str, StorageLocation] = {}
             data_dir = self.prefix + "data/"
@@ -70,21 +73,33 @@ class TorchFile:
                     continue
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise CorruptFileError(f"{self.path}: storage {info.filename} is compressed; torch never does that")
-                fh.seek(info.header_offset)
-                head = fh.read(_LOCAL_HEADER.size)
-                fields = _LOCAL_HEADER.unpack(head)
-                if fields[0] != _LOCAL_MAGIC:
-                    raise CorruptFileError(f"{self.path}: bad local header for {info.filename}")
-                start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-                if start + info.file_size > self.size:
-                    raise CorruptFileError(f"{self.path}: storage {info.filename} runs past the end of the file (truncated)")
-                self.storages[info.filename[len(data_dir):]] = StorageLocation(start, info.file_size, info.CRC)
+                key = info.filename[len(data_dir):]
+                if key in self.storages:
+                    raise CorruptFileError(f"{self.path}: storage {info.filename} appears twice in the archive")
+                start, end = self._entry_span(fh, info)
+                spans.append((start, end, info.filename))
+                self.storages[key] = StorageLocation(start, info.file_size, info.CRC)
+            _check_disjoint(spans, self.path)
         try:
             self.obj: Any = SafeUnpickler(io.BytesIO(pickle_bytes), self).load()
         except CorruptFileError:
             raise
         except Exception as exc:  # any failure of a hostile or damaged pickle is a format error
-            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {exc})") from None
+            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {str(exc)[:200]})") from None
+        check_structure(self.obj, str(self.path))
+
+    def _entry_span(self, fh, info: zipfile.ZipInfo) -> tuple[int, int]:
+        """[start, end) of an entry's data in the file, from its local header; inside the file."""
+        fh.seek(info.header_offset)
+        head = fh.read(_LOCAL_HEADER.size)
+        if len(head) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(head)[0] != _LOCAL_MAGIC:
+            raise CorruptFileError(f"{self.path}: bad local header for {info.filename}")
+        fields = _LOCAL_HEADER.unpack(head)
+        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        end = start + info.compress_size
+        if end > self.size:
+            raise ByteRangeError(f"{self.path}: entry {info.filename} runs past the end of the file (truncated)")
+        return start, end
 
     def locate(self, storage: "StorageRef") -> StorageLocation:
         loc = self.storages.get(storage.key)
@@ -94,6 +109,39 @@ class TorchFile:
             raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
                                    f"needs {storage.numel * storage.itemsize}")
         return loc
+
+
+def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:
+    """Zip entries must not share bytes: an fp32 partition aliasing exp_avg's bytes is forged."""
+    spans.sort()
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise ByteRangeError(f"{path}: zip entries {name} and {other} overlap (byte {start} is in both)")
+
+
+def check_structure(obj: Any, where: str) -> None:
+    """Bound what later code walks recursively (JSON, printing): nesting depth and the values visited.
+
+    Iterative, so a pickle nested 100,000 deep fails here with a typed error, not a RecursionError
+    in whichever encoder meets it first.  Shared references are visited once per path, like the
+    encoders will, so a "billion laughs" of lists referencing lists hits the values limit.
+    """
+    max_depth, max_values = limit("MAX_NESTING"), limit("MAX_VALUES")
+    stack, visited = [(obj, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        visited += 1
+        if visited > max_values:
+            check("MAX_VALUES", visited, where, "the number of values in data.pkl (shared references counted per use)")
+        if isinstance(value, dict):
+            children = [*value.keys(), *value.values()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            children = value
+        else:
+            continue
+        if depth > max_depth:
+            check("MAX_NESTING", depth, where, "the nesting depth of data.pkl")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def check_storage_crcs(path: Path, ranges: list[tuple[int, int]], chunk: int = 64 << 20) -> None:
@@ -122,8 +170,8 @@ def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
     loc = ref.file.locate(ref.storage)
     start = ref.offset * ref.storage.itemsize
     length = math.prod(ref.shape) * ref.storage.itemsize
-    if start + length > loc.nbytes:
-        raise CorruptFileError(f"{ref.file.path}: tensor view [{start}, {start + length}) exceeds storage "
+    if start < 0 or start + length > loc.nbytes:
+        raise ByteRangeError(f"{ref.file.path}: tensor view [{start}, {start + length}) exceeds storage "
                                f"{ref.storage.key!r} of {loc.nbytes} bytes")
     return ref.file.path, loc.offset + start, length
 

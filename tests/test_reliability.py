@@ -24,29 +24,52 @@ def test_malformed_input(case, tmp_path):
     assert [o for o in outcomes if o.verdict not in ("expected", "correct result")] == []
 
 
-def _kill_trials(tmp_path, trials: int):
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory):
+    """A real ZeRO-2 checkpoint of ~21M parameters: its 84 MB output takes long enough to write to be hit."""
+    root = tmp_path_factory.mktemp("large") / "ckpt"
+    proc = run_cli("train", "--model", "odd_model:build_large", "--stage", "2", "--steps", "1",
+                   "--save-dir", root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def _kill_trials(ckpt, tmp_path, trials: int) -> dict[str, int]:
+    """Kill consolidate at spread-out moments after its temp output appears; count where each landed."""
     out = tmp_path / "m.safetensors"
+    landed = {"mid-write": 0, "after the rename": 0, "before writing": 0}
     for i in range(trials):
         if out.exists():
             out.unlink()
-        proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "consolidate", str(FIXTURES / "z3_ws3_bf16"), str(out),
-                                 "-q", "--no-client-state"], cwd=ROOT, stderr=subprocess.DEVNULL)
-        time.sleep(0.02 + 0.6 * i / trials)  # from interpreter start-up to the last bytes
+        proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(out), "-q",
+                                 "--no-client-state"], cwd=ROOT, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name and p.stat().st_size] and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.03 * i / trials)  # from the first bytes to past the end
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        temps = [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]
+        landed["after the rename" if out.exists() else "mid-write" if temps else "before writing"] += 1
         if out.exists():
-            assert len(load_file(out)) == 30  # complete and valid, or absent
-    assert run_cli("consolidate", FIXTURES / "z3_ws3_bf16", out, "--force", "-q").returncode == 0
+            assert len(load_file(out)) == 28  # complete and valid, or absent
+    assert run_cli("consolidate", ckpt, out, "--force", "-q").returncode == 0
     assert not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]  # the next run cleaned up
+    return landed
 
 
-def test_kill_9_at_random_moments(tmp_path):
-    _kill_trials(tmp_path, 5)
+def test_kill_9_mid_write(large_checkpoint, tmp_path):
+    landed = _kill_trials(large_checkpoint, tmp_path, 6)
+    print(f"kill -9 landed: {landed}")
+    assert landed["mid-write"] >= 3  # the kills really hit a half-written file, which never became OUT
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_many(tmp_path):
-    _kill_trials(tmp_path, 25)
+def test_kill_9_mid_write_many(large_checkpoint, tmp_path):
+    landed = _kill_trials(large_checkpoint, tmp_path, 40)
+    print(f"kill -9 landed: {landed}")
+    assert landed["mid-write"] >= 20
 
 
 def test_two_writers_same_out(tmp_path):

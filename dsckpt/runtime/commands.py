@@ -57,7 +57,7 @@ def preflight_train(world_size: int, *, saves: bool = True, **kwargs) -> None:
 
 
 def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strict, strip_prefix, check,
-                     reshard, as_json, **kwargs) -> None:
+                     reshard, trust_checkpoint, as_json, **kwargs) -> None:
     if bool(checkpoint) == bool(full_weights):
         raise ConfigError("give either CKPT_DIR or --full-weights FILE, not both or neither")
     if check and not full_weights:
@@ -75,6 +75,10 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
 
         ckpt = open_checkpoint(checkpoint, tag=tag)
         ckpt.require_complete()
+        if not trust_checkpoint and not (reshard and ckpt.world_size != world_size):  # (--reshard reads with dsckpt)
+            from .safe_load import check_checkpoint_classes
+
+            check_checkpoint_classes(ckpt)
         if ckpt.world_size != world_size and not reshard:
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
@@ -105,8 +109,8 @@ def _fmt(losses: list[float]) -> str:
     return f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "n/a (0 steps)"
 
 
-def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, as_json,
-               **kwargs) -> None:
+def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, trust_checkpoint,
+               as_json, **kwargs) -> None:
     from . import engine as eng
     from .resume import check_against_file, resume_full_weights, resume_sharded
     from .train import Trainer
@@ -119,7 +123,8 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
         restored = resume_full_weights(trainer, full_weights, None if skip_client else client_state, strict,
                                        tuple(strip_prefix), skip_client=skip_client)
     else:
-        restored = resume_sharded(trainer, checkpoint, tag, reshard, strict, skip_client=skip_client)
+        restored = resume_sharded(trainer, checkpoint, tag, reshard, strict, skip_client=skip_client,
+                                  trust=trust_checkpoint)
     if check:
         report = check_against_file(trainer, full_weights, restored, tuple(strip_prefix))
         console.result(json.dumps(report) if as_json else

@@ -200,11 +200,19 @@ class Runtime:
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
-                        load_optimizer: bool = True) -> dict[str, Any]:
-        """Restore module (+ optimizer when training continues) and return the client state."""
+                        load_optimizer: bool = True, trust: bool = False) -> dict[str, Any]:
+        """Restore module (+ optimizer when training continues) and return the client state.
+
+        No pickle code runs unless ``trust``: the files are checked for foreign classes with dsckpt's
+        reader, and DeepSpeed's loader is replaced by a ``weights_only`` one (``safe_load``).
+        """
         from ..reader import open_checkpoint
+        from . import safe_load
 
         ckpt = open_checkpoint(load_dir, tag=tag)
+        if not trust:
+            safe_load.check_checkpoint_classes(ckpt)
+        safe_load.install(self.engine, trust)
         if ckpt.world_size != world_size():
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "

@@ -62,14 +62,14 @@ def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None
 
 
 def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bool, strict: bool,
-                   skip_client: bool = False) -> Position | None:
+                   skip_client: bool = False, trust: bool = False) -> Position | None:
     from ..reader import open_checkpoint
 
     if open_checkpoint(ckpt_dir, tag=tag).world_size != eng.world_size():
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
-            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag)
+            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust)
         return _resume_resharded(trainer, ckpt_dir, tag, strict, skip_client)
-    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag)
+    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust)
     if not skip_client and not any(k in client for k in ("global_step", "epoch")):
         client = {**(hf_trainer_state(Path(ckpt_dir)) or {}), **client}  # an HF Trainer's checkpoint-N
     pos = None if skip_client else trainer.restore(client)
@@ -82,12 +82,16 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
 
 def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: bool,
                       skip_client: bool) -> Position | None:
-    """Another world size: consolidate on rank 0 into one temp folder that every rank then uses."""
+    """Another world size: consolidate on rank 0 into one temp folder (beside the checkpoint) that
+    every rank then uses."""
     import tempfile
 
     from ..convert import consolidate
 
-    tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=Path(ckpt_dir)) if eng.rank() == 0 else None
+    from ..reader import open_checkpoint
+
+    beside = open_checkpoint(ckpt_dir, tag=tag).layout.root.resolve().parent  # not inside the checkpoint
+    tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(_broadcast_object(str(tmp) if tmp else None))
     try:
         if eng.rank() == 0:

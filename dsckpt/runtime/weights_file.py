@@ -8,7 +8,6 @@ page of the file).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -58,15 +57,15 @@ class WeightsFile:
     # -- formats ------------------------------------------------------------------------------
     @staticmethod
     def _safetensors(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
-        from ..safetensors_file import read_header
+        from ..safetensors_file import parse_aliases, read_header
 
         header, data_start = read_header(path)
         entries = {name: Entry(path, data_start + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
                    for name, info in header.items() if name != "__metadata__"}
-        return entries, json.loads(header.get("__metadata__", {}).get("dsckpt.aliases", "{}"))
+        return entries, parse_aliases(header.get("__metadata__", {}).get("dsckpt.aliases"), path)
 
     def _sharded(self) -> tuple[dict[str, Entry], dict[str, str]]:
-        from ..safetensors_file import read_index
+        from ..safetensors_file import check_shard_names, parse_aliases, read_index
 
         index = self.path if self.path.is_file() else next(self.path.glob("*.index.json"), None)
         if index is None:
@@ -74,8 +73,10 @@ class WeightsFile:
         meta, weight_map = read_index(index)
         entries: dict[str, Entry] = {}
         for shard in sorted(set(weight_map.values())):
-            entries.update(self._safetensors(index.parent / shard)[0])
-        return entries, json.loads(meta.get("dsckpt.aliases", "{}"))
+            found = self._safetensors(index.parent / shard)[0]
+            check_shard_names(index, weight_map, shard, found)
+            entries.update(found)
+        return entries, parse_aliases(meta.get("dsckpt.aliases"), index)
 
     def _torch(self) -> dict[str, Entry]:
         from ..torchzip import TorchFile

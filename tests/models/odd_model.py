@@ -64,3 +64,10 @@ def build_tiny_gpt2() -> nn.Module:
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=38, n_layer=2, n_head=2)
     return _CausalLMLoss(GPT2LMHeadModel(config), VOCAB, 9)
+
+
+def build_large() -> nn.Module:
+    """~21M parameters (an 84 MB fp32 output): large enough for a kill to land mid-write."""
+    from dsckpt.runtime.demo_model import TinyCausalLM
+
+    return TinyCausalLM(vocab_size=8192, dim=512, n_layers=4, n_heads=8, seq_len=16, tie_embeddings=False)

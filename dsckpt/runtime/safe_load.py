@@ -1,0 +1,95 @@
+"""Make DeepSpeed's own checkpoint loading execute no pickle code.
+
+DeepSpeed 0.19.8's ``TorchCheckpointEngine.load`` unpickles with full pickle semantics (``weights_only`` off):
+a ``__reduce__`` payload in a checkpoint's client state runs during ``engine.load_checkpoint``.
+dsckpt closes that path twice:
+
+1. before any rank starts, ``check_checkpoint_classes`` reads every rank file with dsckpt's own
+   allowlist reader (nothing is imported or called) and refuses a checkpoint that names any class
+   beyond plain data, tensors and ``DEEPSPEED_CLASSES`` - the error names the class;
+2. in every rank, ``install`` replaces the engine's loader with ``torch.load(weights_only=True)``
+   that allows exactly ``DEEPSPEED_CLASSES`` besides what torch's safe unpickler allows.
+
+``--trust-checkpoint`` (``trust=True``) restores DeepSpeed's own loader, with a warning.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+from ..errors import UnsafeCheckpointError
+from ..pickle_policy import Opaque
+
+# The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
+# stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickles may then run code)"
+
+
+def foreign_classes(obj: Any) -> set[str]:
+    """Class paths in a parsed pickle (dsckpt's reader) that are not DeepSpeed's own."""
+    found, stack = set(), [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Opaque):
+            if value.class_path not in DEEPSPEED_CLASSES:
+                found.add(value.class_path)
+            stack.extend(value.args)
+            stack.append(value.state)
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+    return found
+
+
+def check_checkpoint_classes(ckpt) -> None:
+    """Refuse (typed error naming file and class) a checkpoint DeepSpeed's loader would run code for."""
+    for tf in ckpt.model_files + ckpt.optim_files:
+        foreign = foreign_classes(tf.obj)
+        if foreign:
+            raise UnsafeCheckpointError(
+                f"{tf.path}: names {', '.join(sorted(foreign)[:5])}, beyond DeepSpeed's own classes; "
+                "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT)
+
+
+def _safe_torch_load(path: str, map_location=None):
+    import torch
+    from torch.serialization import safe_globals
+
+    allowed = [_import(name) for name in DEEPSPEED_CLASSES]
+    try:
+        with safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError (wrapped in various ways) for a foreign global
+        match = re.search(r"(?:Unsupported global|GLOBAL) ([\w.]+)", str(exc))
+        if match is None:
+            raise
+        raise UnsafeCheckpointError(f"{path}: names {match.group(1)}, beyond DeepSpeed's own classes; refused "
+                                    "(weights_only load)", hint=TRUST_HINT) from None
+
+
+def _import(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    __import__(module)
+    return getattr(sys.modules[module], name)
+
+
+def install(engine, trust: bool = False) -> None:
+    """Route ``engine``'s checkpoint loads through the safe loader (or, with ``trust``, DeepSpeed's)."""
+    loader = engine.checkpoint_engine
+    original = getattr(loader, "_dsckpt_original_load", None) or loader.load
+    loader._dsckpt_original_load = original
+    if trust:
+        loader.load = original
+        print("dsckpt: warning: --trust-checkpoint: DeepSpeed unpickles this checkpoint without weights_only; "
+              "its pickles may run code", file=sys.stderr)
+    else:
+        loader.load = _safe_torch_load
