@@ -14,8 +14,8 @@ import click
 from ._version import __version__
 from .errors import DsckptError
 
-EXIT_PROBLEMS = 1  # inspect found problems / verify failed
-EXIT_ERROR = 2  # a typed dsckpt error
+EXIT_PROBLEMS = 1  # inspect found problems
+EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
 
 
 def _training_options(fn):
@@ -67,6 +67,7 @@ def train(nproc: int, as_json: bool, **kwargs) -> None:
       dsckpt train --preset deepspeed_stage_2 --precision bf16 --save-dir runs/z2
       torchrun --nproc_per_node 2 -m dsckpt train --config ds.json --save-dir runs/x
     """
+    _require_runtime("train")
     from .runtime import commands, launch
 
     if not _in_launched_rank():
@@ -142,15 +143,21 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
 
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json,
               file=sys.stderr, leave=False) as bar:
+        def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
+            bar.total = total
+            bar.refresh()
+
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     progress=bar.update)
+                     progress=bar.update, progress_total=announce)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(json.dumps({"out": str(result.out), "form": result.form, "tensors": result.tensors,
                                "bytes": result.nbytes, "files": list(result.files),
                                "client_state": str(result.sidecar) if result.sidecar else None,
-                               "verified": result.verified}))
+                               "verified": result.verified, "notes": list(result.notes)}))
     else:
         click.echo(f"wrote {result.out} ({result.form}, {result.tensors} tensors, {result.nbytes:,} bytes)"
                    + (f"; client state: {result.sidecar}" if result.sidecar else "")
@@ -184,6 +191,7 @@ def resume(nproc: int, **kwargs) -> None:
     Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
     optimizer moments start fresh; the client state comes from the sidecar.
     """
+    _require_runtime("resume")
     from .runtime import commands, launch
 
     if not _in_launched_rank():
@@ -191,6 +199,24 @@ def resume(nproc: int, **kwargs) -> None:
     if launch.should_launch(nproc):
         sys.exit(launch.launch(nproc))
     commands.run_resume(**kwargs)
+
+
+def _require_runtime(command: str) -> None:
+    """train/resume need torch and DeepSpeed, which `pip install dsckpt` does not bring."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):
+            return True
+
+    missing = [m for m in ("torch", "deepspeed", "safetensors") if absent(m)]
+    if missing:
+        from .errors import MissingExtraError
+
+        raise MissingExtraError(f"`dsckpt {command}` needs {', '.join(missing)}, not installed",
+                                hint="pip install 'dsckpt[runtime]'  (inspect and consolidate work without it)")
 
 
 def _in_launched_rank() -> bool:

@@ -39,6 +39,7 @@ class Result:
     files: tuple[str, ...]
     sidecar: Path | None
     verified: bool | None
+    notes: tuple[str, ...] = ()  # worth telling the user (an unmatched --strip-prefix, how to load tied weights)
 
 
 def parse_size(text: str) -> int:
@@ -64,7 +65,8 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
-                progress: Callable[[int], None] | None = None) -> Result:
+                progress: Callable[[int], None] | None = None,
+                progress_total: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO checkpoint into ``out`` (form chosen by its suffix); see the module docstring."""
     ckpt = open_checkpoint(checkpoint, tag)
     plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
@@ -79,6 +81,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         plan = _duplicate_aliases(plan)
     if verify:
         check_sources(plan)  # damaged source bytes are caught before anything is written
+    if progress_total:
+        progress_total(plan.nbytes)
+    notes = _notes(ckpt, plan, form, strip_prefixes)
     files: tuple[str, ...] = (out.name,)
     with staged(fsync) as stage, _write_errors(out):
         tmp = stage.temp_for(out, directory=form == "sharded")
@@ -96,7 +101,20 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             stage.remove_on_commit(p for p in sidecar_paths(out) if os.path.lexists(p))
     sidecars = sidecar_paths(out) if write_client else None
     return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None,
-                  True if verify else None)
+                  True if verify else None, notes)
+
+
+def _notes(ckpt, plan: Plan, form: str, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    notes = []
+    names = [n for n in ckpt.module] + list(ckpt.trainable) + list(ckpt.frozen)
+    for prefix in strip_prefixes:
+        if not any(n.startswith(prefix) for n in names):
+            notes.append(f"--strip-prefix {prefix!r} matched no tensor name; nothing was stripped")
+    if plan.aliases and form != "torch":
+        pairs = ", ".join(f"{a} = {s}" for a, s in list(plan.aliases.items())[:3])
+        notes.append(f"tied weights are stored once ({pairs}): load with safetensors.torch.load_model(model, path) "
+                     "(it re-ties them); a strict model.load_state_dict(load_file(path)) needs --duplicate-tied")
+    return tuple(notes)
 
 
 @contextlib.contextmanager

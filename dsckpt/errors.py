@@ -17,6 +17,10 @@ class DsckptError(Exception):
             self.hint = hint
 
 
+class MissingExtraError(DsckptError):
+    """A command needs packages the base install leaves out (torch, DeepSpeed: the runtime extra)."""
+
+
 class ConfigError(DsckptError):
     """A DeepSpeed config or runtime argument is invalid."""
 

@@ -16,8 +16,8 @@ from .plan import build_plan
 from .reader import Checkpoint, open_checkpoint
 
 SCHEMA_VERSION = 1
-# Peak RSS of `consolidate`, independent of model size (docs/performance.md: 26-57 MiB measured for
-# fp32 outputs at 51M-328M parameters; casts hold up to 4 threads x 3 x 16 MiB chunks more).
+# Peak RSS of `consolidate`, flat in model size as far as measured (docs/performance.md: 26-57 MiB for
+# fp32 safetensors/.pt outputs at 51M-328M parameters; casts hold up to 4 threads x 3 x 16 MiB chunks more).
 CONSOLIDATE_RSS = 64 << 20
 CONSOLIDATE_CAST_RSS = 256 << 20
 TOP_N = 5
@@ -156,8 +156,9 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"  {Path(f['path']).name:<52}{f['kind']:<7}rank {rank!s:<4}{human_bytes(f['size']):>12}")
     e = s["estimates"]
     row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
-    row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming, whatever the size "
-                           f"(< {human_bytes(e['consolidate_cast_peak_rss_bytes'])} with --dtype)")
+    row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming "
+                           f"(< {human_bytes(e['consolidate_cast_peak_rss_bytes'])} with --dtype); measured up to "
+                           "328M parameters, docs/performance.md")
     if "tensors" in s:
         lines.append("tensors")
         for t in s["tensors"]:

@@ -32,14 +32,18 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: b
     if not os.access(parent, os.W_OK):
         raise OutputError(f"{out}: folder {parent} is not writable")
     resolved = out.resolve()
-    for src in inputs:
-        src = Path(src).resolve()
-        if resolved == src or resolved in src.parents:
-            raise OutputError(f"{out}: refusing to write over an input of this command ({src})")
+    inputs = [Path(src).resolve() for src in inputs]
+    if resolved in inputs:
+        raise OutputError(f"{out}: refusing to write over an input of this command")
     if tree is not None:
         root = tree.resolve()
-        if resolved == root or root in resolved.parents:
+        if resolved == root:
+            raise OutputError(f"{out}: is the checkpoint folder itself; write the output elsewhere")
+        if root in resolved.parents:
             raise OutputError(f"{out}: inside the checkpoint {tree}; write the output elsewhere")
+    for src in inputs:
+        if resolved in src.parents:
+            raise OutputError(f"{out}: refusing to write over a folder holding an input of this command ({src})")
     if os.path.lexists(out):
         if not force:
             raise OutputError(f"{out}: already exists (use --force to replace it)")

@@ -66,13 +66,6 @@ class Plan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    @property
-    def read_bytes(self) -> int:
-        return sum(p.nbytes for t in self.tensors for p in t.pieces)
-
-    @property
-    def largest(self) -> TensorPlan | None:
-        return max(self.tensors, key=lambda t: t.nbytes, default=None)
 
 
 class FlatSpace:

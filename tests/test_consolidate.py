@@ -172,3 +172,21 @@ def test_stale_sidecar_is_removed_when_out_is_replaced_without_one(tmp_path):
     assert (tmp_path / "m.safetensors.client_state.json").exists()
     consolidate(FIXTURES / "z3_ws2_fp32", out, force=True, client_state=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_new_user_trial_notes_and_refusals(tmp_path, fixture_copy):
+    """Notes where a user would otherwise be left guessing; OUT = the checkpoint folder named as such."""
+    totals, done = [], []
+    result = consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors", strip_prefixes=("nothing.",),
+                         progress=done.append, progress_total=totals.append)
+    assert totals == [result.nbytes] and sum(done) == result.nbytes  # the bar has a total and reaches it
+    assert any("--strip-prefix 'nothing.' matched no tensor name" in n for n in result.notes)
+    assert any("tied weights are stored once (head.weight = embed.weight)" in n and "--duplicate-tied" in n
+               for n in result.notes)
+    plain = consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "d.safetensors", duplicate_tied=True)
+    assert plain.notes == ()
+    root = fixture_copy("z3_ws2_fp32")
+    with pytest.raises(OutputError, match="is the checkpoint folder itself"):
+        consolidate(root, root, force=True)
+    proc = run_cli("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "c.safetensors", "--strip-prefix", "x.")
+    assert proc.returncode == 0 and "note: --strip-prefix 'x.' matched no tensor name" in proc.stderr

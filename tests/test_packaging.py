@@ -1,0 +1,47 @@
+"""The base install (`pip install dsckpt`) inspects and consolidates without torch, DeepSpeed or safetensors."""
+import subprocess
+import sys
+import tomllib
+
+from conftest import FIXTURES, ROOT
+
+HEAVY = ("torch", "deepspeed", "safetensors")
+# Run the CLI in a process where importing any heavy package fails, as on a machine without them.
+BLOCKED = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {HEAVY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+sys.meta_path.insert(0, Block())
+from dsckpt.cli import main
+sys.argv = ['dsckpt', *sys.argv[1:]]
+main()
+"""
+
+
+def blocked_cli(*args):
+    return subprocess.run([sys.executable, "-c", BLOCKED, *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_base_dependencies_are_light():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    assert not any(name in base for name in HEAVY)
+    assert any(d.startswith("torch") for d in project["optional-dependencies"]["runtime"])
+
+
+def test_inspect_and_consolidate_need_no_torch(tmp_path):
+    ckpt = FIXTURES / "z3_ws3_bf16"
+    assert blocked_cli("inspect", ckpt).returncode == 0
+    for out in ("m.safetensors", "m.pt", "sharded"):
+        proc = blocked_cli("consolidate", ckpt, tmp_path / out, "--verify", "-q")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert blocked_cli("inspect", tmp_path / "m.safetensors").returncode == 0
+    assert blocked_cli("inspect", tmp_path / "m.pt").returncode == 0
+
+
+def test_runtime_commands_name_the_extra():
+    proc = blocked_cli("train", "--steps", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "pip install 'dsckpt[runtime]'" in proc.stderr
