@@ -184,9 +184,13 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, bytes]]:
 
 
 def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype: str | None = None,
-                    exclude_frozen: bool = False) -> dict[str, Any]:
-    """The consolidated state dict as torch tensors in memory (tied names share one tensor)."""
-    return torch_state_dict(build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen))
+                    exclude_frozen: bool = False, state: str = "fp32") -> dict[str, Any]:
+    """The consolidated state dict as torch tensors in memory (tied names share one tensor).
+
+    ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.
+    """
+    plan = build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen, state=state)
+    return torch_state_dict(plan)
 
 
 def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,

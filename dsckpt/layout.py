@@ -56,7 +56,8 @@ PARTITION_COUNT = "partition_count"  # int (stage 3) or list per group (stage 1/
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # stage 1/2 flat partitions
 FP32_FLAT_GROUPS = "fp32_flat_groups"  # stage 3 flat partitions
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # optional per-param padding (stage 1/2)
-BASE_OPTIMIZER_STATE = "base_optimizer_state"  # Adam moments; never needed for weights
+BASE_OPTIMIZER_STATE = "base_optimizer_state"  # stage 1/2: the torch optimizer's state (Adam moments)
+LOSS_SCALER = "loss_scaler"  # DeepSpeed's LossScaler / DynamicLossScaler (cur_scale, ...)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import layout as L
-from .errors import InconsistentCheckpointError
+from .errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from .partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
 from .pickle_policy import FLOAT_DTYPES, TensorRef
 from .reader import Checkpoint
 from .torchzip import tensor_byte_range
@@ -99,10 +100,23 @@ def ref_pieces(ref: TensorRef) -> tuple[Piece, ...]:
     return (Piece(path, offset, nbytes),) if nbytes else ()
 
 
+OPTIMIZER_STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what a plan can gather for the trainable parameters
+
+
 def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bool = False,
-               strip_prefixes: tuple[str, ...] = ()) -> Plan:
-    """The full plan: buffers, frozen and trainable parameters, tied aliases, metadata."""
+               strip_prefixes: tuple[str, ...] = (), state: str = "fp32") -> Plan:
+    """The full plan: buffers, frozen and trainable parameters, tied aliases, metadata.
+
+    ``state="exp_avg"`` / ``"exp_avg_sq"`` gathers Adam's moments instead of the fp32 masters
+    (trainable parameters only: frozen parameters and buffers have none).
+    """
     ckpt.require_complete()
+    if state not in OPTIMIZER_STATES:
+        raise ValueError(f"state must be one of {OPTIMIZER_STATES}, got {state!r}")
+    if state != "fp32" and ckpt.zero_stage == 0:
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint's optimizer moments are not "
+                                         "partitioned; dsckpt gathers moments at stages 1-3")
+    moments = state != "fp32"
     out_dtype = DTYPE_ALIASES.get(dtype, dtype) if dtype else None
     tensors: dict[str, TensorPlan] = {}
 
@@ -114,17 +128,17 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         if ckpt.zero_stage == 0:
             _plan_stage0(ckpt, add, exclude_frozen)
         else:
-            if not exclude_frozen:
+            if not exclude_frozen and not moments:
                 _plan_frozen(ckpt, add)
             if ckpt.zero_stage == 3:
-                _plan_stage3(ckpt, add)
+                _plan_stage3(ckpt, add, state)
             else:
-                _plan_stage12(ckpt, add)
+                _plan_stage12(ckpt, add, state)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
         # a structure DeepSpeed never writes (damaged or foreign file): a typed error, not a crash
         raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
                                           f"({type(exc).__name__}: {exc})") from None
-    for name, ref in ckpt.buffers.items():
+    for name, ref in ({} if moments else ckpt.buffers).items():
         add(name, ref.shape, ref.dtype, "buffer", ref_pieces(ref), ref.dtype)
     ordered = _module_order(ckpt, tensors)
     aliases = {a: s for a, s in ckpt.shared.items() if s in tensors and a not in tensors}
@@ -132,45 +146,55 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
 
 
-def _plan_stage3(ckpt: Checkpoint, add) -> None:
-    ws = ckpt.world_size
-    spaces = [FlatSpace(list(f.obj[L.OPTIMIZER_STATE_DICT][L.FP32_FLAT_GROUPS])) for f in ckpt.optim_files]
-    offset = 0
-    for name, shape in ckpt.trainable.items():
-        n = math.prod(shape)
-        part = math.ceil(n / ws)
-        pieces = []
-        for r, space in enumerate(spaces):
-            take = max(0, min(part, n - r * part))
-            pieces += space.pieces(offset, take, f"{ckpt.optim_files[r].path}: parameter {name!r}")
-        add(name, shape, spaces[0].dtype, "param", pieces, "F32")
-        offset += part
+def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list[FlatSpace]:
+    """Per rank, the flat partition(s) of ``state`` ("fp32", "exp_avg", "exp_avg_sq"): one group, or all."""
+    spaces = []
+    for rank in ckpt.optimizer_states:
+        groups = rank.groups if group is None else rank.groups[group:group + 1]
+        try:
+            spaces.append(FlatSpace([g.fp32 if state == "fp32" else g.moments[state] for g in groups]))
+        except KeyError:
+            raise InconsistentCheckpointError(f"{rank.path}: holds no {state!r} optimizer state") from None
+    return spaces
+
+
+def _pieces(layout: GroupLayout, index: int, spaces: list[FlatSpace], where: str) -> list[Piece]:
+    return [p for span in layout.params[index] for p in spaces[span.rank].pieces(span.rank_start, span.count, where)]
+
+
+def _plan_stage3(ckpt: Checkpoint, add, state: str) -> None:
+    """Every rank's sub-groups back to back hold its parts of all parameters, in order (partitioning)."""
+    spaces = _rank_spaces(ckpt, state)
+    names = list(ckpt.trainable)
+    layout = stage3_group([math.prod(ckpt.trainable[n]) for n in names], ckpt.world_size)
     for r, space in enumerate(spaces):
-        if space.numel != offset:
+        if space.numel != layout.partition_numel:
             raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: partition holds {space.numel} elements, "
-                                              f"the recorded shapes need {offset}")
+                                              f"the recorded shapes need {layout.partition_numel}")
+    for i, name in enumerate(names):
+        add(name, ckpt.trainable[name], spaces[0].dtype, "param",
+            _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: parameter {name!r}"), "F32")
 
 
-def _plan_stage12(ckpt: Checkpoint, add) -> None:
-    ws = ckpt.world_size
-    states = [f.obj[L.OPTIMIZER_STATE_DICT] for f in ckpt.optim_files]
-    paddings = states[0].get(L.PARAM_ALIGNMENT_PADDINGS)
+def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
+    """Per param group, the ranks' equal partitions of one padded flat buffer (partitioning)."""
+    paddings = ckpt.optimizer_states[0].alignment_paddings
     for g, shapes in enumerate(ckpt.param_groups):
-        space = FlatSpace([s[L.SINGLE_PARTITION_OF_FP32_GROUPS][g] for s in states])
-        pad = paddings[g] if paddings is not None else [0] * len(shapes)
-        if len(pad) != len(shapes):
+        spaces = _rank_spaces(ckpt, state, g)
+        pad = list(paddings[g]) if paddings is not None else None
+        if pad is not None and len(pad) != len(shapes):
             raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(shapes)} parameters "
                                               f"but {len(pad)} alignment paddings")
-        offset = 0
-        for (name, shape), extra in zip(shapes.items(), pad):
-            n = math.prod(shape)
-            add(name, shape, space.dtype, "param",
-                space.pieces(offset, n, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
-            offset += n + extra
-        align = 2 * ws  # DeepSpeed pads each group to a multiple of 2 * world size
-        if math.ceil(offset / align) * align != math.ceil(space.numel / align) * align:
-            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: group {g} partitions hold {space.numel} "
-                                              f"elements, the recorded shapes use {offset}")
+        itemsize = ITEMSIZE.get({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}.get(ckpt.precision, "F32"), 4)
+        layout = stage12_group([math.prod(s) for s in shapes.values()], ckpt.world_size, pad,
+                               parameter_alignment(pad or [], itemsize))
+        for r, space in enumerate(spaces):
+            if space.numel != layout.partition_numel:
+                raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: group {g} partition holds {space.numel} "
+                                                  f"elements, the recorded shapes need {layout.partition_numel}")
+        for i, (name, shape) in enumerate(shapes.items()):
+            add(name, shape, spaces[0].dtype, "param",
+                _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:

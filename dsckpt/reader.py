@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from . import layout as L
 from .limits import check, limit
 from .errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
 from .pickle_policy import TensorRef, opaque_int
 from .torchzip import TorchFile
+
+if TYPE_CHECKING:
+    from .optim_state import RankState
 
 PRECISION_BY_DTYPE = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
@@ -50,6 +54,13 @@ class Checkpoint:
     @property
     def module(self) -> dict[str, Any]:
         return self.model_files[0].obj.get(L.MODULE) or {}
+
+    @cached_property
+    def optimizer_states(self) -> "list[RankState]":
+        """Per rank: fp32 and Adam-moment partitions per flat group, hyper-parameters, loss scaler."""
+        from .optim_state import rank_states
+
+        return rank_states(self)
 
     @property
     def trainable(self) -> dict[str, tuple[int, ...]]:

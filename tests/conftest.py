@@ -88,3 +88,19 @@ def fit_ranks(nproc: int) -> int:
     import torch
 
     return min(nproc, torch.cuda.device_count()) if torch.cuda.is_available() else nproc
+
+
+def demo_counts(**model_kwargs) -> dict[str, int]:
+    """What the demo model's checkpoints hold, derived from the model itself (no hard-coded counts).
+
+    ``state_dict``: names in a full state dict (tied names both); ``written``: tensors a consolidated
+    file stores (tied ones once); ``trainable_names``: trainable parameters counted per module name,
+    as ``--check`` walks them (a tied weight twice).
+    """
+    from dsckpt.runtime.demo_model import TinyCausalLM
+
+    model = TinyCausalLM(**model_kwargs)
+    state = model.state_dict()
+    storages = {t.data_ptr() for t in state.values()}
+    trainable = sum(1 for _, m in model.named_modules() for p in m.parameters(recurse=False) if p.requires_grad)
+    return {"state_dict": len(state), "written": len(storages), "trainable_names": trainable}

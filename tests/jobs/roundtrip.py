@@ -22,6 +22,14 @@ def main(stage_or_preset: str, save_dir: str, report: str) -> None:
     first.fit(3, progress=False)
     saved_client = first.client_state()
     weights = full_state_dict(first.engine.module)
+    moments = {}  # the live job's gathered Adam moments: the oracle for dsckpt's moment plans
+    if stage_or_preset != "0":
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        for name, p in first.engine.module.named_parameters():
+            if p.requires_grad:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    moments[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     second = Trainer(TrainOptions(**{**opts, "seed": 99}, user_state={}))
     client = second.runtime.load_checkpoint(save_dir)
     second.restore(client)
@@ -30,6 +38,7 @@ def main(stage_or_preset: str, save_dir: str, report: str) -> None:
     loss_resumed = second.step()
     if rank() == 0:
         Path = __import__("pathlib").Path
+        torch.save(moments, Path(report).with_suffix(".moments.pt"))
         Path(report).write_text(json.dumps({
             "weights_equal": weights.keys() == reloaded.keys() and all(torch.equal(weights[k], reloaded[k]) for k in weights),
             "client_equal": states_equal(saved_client, {k: client[k] for k in saved_client}),

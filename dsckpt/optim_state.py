@@ -1,0 +1,98 @@
+"""The optimizer side of the checkpoint model: per rank and flat group, typed, as tensor references.
+
+What DeepSpeed 0.19.8 keeps in each ``*_optim_states.pt`` (key names in ``layout``):
+
+``optimizer_state_dict`` (DeepSpeed's ZeRO optimizer state) holds, at every stage, ``loss_scaler`` (a
+DeepSpeed object, read as an opaque record of its fields), ``dynamic_loss_scale``, ``overflow``,
+``partition_count``, and:
+
+* stage 1/2: ``single_partition_of_fp32_groups`` (one flat fp32 partition per param group),
+  ``param_alignment_paddings``, and ``base_optimizer_state`` - the torch optimizer's own
+  ``{"state": {group index: {"exp_avg", "exp_avg_sq", "step"}}, "param_groups": [...]}``;
+* stage 3: ``fp32_flat_groups`` (one flat partition per sub-group) and ``optimizer_state_dict``, the
+  torch optimizer's ``{"state": {sub-group index: ...}, "param_groups": [...]}``.
+
+``rank_states(ckpt)`` turns those into ``RankState`` records; nothing else needs the key names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import layout as L
+from .errors import InconsistentCheckpointError
+from .pickle_policy import Opaque, TensorRef
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """One rank's partition of one flat group (a param group; at stage 3 a sub-group)."""
+
+    fp32: TensorRef  # the fp32 master partition
+    moments: dict[str, TensorRef] = field(default_factory=dict)  # "exp_avg", "exp_avg_sq" (same layout as fp32)
+    step: Any = None  # Adam's step count: a 0-d tensor reference or a number
+    hyperparams: dict[str, Any] = field(default_factory=dict)  # lr, betas, eps, weight_decay, ...
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    path: Path
+    groups: tuple[GroupState, ...]
+    alignment_paddings: tuple[tuple[int, ...], ...] | None  # stage 1/2, per group, per parameter
+    loss_scaler: dict[str, Any]  # the scaler's recorded fields (cur_scale, ...), {} when unknown
+
+
+def rank_states(ckpt) -> list[RankState]:
+    """The typed optimizer state of every rank, in rank order (empty at stage 0)."""
+    return [_rank_state(ckpt.zero_stage, r, f) for r, f in enumerate(ckpt.optim_files)]
+
+
+def _rank_state(stage: int, rank: int, tf) -> RankState:
+    try:
+        osd = tf.obj[L.OPTIMIZER_STATE_DICT]
+        if stage == 3:
+            flats, torch_state = osd[L.FP32_FLAT_GROUPS], osd[L.OPTIMIZER_STATE_DICT]
+            paddings = None
+        else:
+            flats, torch_state = osd[L.SINGLE_PARTITION_OF_FP32_GROUPS], osd.get(L.BASE_OPTIMIZER_STATE, {})
+            raw = osd.get(L.PARAM_ALIGNMENT_PADDINGS)
+            paddings = tuple(tuple(int(p) for p in g) for g in raw) if raw is not None else None
+        per_group = torch_state.get("state", {}) if isinstance(torch_state, dict) else {}
+        hyper = _hyperparams(torch_state.get("param_groups", []) if isinstance(torch_state, dict) else [])
+        groups = []
+        for g, flat in enumerate(flats):
+            if not isinstance(flat, TensorRef):
+                raise TypeError(f"flat group {g} is a {type(flat).__name__}")
+            state = per_group.get(g, {})
+            moments = {k: state[k] for k in ADAM_MOMENTS if isinstance(state.get(k), TensorRef)}
+            for name, ref in moments.items():
+                if ref.numel != flat.numel:
+                    raise ValueError(f"group {g} {name} holds {ref.numel} elements, its fp32 partition {flat.numel}")
+            groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {})))
+        scaler = osd.get(L.LOSS_SCALER)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InconsistentCheckpointError(f"{tf.path}: unexpected optimizer-state structure ({exc})") from None
+    return RankState(rank, tf.path, tuple(groups), paddings, _fields(scaler))
+
+
+def _hyperparams(param_groups: list) -> dict[int, dict[str, Any]]:
+    """Flat-group index -> its param group's settings (``params`` lists the flat groups it owns)."""
+    out = {}
+    for i, group in enumerate(param_groups if isinstance(param_groups, list) else []):
+        if not isinstance(group, dict):
+            continue
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for index in group.get("params", [i]):
+            if isinstance(index, int):
+                out[index] = settings
+    return out
+
+
+def _fields(scaler: Any) -> dict[str, Any]:
+    if isinstance(scaler, Opaque) and isinstance(scaler.state, dict):
+        return dict(scaler.state)
+    return {}
