@@ -38,7 +38,7 @@ MiB = 2**20
 
 Z2F_API = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
            "torch.save(g(sys.argv[1]), sys.argv[2])")
-INSPECT_IO = ("import sys, json; rc = lambda: int(open('/proc/self/io').read().split()[1]); from dsckpt.inspect import summarize; "
+INSPECT_IO = ("import sys, json; rc = lambda: int(open('/proc/self/io').read().split()[1]); from dsckpt.analysis.inspect import summarize; "
               "a = rc(); summarize(sys.argv[1]); print(rc() - a)")
 
 

@@ -13,6 +13,6 @@ def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
         from . import convert as _c
         return getattr(_c, name)
     if name == "open_checkpoint":
-        from .reader import open_checkpoint
+        from .zero.reader import open_checkpoint
         return open_checkpoint
     raise AttributeError(name)

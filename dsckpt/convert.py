@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CorruptFileError, OutputError, VerificationError
-from .output import TEMP_MARK, check_output, staged
-from .plan import Plan, TensorPlan, build_plan
-from .reader import open_checkpoint
-from .sidecar import sidecar_paths, write_sidecar
-from .torch_writer import write_torch
-from .torchzip import TorchFile, check_storage_crcs, read_tensor_bytes
-from .writer import SourceFiles, read_tensor, torch_state_dict, write_safetensors, write_sharded
+from .io.output import TEMP_MARK, check_output, staged
+from .plan.consolidate import Plan, TensorPlan, build_plan
+from .zero.reader import open_checkpoint
+from .formats.sidecar import sidecar_paths, write_sidecar
+from .io.torch_writer import write_torch
+from .formats.torchzip import TorchFile, check_storage_crcs, read_tensor_bytes
+from .io.writer import SourceFiles, read_tensor, torch_state_dict, write_safetensors, write_sharded
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 DEFAULT_SHARD = "5GB"
@@ -172,7 +172,7 @@ def verify_output(plan: Plan, out: Path, form: str) -> None:
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, bytes]]:
-    from .safetensors_file import read_header
+    from .formats.safetensors_file import read_header
 
     header, data_start = read_header(path)
     with open(path, "rb") as fh:

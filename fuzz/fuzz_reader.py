@@ -16,9 +16,9 @@ import atheris
 
 with atheris.instrument_imports():
     from dsckpt.errors import DsckptError
-    from dsckpt.inspect import summarize_checkpoint
-    from dsckpt.plan import build_plan
-    from dsckpt.reader import open_checkpoint
+    from dsckpt.analysis.inspect import summarize_checkpoint
+    from dsckpt.plan.consolidate import build_plan
+    from dsckpt.zero.reader import open_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "z2_ws2_fp32"

@@ -76,7 +76,7 @@ def flip(fixture: str, pattern: str, where: str):
             infos = zf.infolist()
         pkl = next(i for i in infos if i.filename.endswith("data.pkl"))
         if where == "tensor data":  # inside the fp32 partition, the bytes consolidate copies
-            from dsckpt.torchzip import TorchFile
+            from dsckpt.formats.torchzip import TorchFile
 
             tf = TorchFile(f)
             ref = tf.obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]

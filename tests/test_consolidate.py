@@ -98,7 +98,7 @@ def test_iterator_and_in_memory_api_agree():
 
 
 def test_client_state_sidecar_round_trips(tmp_path):
-    from dsckpt.sidecar import read_sidecar
+    from dsckpt.formats.sidecar import read_sidecar
 
     consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     client = read_sidecar(tmp_path / "m.safetensors.client_state.json")
@@ -125,7 +125,7 @@ def test_output_refusals(tmp_path, fixture_copy):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    import dsckpt.writer as writer
+    import dsckpt.io.writer as writer
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
@@ -140,7 +140,7 @@ def test_torch_output_streams_aligned_zip64_entries(tmp_path, monkeypatch):
     """Storages are 64-byte aligned even when zipfile adds zip64 fields (forced here with a tiny limit)."""
     import zipfile
 
-    from dsckpt.torchzip import TorchFile
+    from dsckpt.formats.torchzip import TorchFile
 
     monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 100)
     out = tmp_path / "m.pt"
@@ -152,7 +152,7 @@ def test_torch_output_streams_aligned_zip64_entries(tmp_path, monkeypatch):
 
 def test_verify_catches_damaged_source_bytes(fixture_copy, tmp_path):
     from dsckpt.errors import CorruptFileError
-    from dsckpt.torchzip import TorchFile
+    from dsckpt.formats.torchzip import TorchFile
 
     root = fixture_copy("z3_ws2_fp32")
     victim = root / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -41,7 +41,7 @@ def _mutate(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
 
 
 def _read_torch(pickle_bytes: bytes) -> None:
-    from dsckpt.torchzip import TorchFile, tensor_byte_range
+    from dsckpt.formats.torchzip import TorchFile, tensor_byte_range
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rank.pt"
@@ -92,7 +92,7 @@ entries = st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "BF16", "I64",
 @given(st.dictionaries(st.text(max_size=6), entries | json_values, max_size=4), st.binary(max_size=64),
        st.dictionaries(st.text(max_size=6), st.text(max_size=6) | json_values, max_size=3))
 def test_safetensors_headers(header, data, metadata):
-    from dsckpt.safetensors_file import parse_aliases, read_header
+    from dsckpt.formats.safetensors_file import parse_aliases, read_header
 
     header = {**header, "__metadata__": metadata}
     raw = json.dumps(header).encode()
@@ -111,7 +111,7 @@ def test_safetensors_headers(header, data, metadata):
 
 @given(json_values | st.fixed_dictionaries({"weight_map": st.dictionaries(st.text(max_size=10), json_values | st.text(max_size=12), max_size=4)}))
 def test_index_files(doc):
-    from dsckpt.safetensors_file import read_index
+    from dsckpt.formats.safetensors_file import read_index
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors.index.json"

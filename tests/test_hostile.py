@@ -292,7 +292,7 @@ def test_malformed_indexes(tmp_path, weight_map, fragment):
 
 def test_sidecar_naming_a_missing_tensor(tmp_path):
     from dsckpt.errors import CorruptFileError
-    from dsckpt.sidecar import read_sidecar
+    from dsckpt.formats.sidecar import read_sidecar
 
     sidecar = tmp_path / "m.safetensors.client_state.json"
     sidecar.write_text(json.dumps({"client_state": {"t": {"__tensor__": "t9"}}}))

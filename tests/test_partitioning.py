@@ -1,9 +1,9 @@
-"""DeepSpeed's partitioning rules, checked without files (dsckpt.partitioning), then against DeepSpeed itself."""
+"""DeepSpeed's partitioning rules, checked without files (dsckpt.zero.partitioning), then against DeepSpeed itself."""
 import math
 
 import pytest
 
-from dsckpt.partitioning import stage3_group, stage12_group
+from dsckpt.zero.partitioning import stage3_group, stage12_group
 
 
 def _gather(layout, numels):
@@ -85,7 +85,7 @@ def test_fixture_partitions_match_the_rules():
     import math
 
     from conftest import FIXTURE_NAMES, FIXTURES
-    from dsckpt.reader import open_checkpoint
+    from dsckpt.zero.reader import open_checkpoint
 
     checked = 0
     for name in FIXTURE_NAMES:

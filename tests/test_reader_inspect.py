@@ -8,9 +8,9 @@ import torch
 
 from conftest import FIXTURE_NAMES, FIXTURES, run_cli, demo_counts
 from dsckpt.errors import CheckpointNotFoundError, CorruptFileError, MissingRankError, TagError
-from dsckpt.inspect import summarize
-from dsckpt.layout import discover
-from dsckpt.reader import open_checkpoint
+from dsckpt.analysis.inspect import summarize
+from dsckpt.zero.layout import discover
+from dsckpt.zero.reader import open_checkpoint
 
 EXPECTED = {  # name -> (stage, world size, dtype)
     "z0_ws1_fp32": (0, 1, "fp32"), "z0_ws2_bf16": (0, 2, "bf16"), "z1_ws2_fp32": (1, 2, "fp32"),

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import FIXTURES, ROOT, demo_counts, run_cli
 from malformed import cases, run_case
-from dsckpt.output import TEMP_MARK
+from dsckpt.io.output import TEMP_MARK
 
 CASES = cases()
 
@@ -90,7 +90,7 @@ def test_fuzzer_findings_stay_fixed(tmp_path):
     import shutil
 
     from dsckpt.errors import DsckptError
-    from dsckpt.reader import open_checkpoint
+    from dsckpt.zero.reader import open_checkpoint
 
     findings = sorted((ROOT / "tests" / "data").glob("fuzz-*.bin"))
     assert findings  # a test over an empty folder would assert nothing

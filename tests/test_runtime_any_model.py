@@ -12,8 +12,8 @@ import torch
 
 from conftest import fit_ranks, run_cli, run_job, skip_beyond_devices, skip_unless_supported
 from dsckpt.errors import UnsupportedPrecisionError
-from dsckpt.inspect import summarize
-from dsckpt.reader import open_checkpoint
+from dsckpt.analysis.inspect import summarize
+from dsckpt.zero.reader import open_checkpoint
 from dsckpt.runtime.precision import require_supported, supported_precisions
 
 pytestmark = pytest.mark.gpu  # runs on CUDA too: `pytest -m gpu` on the lent GPU machine

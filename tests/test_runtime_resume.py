@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, demo_counts, fit_ranks, run_cli, run_job, skip_beyond_devices, skip_unless_supported
-from dsckpt.layout import list_tags
-from dsckpt.reader import open_checkpoint
+from dsckpt.zero.layout import list_tags
+from dsckpt.zero.reader import open_checkpoint
 
 pytestmark = pytest.mark.gpu  # runs on CUDA too: `pytest -m gpu` on the lent GPU machine
 SMALL = ("--model", "dsckpt.runtime.demo_model:build_small_model")

@@ -71,7 +71,7 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
 
         WeightsFile(full_weights, tuple(strip_prefix))  # a missing or broken file fails now
     else:
-        from ..reader import open_checkpoint
+        from ..zero.reader import open_checkpoint
 
         ckpt = open_checkpoint(checkpoint, tag=tag)
         ckpt.require_complete()

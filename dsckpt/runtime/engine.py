@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedPrecisionError, WorldSizeMismatchError
-from ..layout import DEEPSPEED_KEYS, LATEST_FILE
+from ..zero.layout import DEEPSPEED_KEYS, LATEST_FILE
 from .config import precision_of
 
 log = logging.getLogger("dsckpt")
@@ -105,7 +105,7 @@ def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
     """Rename a completely written tag folder into place, then update `latest` atomically."""
     import shutil
 
-    from ..output import fsync_path
+    from ..io.output import fsync_path
 
     final, staged = save_dir / tag, save_dir / partial
     fsync_path(staged)  # every rank file's data, then the tag folder's entries, before publishing
@@ -206,7 +206,7 @@ class Runtime:
         No pickle code runs unless ``trust``: the files are checked for foreign classes with dsckpt's
         reader, and DeepSpeed's loader is replaced by a ``weights_only`` one (``safe_load``).
         """
-        from ..reader import open_checkpoint
+        from ..zero.reader import open_checkpoint
         from . import safe_load
 
         ckpt = open_checkpoint(load_dir, tag=tag)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import VerificationError
-from ..sidecar import JSON_SUFFIX, read_sidecar
+from ..formats.sidecar import JSON_SUFFIX, read_sidecar
 from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state
@@ -63,7 +63,7 @@ def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None
 
 def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bool, strict: bool,
                    skip_client: bool = False, trust: bool = False) -> Position | None:
-    from ..reader import open_checkpoint
+    from ..zero.reader import open_checkpoint
 
     if open_checkpoint(ckpt_dir, tag=tag).world_size != eng.world_size():
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
@@ -88,7 +88,7 @@ def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: 
 
     from ..convert import consolidate
 
-    from ..reader import open_checkpoint
+    from ..zero.reader import open_checkpoint
 
     beside = open_checkpoint(ckpt_dir, tag=tag).layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..errors import UnsafeCheckpointError
-from ..pickle_policy import Opaque
+from ..formats.pickle_policy import Opaque
 
 # The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
 # stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptFileError
-from ..plan import ITEMSIZE, strip_name
-from ..pickle_policy import TensorRef
+from ..plan.consolidate import ITEMSIZE, strip_name
+from ..formats.pickle_policy import TensorRef
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -57,7 +57,7 @@ class WeightsFile:
     # -- formats ------------------------------------------------------------------------------
     @staticmethod
     def _safetensors(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
-        from ..safetensors_file import parse_aliases, read_header
+        from ..formats.safetensors_file import parse_aliases, read_header
 
         header, data_start = read_header(path)
         entries = {name: Entry(path, data_start + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
@@ -65,7 +65,7 @@ class WeightsFile:
         return entries, parse_aliases(header.get("__metadata__", {}).get("dsckpt.aliases"), path)
 
     def _sharded(self) -> tuple[dict[str, Entry], dict[str, str]]:
-        from ..safetensors_file import check_shard_names, parse_aliases, read_index
+        from ..formats.safetensors_file import check_shard_names, parse_aliases, read_index
 
         index = self.path if self.path.is_file() else next(self.path.glob("*.index.json"), None)
         if index is None:
@@ -79,7 +79,7 @@ class WeightsFile:
         return entries, parse_aliases(meta.get("dsckpt.aliases"), index)
 
     def _torch(self) -> dict[str, Entry]:
-        from ..torchzip import TorchFile
+        from ..formats.torchzip import TorchFile
 
         tf = TorchFile(self.path)
         obj = tf.obj
@@ -103,7 +103,7 @@ class WeightsFile:
         """What a ``.pt`` training checkpoint holds beside ``state_dict`` (Lightning: ``epoch``,
         ``global_step``, ``hyper_parameters``...), as plain values: tensors read, objects of classes
         dsckpt does not load kept as ``{"__opaque__": "module.Class"}``."""
-        from ..sidecar import decode, encode
+        from ..formats.sidecar import decode, encode
 
         refs: dict = {}
         encoded = encode(self._beside, refs)
@@ -112,7 +112,7 @@ class WeightsFile:
 
     @staticmethod
     def _read_ref(ref: TensorRef) -> torch.Tensor:
-        from ..torchzip import read_tensor_bytes
+        from ..formats.torchzip import read_tensor_bytes
 
         data = bytearray(read_tensor_bytes(ref))
         flat = torch.frombuffer(data, dtype=TORCH_DTYPES[ref.dtype]) if data else torch.empty(0, dtype=TORCH_DTYPES[ref.dtype])

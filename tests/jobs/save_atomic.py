@@ -3,8 +3,8 @@ import json
 import sys
 from pathlib import Path
 
-from dsckpt.reader import open_checkpoint
-from dsckpt.layout import list_tags
+from dsckpt.zero.reader import open_checkpoint
+from dsckpt.zero.layout import list_tags
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer

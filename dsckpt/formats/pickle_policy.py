@@ -44,7 +44,7 @@ def _bounded(kind: type):
     """``kind(arg)`` only when it cannot allocate more than MAX_CONTAINER_ITEMS (``bytearray(3 * 10**9)``
     is one tiny opcode, ``frozenset(range(2 * 10**7))`` two)."""
     def build(*args):
-        from .limits import limit
+        from ..limits import limit
 
         size = args[0] if args and isinstance(args[0], int) else len(args[0]) if args and hasattr(args[0], "__len__") else 0
         if size > limit("MAX_CONTAINER_ITEMS"):

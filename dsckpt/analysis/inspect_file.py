@@ -6,10 +6,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .errors import DsckptError
-from .pickle_policy import TensorRef
-from .safetensors_file import check_shard_names, parse_aliases, read_header, read_index
-from .torchzip import TorchFile
+from ..errors import DsckptError
+from ..formats.pickle_policy import TensorRef
+from ..formats.safetensors_file import check_shard_names, parse_aliases, read_header, read_index
+from ..formats.torchzip import TorchFile
 
 
 def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:

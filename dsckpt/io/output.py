@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import OutputError
+from ..errors import OutputError
 
 TEMP_MARK = ".dsckpt-tmp-"
 

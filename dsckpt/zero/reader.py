@@ -15,10 +15,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import layout as L
-from .limits import check, limit
-from .errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
-from .pickle_policy import TensorRef, opaque_int
-from .torchzip import TorchFile
+from ..limits import check, limit
+from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
+from ..formats.pickle_policy import TensorRef, opaque_int
+from ..formats.torchzip import TorchFile
 
 if TYPE_CHECKING:
     from .optim_state import RankState

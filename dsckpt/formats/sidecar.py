@@ -18,11 +18,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptFileError
+from ..errors import CorruptFileError
 from .pickle_policy import Opaque, TensorRef
 
 if TYPE_CHECKING:
-    from .output import Staging
+    from ..io.output import Staging
 
 JSON_SUFFIX = ".client_state.json"
 TENSORS_SUFFIX = ".client_state.safetensors"
@@ -40,14 +40,14 @@ class _Budget:
     of lists referencing lists ("billion laughs") would otherwise become a huge JSON file."""
 
     def __init__(self, where: str):
-        from .limits import limit
+        from ..limits import limit
 
         self.left, self.where = limit("MAX_VALUES"), where
 
     def spend(self) -> None:
         self.left -= 1
         if self.left < 0:
-            from .limits import check, limit
+            from ..limits import check, limit
 
             check("MAX_VALUES", limit("MAX_VALUES") + 1, self.where, "the number of values in the client state")
 
@@ -113,8 +113,8 @@ def _hashable(v: Any) -> Any:
 
 def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> Path:
     """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
-    from .plan import TensorPlan, ref_pieces
-    from .writer import write_safetensors
+    from ..plan.consolidate import TensorPlan, ref_pieces
+    from ..io.writer import write_safetensors
 
     json_path, tensors_path = sidecar_paths(out)
     tensors: dict[str, TensorRef] = {}

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import DsckptError
-from .pickle_policy import Opaque, TensorRef
-from .plan import build_plan
-from .reader import Checkpoint, open_checkpoint
+from ..errors import DsckptError
+from ..formats.pickle_policy import Opaque, TensorRef
+from ..plan.consolidate import build_plan
+from ..zero.reader import Checkpoint, open_checkpoint
 
 SCHEMA_VERSION = 1
 # Peak RSS of `consolidate`, flat in model size as far as measured (docs/performance.md: 26-57 MiB for

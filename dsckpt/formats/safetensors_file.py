@@ -7,8 +7,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptFileError
-from .plan import ITEMSIZE
+from ..errors import CorruptFileError
+from ..plan.consolidate import ITEMSIZE
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
 
@@ -74,7 +74,7 @@ def _is_count(value: Any) -> bool:
 
 def read_json(path: Path, what: str) -> Any:
     """A JSON document of bounded size and nesting; any failure is a ``CorruptFileError`` naming it."""
-    from .limits import check
+    from ..limits import check
 
     try:
         check("MAX_JSON_BYTES", path.stat().st_size, str(path), f"the size of this {what}")

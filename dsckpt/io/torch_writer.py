@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from .plan import Plan
+from ..plan.consolidate import Plan
 from .writer import SourceFiles, iter_tensor_chunks
 
 ARCHIVE = "archive"

@@ -6,7 +6,7 @@ A torch checkpoint is an uncompressed zip::
     <archive>/data/<key>      raw storage bytes, one entry per storage
     <archive>/byteorder, .format_version, version, ...
 
-The pickle is loaded by ``SafeUnpickler`` (see ``dsckpt.pickle_policy``); every tensor becomes a
+The pickle is loaded by ``SafeUnpickler`` (see ``dsckpt.formats.pickle_policy``); every tensor becomes a
 ``TensorRef`` that knows its storage's absolute byte offset in the file, so metadata costs
 O(pickle size) and tensor bytes are read only when asked for, with ranged reads.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ByteRangeError, CorruptFileError
-from .limits import check, limit
+from ..errors import ByteRangeError, CorruptFileError
+from ..limits import check, limit
 from .pickle_policy import SafeUnpickler, StorageRef, TensorRef  # noqa: F401  (re-exported)
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes

@@ -20,12 +20,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import layout as L
-from .errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from .partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
-from .pickle_policy import FLOAT_DTYPES, TensorRef
-from .reader import Checkpoint
-from .torchzip import tensor_byte_range
+from ..zero import layout as L
+from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
+from ..formats.pickle_policy import FLOAT_DTYPES, TensorRef
+from ..zero.reader import Checkpoint
+from ..formats.torchzip import tensor_byte_range
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 DTYPE_ALIASES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16"}
@@ -261,8 +261,8 @@ def _stage0_masters(ckpt: Checkpoint) -> dict[str, TensorRef]:
 
 
 def _is_master_of(master: TensorRef, weight: TensorRef) -> bool:
-    from .cast import cast_bytes
-    from .torchzip import read_tensor_bytes
+    from ..io.cast import cast_bytes
+    from ..formats.torchzip import read_tensor_bytes
 
     return cast_bytes(read_tensor_bytes(master), "F32", weight.dtype) == read_tensor_bytes(weight)
 

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import CorruptFileError
-from .plan import ITEMSIZE, Plan, TensorPlan
+from ..errors import CorruptFileError
+from ..plan.consolidate import ITEMSIZE, Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers

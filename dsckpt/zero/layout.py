@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError
+from ..errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
@@ -155,7 +155,7 @@ def read_latest(root: Path) -> str | None:
     kind = file_kind(latest)
     if kind is not None:
         raise TagError(f"{latest}: expected a text file naming a tag, found {kind}")
-    from .limits import limit
+    from ..limits import limit
 
     with open(latest, "rb") as fh:
         data = fh.read(limit("MAX_LATEST_BYTES") + 1)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as L
-from .errors import InconsistentCheckpointError
-from .pickle_policy import Opaque, TensorRef
+from ..errors import InconsistentCheckpointError
+from ..formats.pickle_policy import Opaque, TensorRef
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 

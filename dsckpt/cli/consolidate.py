@@ -1,0 +1,69 @@
+"""`dsckpt consolidate`: gather a ZeRO checkpoint into one file or a sharded folder."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .app import cli
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--tag", default=None, help="Tag to consolidate (default: what `latest` names).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Cast floating-point tensors (default: fp32 masters, buffers as stored).")
+@click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")
+@click.option("--duplicate-tied", is_flag=True, help="safetensors: write a copy of a tied weight under each of its names.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
+@click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
+@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
+                max_shard_size, no_client_state, force, verify, no_fsync, quiet, as_json) -> None:
+    """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
+
+    \b
+    OUT decides the format:
+      model.safetensors           safetensors (tied weights once, aliases in __metadata__)
+      model.pt | .pth | .bin      torch state dict (loads with weights_only=True)
+      model_dir/                  sharded safetensors + model.safetensors.index.json
+    \b
+    Examples:
+      dsckpt consolidate runs/demo model.safetensors
+      dsckpt consolidate runs/demo model.pt --tag step10 --dtype bf16
+      dsckpt consolidate runs/demo hf_model/ --max-shard-size 2GB --strip-prefix module.
+    The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
+    """
+    import json
+
+    from tqdm import tqdm
+
+    from ..convert import consolidate as run
+
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json,
+              file=sys.stderr, leave=False) as bar:
+        def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
+            bar.total = total
+            bar.refresh()
+
+        result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
+                     duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
+                     client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
+                     progress=bar.update, progress_total=announce)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        click.echo(json.dumps({"out": str(result.out), "form": result.form, "tensors": result.tensors,
+                               "bytes": result.nbytes, "files": list(result.files),
+                               "client_state": str(result.sidecar) if result.sidecar else None,
+                               "verified": result.verified, "notes": list(result.notes)}))
+    else:
+        click.echo(f"wrote {result.out} ({result.form}, {result.tensors} tensors, {result.nbytes:,} bytes)"
+                   + (f"; client state: {result.sidecar}" if result.sidecar else "")
+                   + ("; verified: identical to the shards" if result.verified else ""))

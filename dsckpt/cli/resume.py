@@ -1,0 +1,46 @@
+"""`dsckpt resume`: carry on training from a sharded checkpoint or a full-weights file."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .options import training_options
+from .app import in_launched_rank, require_runtime, world_size_for, cli
+
+
+@cli.command()
+@click.argument("checkpoint", required=False, type=click.Path())
+@click.option("--full-weights", type=click.Path(), default=None, help="One weights file (.safetensors/.pt/.bin or sharded folder).")
+@click.option("--client-state", type=click.Path(dir_okay=False), default=None,
+              help="Client-state sidecar JSON, or 'none' to restore nothing (default: FILE.client_state.json, "
+                   "else what a .pt holds beside its state_dict; for CKPT_DIR: the checkpoint's own).")
+@click.option("--tag", default=None, help="Tag of CHECKPOINT to resume.")
+@click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
+@click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
+@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: load its consolidated weights.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
+                   "Default: refuse classes beyond DeepSpeed's own.")
+@training_options
+def resume(nproc: int, **kwargs) -> None:
+    """Carry on training from a sharded checkpoint or a full-weights file.
+
+    \b
+    Examples:
+      dsckpt resume runs/demo --nproc 2 --steps 10 --save-dir runs/demo
+      dsckpt resume --full-weights model.safetensors --nproc 3 --stage 3 --steps 10 --save-dir runs/ws3
+      dsckpt resume --full-weights model.safetensors --nproc 2 --check
+      dsckpt resume runs/demo --nproc 3 --reshard --steps 5
+    Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
+    optimizer moments start fresh; the client state comes from the sidecar.
+    """
+    require_runtime("resume")
+    from ..runtime import commands, launch
+
+    if not in_launched_rank():
+        commands.preflight_resume(world_size_for(nproc), **kwargs)
+    if launch.should_launch(nproc):
+        sys.exit(launch.launch(nproc))
+    commands.run_resume(**kwargs)
