@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CorruptFileError, OutputError, VerificationError
+from .formats import metadata as M
 from .io.output import TEMP_MARK, check_output, staged
 from .plan.consolidate import Plan, TensorPlan, build_plan
 from .zero.reader import open_checkpoint
@@ -135,7 +136,7 @@ def _duplicate_aliases(plan: Plan) -> Plan:
     by_name = {t.name: t for t in plan.tensors}
     extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
                              by_name[s].pieces) for a, s in plan.aliases.items())
-    meta = {k: v for k, v in plan.metadata.items() if k != "dsckpt.aliases"}
+    meta = {k: v for k, v in plan.metadata.items() if k != M.ALIASES}
     return Plan(plan.tensors + extra, {}, meta)
 
 

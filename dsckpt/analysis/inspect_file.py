@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsckptError
+from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..formats.safetensors_file import check_shard_names, parse_aliases, read_header, read_index
 from ..formats.torchzip import TorchFile
@@ -32,7 +33,7 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
                 if kind == "safetensors-sharded":
                     check_shard_names(path, weight_map, f.name, header)
                 metadata = {**header.get("__metadata__", {}), **{k: str(v) for k, v in metadata.items()}}
-                parse_aliases(metadata.get("dsckpt.aliases"), f)
+                parse_aliases(metadata.get(M.ALIASES), f)
                 rows += [(n, i["dtype"], i["shape"]) for n, i in header.items() if n != "__metadata__"]
         except DsckptError as exc:
             problems.append(str(exc))

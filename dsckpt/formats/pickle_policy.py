@@ -21,18 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-# torch storage class name -> (safetensors dtype name, itemsize)
-STORAGE_DTYPES: dict[str, tuple[str, int]] = {
-    "FloatStorage": ("F32", 4), "DoubleStorage": ("F64", 8), "HalfStorage": ("F16", 2),
-    "BFloat16Storage": ("BF16", 2), "LongStorage": ("I64", 8), "IntStorage": ("I32", 4),
-    "ShortStorage": ("I16", 2), "CharStorage": ("I8", 1), "ByteStorage": ("U8", 1), "BoolStorage": ("BOOL", 1),
-}
-TORCH_DTYPE_NAMES = {
-    "float32": "F32", "float": "F32", "float64": "F64", "double": "F64", "float16": "F16", "half": "F16",
-    "bfloat16": "BF16", "int64": "I64", "long": "I64", "int32": "I32", "int": "I32", "int16": "I16",
-    "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
-FLOAT_DTYPES = frozenset({"F32", "F64", "F16", "BF16"})
+from ..dtypes import BY_STORAGE, BY_TORCH_NAME
+
 
 # Published allowlist: (module, name) pairs that are *interpreted*, not imported.
 TENSOR_REBUILDERS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
@@ -156,7 +146,7 @@ def opaque_int(value: Any) -> Any:
 
 class _StorageType:
     def __init__(self, name: str):
-        self.dtype, self.itemsize = STORAGE_DTYPES[name]
+        self.dtype, self.itemsize = BY_STORAGE[name].name, BY_STORAGE[name].itemsize
 
 
 def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
@@ -189,12 +179,12 @@ class SafeUnpickler(pickle._Unpickler):
         if (module, name) in PLAIN_BUILTINS:
             return PLAIN_BUILTINS[module, name]
         if module == "torch":
-            if name in STORAGE_DTYPES:
+            if name in BY_STORAGE:
                 return _StorageType(name)
             if name == "Size":
                 return tuple
-            if name in TORCH_DTYPE_NAMES:
-                return TORCH_DTYPE_NAMES[name]
+            if name in BY_TORCH_NAME:
+                return BY_TORCH_NAME[name]
             if name == "device":
                 return lambda *a: ":".join(str(x) for x in a)
         if (module, name) == ("_codecs", "encode"):

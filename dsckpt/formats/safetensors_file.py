@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptFileError
-from ..plan.consolidate import ITEMSIZE
+from ..dtypes import ITEMSIZE
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
 

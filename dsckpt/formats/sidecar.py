@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptFileError
+from . import metadata as M
 from .pickle_policy import Opaque, TensorRef
 
 if TYPE_CHECKING:
@@ -118,11 +119,11 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
 
     json_path, tensors_path = sidecar_paths(out)
     tensors: dict[str, TensorRef] = {}
-    doc = {"format": "dsckpt.client_state/1", "weights": out.name,
+    doc = {"format": M.SIDECAR_FORMAT, "weights": out.name,
            "client_state": encode(client_state, tensors, _Budget(f"{out}: client state"))}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
-        write_safetensors(plans, stage.temp_for(tensors_path), {"format": "dsckpt.client_state"})
+        write_safetensors(plans, stage.temp_for(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})
     elif tensors_path.exists():
         stage.remove_on_commit([tensors_path])  # a companion left by an earlier --force run would be misread as ours
     stage.temp_for(json_path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# bf16 has no numpy dtype: it travels as its uint16 bit pattern
-NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-                "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+from ..dtypes import numpy_dtype  # bf16 travels as its uint16 bit pattern
+
 
 
 def to_f32(raw: np.ndarray, src: str) -> np.ndarray:
@@ -25,11 +24,11 @@ def cast_bytes(data: bytes | memoryview, src: str, dst: str) -> bytes | memoryvi
     """``data`` (elements of ``src``) as elements of ``dst``."""
     if src == dst:
         return data
-    raw = np.frombuffer(data, dtype=NUMPY_DTYPES[src])
+    raw = np.frombuffer(data, dtype=numpy_dtype(src))
     if dst == "BF16":
         out = f32_to_bf16(to_f32(raw, src) if src != "F64" else raw.astype(np.float32))
     elif src == "BF16":
-        out = to_f32(raw, src).astype(NUMPY_DTYPES[dst], copy=False)
+        out = to_f32(raw, src).astype(numpy_dtype(dst), copy=False)
     else:
-        out = raw.astype(NUMPY_DTYPES[dst])
+        out = raw.astype(numpy_dtype(dst))
     return out.tobytes()

@@ -15,14 +15,12 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from ..dtypes import DTYPES
 from ..plan.consolidate import Plan
 from .writer import SourceFiles, iter_tensor_chunks
 
 ARCHIVE = "archive"
 ALIGN = 64
-STORAGE_TYPES = {"F64": "DoubleStorage", "F32": "FloatStorage", "F16": "HalfStorage", "BF16": "BFloat16Storage",
-                 "I64": "LongStorage", "I32": "IntStorage", "I16": "ShortStorage", "I8": "CharStorage",
-                 "U8": "ByteStorage", "BOOL": "BoolStorage"}
 
 
 class _Pickle:
@@ -54,7 +52,7 @@ class _Pickle:
         self.out += b"("  # MARK: the args tuple
         self.out += b"("  # MARK: persistent id ('storage', type, key, location, numel)
         self.string("storage")
-        self.global_("torch", STORAGE_TYPES[dtype])
+        self.global_("torch", DTYPES[dtype].storage)
         self.string(key)
         self.string("cpu")
         self.int_(numel)

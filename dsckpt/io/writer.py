@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
-from ..plan.consolidate import ITEMSIZE, Plan, TensorPlan
+from ..dtypes import ITEMSIZE, torch_dtype
+from ..plan.consolidate import Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
@@ -185,15 +186,12 @@ def torch_state_dict(plan: Plan, progress: Progress | None = None, only: set[str
     import numpy as np
     import torch
 
-    torch_dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                    "U8": torch.uint8, "BOOL": torch.bool}
     out = {}
     with SourceFiles() as src:
         for t in plan.tensors:
             if only is not None and t.name not in only:
                 continue
-            tensor = torch.empty(t.shape, dtype=torch_dtypes[t.dtype])
+            tensor = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
             view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
             flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
             pos = 0

@@ -23,12 +23,12 @@ from pathlib import Path
 from ..zero import layout as L
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
-from ..formats.pickle_policy import FLOAT_DTYPES, TensorRef
+from ..dtypes import FLOATING, ITEMSIZE, canonical
+from ..formats import metadata as M
+from ..formats.pickle_policy import TensorRef
 from ..zero.reader import Checkpoint
 from ..formats.torchzip import tensor_byte_range
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-DTYPE_ALIASES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16"}
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,11 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint's optimizer moments are not "
                                          "partitioned; dsckpt gathers moments at stages 1-3")
     moments = state != "fp32"
-    out_dtype = DTYPE_ALIASES.get(dtype, dtype) if dtype else None
+    out_dtype = canonical(dtype) if dtype else None
     tensors: dict[str, TensorPlan] = {}
 
     def add(name, shape, src_dtype, kind, pieces, default_dtype):
-        target = out_dtype if (out_dtype and src_dtype in FLOAT_DTYPES) else default_dtype
+        target = out_dtype if (out_dtype and src_dtype in FLOATING) else default_dtype
         tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
 
     try:
@@ -185,7 +185,7 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
         if pad is not None and len(pad) != len(shapes):
             raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(shapes)} parameters "
                                               f"but {len(pad)} alignment paddings")
-        itemsize = ITEMSIZE.get({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}.get(ckpt.precision, "F32"), 4)
+        itemsize = ITEMSIZE[canonical(ckpt.precision)]
         layout = stage12_group([math.prod(s) for s in shapes.values()], ckpt.world_size, pad,
                                parameter_alignment(pad or [], itemsize))
         for r, space in enumerate(spaces):
@@ -277,13 +277,13 @@ def _module_order(ckpt: Checkpoint, tensors: dict[str, TensorPlan]) -> list[Tens
 def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, str], out_dtype) -> dict[str, str]:
     import json
 
-    meta = {"format": "pt", "dsckpt.source_tag": ckpt.layout.tag, "dsckpt.zero_stage": str(ckpt.zero_stage),
-            "dsckpt.world_size": str(ckpt.world_size), "dsckpt.trained_precision": ckpt.precision}
+    meta = {M.FORMAT: M.FORMAT_PT, M.SOURCE_TAG: ckpt.layout.tag, M.ZERO_STAGE: str(ckpt.zero_stage),
+            M.WORLD_SIZE: str(ckpt.world_size), M.TRAINED_PRECISION: ckpt.precision}
     if aliases:
-        meta["dsckpt.aliases"] = json.dumps(aliases, sort_keys=True)
+        meta[M.ALIASES] = json.dumps(aliases, sort_keys=True)
     frozen = {t.name: t.src_dtype for t in tensors if t.kind == "frozen"}
     if frozen:
-        meta["dsckpt.frozen_stored_dtypes"] = json.dumps(frozen, sort_keys=True)
+        meta[M.FROZEN_STORED_DTYPES] = json.dumps(frozen, sort_keys=True)
     return meta
 
 
@@ -307,5 +307,5 @@ def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
     meta = dict(plan.metadata)
     if aliases:
         import json
-        meta["dsckpt.aliases"] = json.dumps(aliases, sort_keys=True)
+        meta[M.ALIASES] = json.dumps(aliases, sort_keys=True)
     return Plan(tensors, aliases, meta)

@@ -78,19 +78,18 @@ def world_size() -> int:
 
 
 def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision_of(config), torch.float32)
+    from ..dtypes import PRECISION_DTYPE, torch_dtype
+
+    return torch_dtype(PRECISION_DTYPE[precision_of(config)])
 
 
 def check_model_dtype(module: torch.nn.Module, wanted: torch.dtype) -> None:
     """Refuse to train in another precision than the config asks for (see ``build_model``)."""
     found = {p.dtype for p in module.parameters() if p.is_floating_point()}
     if found and found != {wanted}:
-        from .precision import LABELS
-
-        names = {torch.float32: "32", torch.bfloat16: "bf16", torch.float16: "16"}
         raise UnsupportedPrecisionError(
             f"the model's parameters are {sorted(str(d) for d in found)} but the DeepSpeed config asks for "
-            f"{LABELS[names[wanted]]}", hint="a model factory must not cast its parameters itself")
+            f"{wanted}", hint="a model factory must not cast its parameters itself")
 
 
 PARTIAL_SUFFIX = ".dsckpt-partial"

@@ -12,7 +12,9 @@ from typing import Any
 from ..errors import UnsupportedPrecisionError
 from .config import PRESETS_PRECISION_ALIASES
 
-LABELS = {"32": "fp32", "16": "fp16", "bf16": "bf16"}
+from ..dtypes import PRECISION_DTYPE, label
+
+LABELS = {precision: label(dtype) for precision, dtype in PRECISION_DTYPE.items()}  # "32" -> "fp32"
 
 
 def supported_precisions(accelerator: Any = None) -> tuple[str, ...]:

@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptFileError
-from ..plan.consolidate import ITEMSIZE, strip_name
+from ..formats import metadata as M
+from ..dtypes import ITEMSIZE, torch_dtype
+from ..plan.consolidate import strip_name
 from ..formats.pickle_policy import TensorRef
 
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class WeightsFile:
         header, data_start = read_header(path)
         entries = {name: Entry(path, data_start + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
                    for name, info in header.items() if name != "__metadata__"}
-        return entries, parse_aliases(header.get("__metadata__", {}).get("dsckpt.aliases"), path)
+        return entries, parse_aliases(header.get("__metadata__", {}).get(M.ALIASES), path)
 
     def _sharded(self) -> tuple[dict[str, Entry], dict[str, str]]:
         from ..formats.safetensors_file import check_shard_names, parse_aliases, read_index
@@ -76,7 +75,7 @@ class WeightsFile:
             found = self._safetensors(index.parent / shard)[0]
             check_shard_names(index, weight_map, shard, found)
             entries.update(found)
-        return entries, parse_aliases(meta.get("dsckpt.aliases"), index)
+        return entries, parse_aliases(meta.get(M.ALIASES), index)
 
     def _torch(self) -> dict[str, Entry]:
         from ..formats.torchzip import TorchFile
@@ -115,7 +114,7 @@ class WeightsFile:
         from ..formats.torchzip import read_tensor_bytes
 
         data = bytearray(read_tensor_bytes(ref))
-        flat = torch.frombuffer(data, dtype=TORCH_DTYPES[ref.dtype]) if data else torch.empty(0, dtype=TORCH_DTYPES[ref.dtype])
+        flat = torch.frombuffer(data, dtype=torch_dtype(ref.dtype)) if data else torch.empty(0, dtype=torch_dtype(ref.dtype))
         return flat.reshape(ref.shape)
 
     def keys(self) -> list[str]:
@@ -137,7 +136,7 @@ class WeightsFile:
         with open(e.path, "rb") as fh:
             if os.preadv(fh.fileno(), [buf], e.offset) != nbytes:
                 raise CorruptFileError(f"{e.path}: short read of tensor {key!r} (file truncated?)")
-        flat = torch.frombuffer(buf, dtype=TORCH_DTYPES[e.dtype]) if nbytes else torch.empty(0, dtype=TORCH_DTYPES[e.dtype])
+        flat = torch.frombuffer(buf, dtype=torch_dtype(e.dtype)) if nbytes else torch.empty(0, dtype=torch_dtype(e.dtype))
         if e.stride is None:
             return flat.reshape(e.shape)
         return flat.as_strided(e.shape, e.stride).clone()

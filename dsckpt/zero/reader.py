@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import layout as L
+from ..dtypes import label
 from ..limits import check, limit
 from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
 from ..formats.pickle_policy import TensorRef, opaque_int
@@ -23,7 +24,6 @@ from ..formats.torchzip import TorchFile
 if TYPE_CHECKING:
     from .optim_state import RankState
 
-PRECISION_BY_DTYPE = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                                     f"{lay.model_files[0].path}: buffer {name!r} listed but not in '{L.MODULE}'"))
     client = {k: v for k, v in head.items() if k not in L.DEEPSPEED_KEYS}
     param_dtypes = {t.dtype for n, t in module.items() if isinstance(t, TensorRef) and n not in buffers}
-    precision = next((PRECISION_BY_DTYPE.get(d, d) for d in ("BF16", "F16", "F32") if d in param_dtypes), "fp32")
+    precision = next((label(d) for d in ("BF16", "F16", "F32") if d in param_dtypes), "fp32")
     return Checkpoint(layout=lay, zero_stage=stage, world_size=world, mp_world_size=mp,
                       ds_version=head.get(L.DS_VERSION), precision=precision,
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
