@@ -23,11 +23,11 @@ from .io.output import TEMP_MARK, check_output, staged
 from .plan.consolidate import Plan, TensorPlan, build_plan
 from .zero.reader import open_checkpoint
 from .formats.sidecar import sidecar_paths, write_sidecar
-from .io.torch_writer import write_torch
-from .formats.torchzip import TorchFile, check_storage_crcs, read_tensor_bytes
-from .io.writer import SourceFiles, read_tensor, torch_state_dict, write_safetensors, write_sharded
+from .formats.torchzip import check_storage_crcs
+from .io.formats import Format, for_output
+from .io.positional import read_range
+from .io.writer import SourceFiles, read_tensor, torch_state_dict
 
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 DEFAULT_SHARD = "5GB"
 
 
@@ -52,16 +52,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale[unit])
 
 
-def output_form(out: Path) -> str:
-    if out.suffix in TORCH_SUFFIXES:
-        return "torch"
-    if out.suffix == ".safetensors":
-        return "safetensors"
-    if out.suffix == "" or out.is_dir():
-        return "sharded"
-    raise OutputError(f"{out}: unknown output type; use .safetensors, .pt/.pth/.bin, or a folder name")
-
-
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
@@ -72,9 +62,10 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     ckpt = open_checkpoint(checkpoint, tag)
     plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
     out = Path(out)
-    form = output_form(out)
+    fmt = for_output(out)
+    form = fmt.name
     inputs = [f.path for f in ckpt.layout.all_files]
-    check_output(out, inputs, force, directory=form == "sharded", tree=ckpt.layout.root)
+    check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
     write_client = bool(client_state and ckpt.client_state)
     for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
         check_output(path, inputs, force)
@@ -85,17 +76,11 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     if progress_total:
         progress_total(plan.nbytes)
     notes = _notes(ckpt, plan, form, strip_prefixes)
-    files: tuple[str, ...] = (out.name,)
     with staged(fsync) as stage, _write_errors(out):
-        tmp = stage.temp_for(out, directory=form == "sharded")
-        if form == "safetensors":
-            write_safetensors(list(plan.tensors), tmp, plan.metadata, progress)
-        elif form == "torch":
-            write_torch(plan, tmp, progress)
-        else:
-            files = tuple(write_sharded(plan, tmp, parse_size(max_shard_size), progress))
+        tmp = stage.temp_for(out, directory=fmt.directory)
+        files = tuple(fmt.write(plan, tmp, {"max_shard_bytes": parse_size(max_shard_size)}, progress))
         if verify:
-            verify_output(plan, tmp, form)  # before the rename: a failed check leaves nothing at OUT
+            verify_output(plan, tmp, fmt)  # before the rename: a failed check leaves nothing at OUT
         if write_client:
             write_sidecar(ckpt.client_state, out, stage)
         else:  # (only with --force) a sidecar of the OUT being replaced would restore the wrong counters
@@ -150,38 +135,24 @@ def check_sources(plan: Plan) -> None:
         check_storage_crcs(path, spans)
 
 
-def verify_output(plan: Plan, out: Path, form: str) -> None:
-    """Re-read OUT and compare every tensor byte-for-byte with the plan's source pieces."""
+def verify_output(plan: Plan, out: Path, fmt: Format) -> None:
+    """Re-read OUT through its format's reader and compare every tensor byte for byte with the plan's
+    source pieces (tied aliases stored as views of one storage are compared once)."""
     expected = {t.name: t for t in plan.tensors}
-    if form == "torch":
-        written = TorchFile(out).obj
-        stored = ((name, read_tensor_bytes(ref)) for name, ref in written.items() if name not in plan.aliases)
-    else:
-        files = [out] if form == "safetensors" else sorted(out.glob("model-*.safetensors"))
-        stored = (item for f in files for item in _iter_safetensors(f))
     seen = set()
     with SourceFiles() as src:
-        for name, data in stored:
-            if name not in expected:
-                raise VerificationError(f"{out}: unexpected tensor {name!r}")
-            if data != read_tensor(src, expected[name]):
-                raise VerificationError(f"{out}: tensor {name!r} differs from the checkpoint")
-            seen.add(name)
+        for stored in fmt.read(out).tensors:
+            if stored.name in plan.aliases:
+                continue
+            if stored.name not in expected:
+                raise VerificationError(f"{out}: unexpected tensor {stored.name!r}")
+            data = read_range(stored.path, stored.offset, stored.span_bytes)
+            if stored.stride is not None or data != read_tensor(src, expected[stored.name]):
+                raise VerificationError(f"{out}: tensor {stored.name!r} differs from the checkpoint")
+            seen.add(stored.name)
     missing = set(expected) - seen
     if missing:
         raise VerificationError(f"{out}: {len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}")
-
-
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, bytes]]:
-    from .formats.safetensors_file import read_header
-
-    header, data_start = read_header(path)
-    with open(path, "rb") as fh:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            b, e = info["data_offsets"]
-            yield name, os.pread(fh.fileno(), e - b, data_start + b)
 
 
 def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype: str | None = None,

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import DsckptError
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
+from ..io.formats import for_input
 from ..zero.reader import Checkpoint, open_checkpoint
 
 SCHEMA_VERSION = 1
@@ -25,13 +26,9 @@ TOP_N = 5
 
 def summarize(path: str | os.PathLike, tag: str | None = None, tensors: bool = False) -> dict[str, Any]:
     p = Path(path)
-    if p.is_file() and (p.suffix in (".safetensors", ".bin", ".pth") or p.name.endswith(".index.json")
-                        or (p.suffix == ".pt" and not p.name.endswith("_states.pt"))):
-        from .inspect_file import summarize_file
+    if for_input(p) is not None and not (p.is_dir() and any(p.glob("*/*_states.pt"))):
+        from .inspect_file import summarize_file  # a consolidated file or folder, of any registered format
         return summarize_file(p, tensors)
-    if p.is_dir() and any(p.glob("*.index.json")) and not any(p.glob("*/*_states.pt")):
-        from .inspect_file import summarize_file
-        return summarize_file(next(p.glob("*.index.json")), tensors)
     return summarize_checkpoint(open_checkpoint(path, tag), tensors)
 
 

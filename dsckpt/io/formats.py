@@ -1,0 +1,97 @@
+"""Output formats: one registry used by consolidate, ``--verify``, inspect and the resume weights reader.
+
+A format is a ``Format`` record: how OUT's name selects it, how a plan is written into a temp path
+(the caller stages and publishes it: ``io.output``), and how a file of that format is listed back
+as ``Stored`` tensors (name, dtype, shape, absolute byte range) plus its metadata.  Adding a
+format is one new module and one ``register`` call; nothing else chooses by suffix.
+
+Protocol of a write: 1. ``for_output(OUT)`` picks the format; 2. ``fmt.write(plan, temp path,
+options, progress)`` writes everything and returns the file names; 3. the caller verifies (reading
+back with ``fmt.read``) and renames.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import OutputError
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor inside a written file: where its bytes are."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int  # absolute, first element
+    stride: tuple[int, ...] | None = None  # None: contiguous
+
+    @property
+    def span_bytes(self) -> int:
+        from ..dtypes import ITEMSIZE
+
+        if not all(self.shape):
+            return 0
+        if self.stride is None:
+            return math.prod(self.shape) * ITEMSIZE[self.dtype]
+        return (1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Listing:
+    tensors: list[Stored]
+    metadata: dict[str, str] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # what a .pt holds beside its state_dict
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    suffixes: tuple[str, ...]
+    directory: bool  # OUT is a folder
+    write: Callable[..., list[str]]  # (plan, temp path, options: dict, progress) -> file names
+    read: Callable[[Path], Listing]
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def for_output(out: Path) -> Format:
+    """The format OUT's name asks for: a known suffix, or no suffix (or an existing folder) for a folder format."""
+    _load()
+    for fmt in FORMATS.values():
+        if out.suffix in fmt.suffixes and not fmt.directory:
+            return fmt
+    if out.suffix == "" or out.is_dir():
+        return next(f for f in FORMATS.values() if f.directory)
+    known = sorted(s for f in FORMATS.values() for s in f.suffixes if s)
+    raise OutputError(f"{out}: unknown output type; use {', '.join(known)}, or a folder name")
+
+
+def for_input(path: Path) -> Format | None:
+    """The format of an existing consolidated file or folder, or None (e.g. a DeepSpeed checkpoint)."""
+    _load()
+    if path.is_dir():
+        return FORMATS["sharded"] if any(path.glob("*.index.json")) else None
+    if path.name.endswith(".index.json"):
+        return FORMATS["sharded"]
+    if path.name.endswith(("_model_states.pt", "_optim_states.pt")):
+        return None  # a DeepSpeed rank file
+    return next((f for f in FORMATS.values() if not f.directory and path.suffix in f.suffixes), None)
+
+
+def _load() -> None:
+    if not FORMATS:
+        from . import formats_builtin  # noqa: F401  (registers safetensors, sharded, torch)

@@ -1,0 +1,78 @@
+"""The built-in formats: safetensors, sharded safetensors (Hugging Face layout) and torch .pt/.bin."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CorruptFileError
+from ..formats.safetensors_file import check_shard_names, read_header, read_index
+from .formats import Format, Listing, Stored, register
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _write_safetensors(plan, path: Path, options: dict, progress) -> list[str]:
+    from .writer import write_safetensors
+
+    write_safetensors(list(plan.tensors), path, plan.metadata, progress)
+    return [path.name]
+
+
+def _read_safetensors(path: Path) -> Listing:
+    header, start = read_header(path)
+    tensors = [Stored(name, info["dtype"], tuple(info["shape"]), path, start + info["data_offsets"][0])
+               for name, info in header.items() if name != "__metadata__"]
+    return Listing(tensors, dict(header.get("__metadata__", {})), [path])
+
+
+def _write_sharded(plan, folder: Path, options: dict, progress) -> list[str]:
+    from .writer import write_sharded
+
+    return write_sharded(plan, folder, options["max_shard_bytes"], progress)
+
+
+def _read_sharded(path: Path) -> Listing:
+    index = path if path.is_file() else next(path.glob("*.index.json"), None)
+    if index is None:
+        raise CorruptFileError(f"{path}: folder holds no *.index.json")
+    metadata, weight_map = read_index(index)
+    tensors, files = [], []
+    for shard in sorted(set(weight_map.values())):
+        listing = _read_safetensors(index.parent / shard)
+        check_shard_names(index, weight_map, shard, [t.name for t in listing.tensors])
+        tensors += listing.tensors
+        files.append(index.parent / shard)
+        metadata = {**listing.metadata, **{k: str(v) for k, v in metadata.items()}}
+    return Listing(tensors, metadata, files)
+
+
+def _write_torch(plan, path: Path, options: dict, progress) -> list[str]:
+    from .torch_writer import write_torch
+
+    write_torch(plan, path, progress)
+    return [path.name]
+
+
+def _read_torch(path: Path) -> Listing:
+    """A state dict, or a training checkpoint's ``state_dict`` entry (Lightning), via dsckpt's reader."""
+    from ..formats.pickle_policy import TensorRef
+    from ..formats.torchzip import TorchFile
+
+    tf = TorchFile(path)
+    obj, extra = tf.obj, {}
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        extra = {k: v for k, v in obj.items() if k != "state_dict"}
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise CorruptFileError(f"{path}: not a state dict")
+    tensors = []
+    for name, ref in obj.items():
+        if isinstance(ref, TensorRef):
+            loc = tf.locate(ref.storage)
+            tensors.append(Stored(str(name), ref.dtype, ref.shape, path, loc.offset + ref.offset * ref.storage.itemsize,
+                                  None if ref.is_contiguous() else ref.stride))
+    return Listing(tensors, {}, [path], extra)
+
+
+register(Format("safetensors", (".safetensors",), False, _write_safetensors, _read_safetensors))
+register(Format("torch", (".pt", ".pth", ".bin"), False, _write_torch, _read_torch))
+register(Format("sharded", ("",), True, _write_sharded, _read_sharded))
