@@ -46,7 +46,7 @@ class Result:
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.I)
     if not m:
-        raise OutputError(f"--max-shard-size {text!r}: expected a size like 5GB or 500MiB")
+        raise OutputError(f"max shard size {text!r}: expected a size like 5GB or 500MiB")
     unit = m.group(2).upper().rstrip("B")
     scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
     return int(float(m.group(1)) * scale[unit])

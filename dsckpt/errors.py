@@ -9,12 +9,13 @@ from __future__ import annotations
 class DsckptError(Exception):
     """Base class of every error dsckpt raises on purpose."""
 
-    hint: str | None = None
+    hint: str | None = None  # advice for the user (CLI flags belong here, not in the message)
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, *, path: str | None = None):
         super().__init__(message)
         if hint is not None:
             self.hint = hint
+        self.path = path if path is not None else message.split(": ", 1)[0]  # the file or folder at fault
 
 
 class MissingExtraError(DsckptError):
@@ -39,6 +40,10 @@ class TagError(DsckptError):
 
 class MissingRankError(DsckptError):
     """A rank file that the checkpoint's own world size requires is absent."""
+
+
+class UnreadableFileError(DsckptError):
+    """A file exists but cannot be opened or read (permission denied, an I/O error)."""
 
 
 class CorruptFileError(DsckptError):

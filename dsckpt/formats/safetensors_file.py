@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptFileError
+from ..errors import CorruptFileError, UnreadableFileError
 from ..dtypes import ITEMSIZE
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
@@ -28,7 +28,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     except IsADirectoryError:
         raise CorruptFileError(f"{path}: is a directory, expected a safetensors file") from None
     except PermissionError:
-        raise CorruptFileError(f"{path}: permission denied") from None
+        raise UnreadableFileError(f"{path}: permission denied") from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ByteRangeError, CorruptFileError
+from ..errors import ByteRangeError, CorruptFileError, UnreadableFileError
 from ..limits import check, limit
 from .pickle_policy import SafeUnpickler, StorageRef, TensorRef  # noqa: F401  (re-exported)
 
@@ -52,7 +52,7 @@ class TorchFile:
         except IsADirectoryError:
             raise CorruptFileError(f"{self.path}: is a directory, expected a checkpoint file") from None
         except PermissionError:
-            raise CorruptFileError(f"{self.path}: permission denied") from None
+            raise UnreadableFileError(f"{self.path}: permission denied") from None
         except Exception as exc:  # hostile bytes reach zipfile's parser: every failure is a format error
             raise CorruptFileError(f"{self.path}: unreadable zip archive ({type(exc).__name__}: {exc}); "
                                    "truncated or damaged?") from None
@@ -177,9 +177,7 @@ def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
 
 
 def read_tensor_bytes(ref: TensorRef) -> bytes:
+    from ..io.positional import read_range
+
     path, offset, length = tensor_byte_range(ref)
-    with open(path, "rb") as fh:
-        data = os.pread(fh.fileno(), length, offset)
-    if len(data) != length:
-        raise CorruptFileError(f"{path}: short read at offset {offset} (truncated?)")
-    return data
+    return read_range(path, offset, length)

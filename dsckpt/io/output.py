@@ -46,7 +46,7 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: b
             raise OutputError(f"{out}: refusing to write over a folder holding an input of this command ({src})")
     if os.path.lexists(out):
         if not force:
-            raise OutputError(f"{out}: already exists (use --force to replace it)")
+            raise OutputError(f"{out}: already exists", hint="--force replaces it (force=True in the API)")
         if directory and not out.is_dir():
             raise OutputError(f"{out}: is a file, and a sharded output is a folder; choose another name")
         if not directory and out.is_dir():

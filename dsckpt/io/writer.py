@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE, torch_dtype
+from .positional import pread_exact
 from ..plan.consolidate import Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
@@ -39,10 +40,7 @@ class SourceFiles:
             return self._fds[path]
 
     def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
-        data = os.pread(self.fd(path), nbytes, offset)
-        if len(data) != nbytes:
-            raise CorruptFileError(f"{path}: short read of {nbytes} bytes at offset {offset} (file truncated?)")
-        return data
+        return pread_exact(self.fd(path), nbytes, offset, path)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -302,7 +302,8 @@ def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
     tensors = tuple(TensorPlan(strip(t.name), t.shape, t.src_dtype, t.dtype, t.kind, t.pieces) for t in plan.tensors)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
-        raise InconsistentCheckpointError(f"--strip-prefix {' '.join(prefixes)} makes two tensors share a name")
+        raise InconsistentCheckpointError(f"stripping prefixes {list(prefixes)} makes two tensors share a name",
+                                          hint="strip fewer prefixes (--strip-prefix)")
     aliases = {strip(a): strip(s) for a, s in plan.aliases.items()}
     meta = dict(plan.metadata)
     if aliases:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError
+from ..errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError, UnreadableFileError
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
@@ -191,7 +191,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
                 f"{p}: not a DeepSpeed rank file (expected *_model_states.pt or *_optim_states.pt)")
         p = p.parent
     if not os.access(p, os.R_OK | os.X_OK):
-        raise CheckpointNotFoundError(f"{p}: permission denied")
+        raise UnreadableFileError(f"{p}: permission denied")
     problems: list[tuple[type, str]] = []  # (error class, message): reported by inspect, raised by readers
     if _is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
         root, tag = p.parent, tag or p.name
@@ -213,7 +213,8 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
                 raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
             raise CheckpointNotFoundError(f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)")
         else:
-            raise TagError(f"{root}: several tags and no usable 'latest'; pick one with --tag: {', '.join(tags)}")
+            raise TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
+                           hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
     elif tag not in tags:
         raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
     tag_dir = root / tag
