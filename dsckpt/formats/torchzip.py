@@ -6,13 +6,12 @@ A torch checkpoint is an uncompressed zip::
     <archive>/data/<key>      raw storage bytes, one entry per storage
     <archive>/byteorder, .format_version, version, ...
 
-The pickle is loaded by ``SafeUnpickler`` (see ``dsckpt.formats.pickle_policy``); every tensor becomes a
+The pickle is loaded by ``unpickle`` (see ``dsckpt.formats.pickle_policy``); every tensor becomes a
 ``TensorRef`` that knows its storage's absolute byte offset in the file, so metadata costs
 O(pickle size) and tensor bytes are read only when asked for, with ranged reads.
 """
 from __future__ import annotations
 
-import io
 import math
 import os
 import struct
@@ -23,7 +22,7 @@ from typing import Any
 
 from ..errors import ByteRangeError, CorruptFileError, UnreadableFileError
 from ..limits import check, limit
-from .pickle_policy import SafeUnpickler, StorageRef, TensorRef  # noqa: F401  (re-exported)
+from .pickle_policy import StorageRef, TensorRef, unpickle  # noqa: F401  (re-exported)
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -81,7 +80,7 @@ class TorchFile:
                 self.storages[key] = StorageLocation(start, info.file_size, info.CRC)
             _check_disjoint(spans, self.path)
         try:
-            self.obj: Any = SafeUnpickler(io.BytesIO(pickle_bytes), self).load()
+            self.obj: Any = unpickle(pickle_bytes, self)
         except CorruptFileError:
             raise
         except Exception as exc:  # any failure of a hostile or damaged pickle is a format error

@@ -62,7 +62,7 @@ class Checkpoint:
 
         return rank_states(self)
 
-    @property
+    @cached_property
     def trainable(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
