@@ -72,15 +72,17 @@ OUTPUTS = {"dsckpt": lambda d: d / "d.safetensors", "z2f_cli": lambda d: d / "z2
 
 
 def consolidators(ckpt: Path, scratch: Path) -> dict[str, list[str]]:
+    # --no-fsync: zero_to_fp32 (torch.save / safetensors) returns before its data reaches the disk, so
+    # dsckpt is compared the same way; what fsync adds is measured by bench_fsync.py.
     return {
         "dsckpt": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d.safetensors"), "--force", "-q",
-                   "--no-client-state"],
+                   "--no-client-state", "--no-fsync"],
         "z2f_cli": [PY, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(scratch / "z2f"), "--safe_serialization"],
         "z2f_api": [PY, "-c", Z2F_API, str(ckpt), str(scratch / "z2f_api.bin")],
         "dsckpt_pt": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d.pt"), "--force", "-q",
-                      "--no-client-state"],
+                      "--no-client-state", "--no-fsync"],
         "dsckpt_bf16": [PY, "-m", "dsckpt", "consolidate", str(ckpt), str(scratch / "d_bf16.safetensors"), "--force",
-                        "-q", "--no-client-state", "--dtype", "bf16"],
+                        "-q", "--no-client-state", "--no-fsync", "--dtype", "bf16"],
     }
 
 

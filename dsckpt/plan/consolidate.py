@@ -1,7 +1,7 @@
 """The consolidation plan: which bytes of which rank file make each output tensor.
 
 ``build_plan(ckpt)`` is pure bookkeeping over the checkpoint model (plain frozen dataclasses out,
-no tensor bytes read, except for stage-0 16-bit runs, see ``_stage0_masters``).  How each stage
+no file access: every byte range comes from the model's ``TensorRef``s and ``partitioning``).  How each stage
 maps partitions to parameters:
 
 * ZeRO-1/2: per param group, rank r holds one flat fp32 partition; the ranks' partitions
@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..zero import layout as L
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
 from ..dtypes import FLOATING, ITEMSIZE, canonical
@@ -198,34 +197,29 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:
-    head = ckpt.model_files[0].obj
-    fragments = head.get(L.FROZEN_PARAM_FRAGMENTS)
+    fragments = ckpt.frozen_fragments
     if not fragments:  # ZeRO-1: frozen weights are in `module` at their trained dtype
         for name, shape in ckpt.frozen.items():
             ref = ckpt.module[name]
             add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
         return
-    ws = ckpt.world_size
     for name, shape in ckpt.frozen.items():
         n = math.prod(shape)
-        if ckpt.zero_stage == 2:
-            ref = fragments[name]
+        if ckpt.zero_stage == 2:  # one full copy in rank 0's model states
+            ref = fragments[0][name]
             if ref.numel != n:
                 raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: frozen {name!r} has {ref.numel} "
                                                   f"elements, shape {list(shape)} needs {n}")
             add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
             continue
-        part = math.ceil(n / ws)
-        pieces = []
-        for r, f in enumerate(ckpt.model_files):
-            ref = f.obj[L.FROZEN_PARAM_FRAGMENTS][name]
-            take = max(0, min(part, n - r * part))
-            pieces += FlatSpace([ref]).pieces(0, take, f"{f.path}: frozen {name!r}")
-        add(name, shape, ref.dtype, "frozen", pieces, "F32")
+        spans = stage3_group([n], ckpt.world_size).params[0]  # each rank's model states: its part
+        pieces = [p for span in spans for p in FlatSpace([fragments[span.rank][name]]).pieces(
+            0, span.count, f"{ckpt.model_files[span.rank].path}: frozen {name!r}")]
+        add(name, shape, fragments[0][name].dtype, "frozen", pieces, "F32")
 
 
 def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
-    masters = _stage0_masters(ckpt)
+    masters = ckpt.stage0_masters
     for name, ref in ckpt.module.items():
         if name in ckpt.buffers or name in ckpt.shared or not isinstance(ref, TensorRef):
             continue
@@ -233,38 +227,6 @@ def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
             add(name, ref.shape, "F32", "param", ref_pieces(masters[name]), "F32")
         elif not exclude_frozen or ckpt.precision == "fp32":  # fp32 runs cannot tell frozen from trainable
             add(name, ref.shape, ref.dtype, "frozen" if masters else "param", ref_pieces(ref), "F32")
-
-
-def _stage0_masters(ckpt: Checkpoint) -> dict[str, TensorRef]:
-    """16-bit stage 0 keeps fp32 masters per trainable parameter, in optimizer order, unnamed.
-
-    They are matched to the module's parameters in order: the next master belongs to a parameter
-    when shapes agree and the 16-bit weight is exactly the master cast down (DeepSpeed copies it so
-    after every step); otherwise that parameter is frozen.  This reads the 16-bit weights once.
-    """
-    groups = (ckpt.module and ckpt.model_files[0].obj.get(L.OPTIMIZER) or {}).get("fp32_groups")
-    if not groups:
-        return {}
-    masters = [t for g in groups for t in g]
-    names = [n for n, t in ckpt.module.items() if isinstance(t, TensorRef) and n not in ckpt.buffers
-             and n not in ckpt.shared]
-    out, i = {}, 0
-    for name in names:
-        ref = ckpt.module[name]
-        if i < len(masters) and masters[i].shape == ref.shape and _is_master_of(masters[i], ref):
-            out[name] = masters[i]
-            i += 1
-    if i != len(masters):
-        raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: {len(masters)} fp32 master tensors, "
-                                          f"only {i} match the module's parameters")
-    return out
-
-
-def _is_master_of(master: TensorRef, weight: TensorRef) -> bool:
-    from ..io.cast import cast_bytes
-    from ..formats.torchzip import read_tensor_bytes
-
-    return cast_bytes(read_tensor_bytes(master), "F32", weight.dtype) == read_tensor_bytes(weight)
 
 
 def _module_order(ckpt: Checkpoint, tensors: dict[str, TensorPlan]) -> list[TensorPlan]:

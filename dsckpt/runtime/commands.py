@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, WorldSizeMismatchError
@@ -70,6 +71,10 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
         from .weights_file import WeightsFile
 
         WeightsFile(full_weights, tuple(strip_prefix))  # a missing or broken file fails now
+        if client_state != NO_CLIENT_STATE:
+            from .resume import read_client_state
+
+            read_client_state(Path(full_weights), client_state)  # so does a broken sidecar
     else:
         from ..zero.reader import open_checkpoint
 

@@ -63,6 +63,26 @@ class Checkpoint:
         return rank_states(self)
 
     @cached_property
+    def frozen_fragments(self) -> list[dict[str, TensorRef]]:
+        """Per model-states file, frozen name -> its stored tensor (stage 2: the whole parameter in rank
+        0's file; stage 3: each rank's part); [] when frozen parameters live only in ``module`` (ZeRO-1)."""
+        out = []
+        for f in self.model_files:
+            fragments = f.obj.get(L.FROZEN_PARAM_FRAGMENTS)
+            if not fragments:
+                return []
+            out.append({n: _typed(t, TensorRef, f.path, f"{L.FROZEN_PARAM_FRAGMENTS}.{n}")
+                        for n, t in _typed(fragments, dict, f.path, L.FROZEN_PARAM_FRAGMENTS).items()})
+        return out
+
+    @cached_property
+    def stage0_masters(self) -> dict[str, TensorRef]:
+        """ZeRO-0 16-bit runs: name -> fp32 master (reads the 16-bit weights once; see ``stage0``)."""
+        from .stage0 import match_masters
+
+        return match_masters(self)
+
+    @cached_property
     def trainable(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
