@@ -13,7 +13,10 @@ from .app import EXIT_PROBLEMS, cli
 @click.option("--tag", default=None, help="Tag to inspect (default: what `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema: docs/cli.md).")
 @click.option("--tensors", is_flag=True, help="List every tensor and the rank files that hold it.")
-def inspect(path: str, tag: str | None, as_json: bool, tensors: bool) -> None:
+@click.option("--stats", is_flag=True, help="Read the values: per tensor min, max, mean, std, L2 norm, NaN/Inf, zeros.")
+@click.option("--optimizer", is_flag=True, help="With --stats: Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
+@click.option("--top", default=20, show_default=True, help="With --stats: tensors listed by norm.")
+def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int) -> None:
     """Summarize a checkpoint, or a consolidated file, from metadata alone.
 
     \b
@@ -22,11 +25,23 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool) -> None:
       dsckpt inspect runs/demo --tag step20 --tensors
       dsckpt inspect runs/demo --json | jq .zero_stage
       dsckpt inspect model.safetensors
+      dsckpt inspect runs/demo --stats --optimizer --top 10
+      dsckpt inspect model.safetensors --stats --json | jq '.stats[] | select(.nan > 0)'
     Exit code 1 when problems (missing ranks, truncated files...) are found.
     """
     import json
 
     from ..analysis.inspect import render, summarize
+
+    if stats:
+        from ..analysis.report import render_stats
+        from ..analysis.sources import sources
+        from ..analysis.stats import compute_stats
+
+        records = compute_stats(sources(path, tag, optimizer))
+        click.echo(json.dumps({"path": str(path), "stats": [s.record() for s in records]}) if as_json
+                   else render_stats(records, top))
+        return
 
     summary = summarize(path, tag, tensors)
     click.echo(json.dumps(summary, indent=2) if as_json else render(summary))

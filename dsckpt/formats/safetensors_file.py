@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptFileError, UnreadableFileError
+from ..errors import CheckpointNotFoundError, CorruptFileError, UnreadableFileError
 from ..dtypes import ITEMSIZE
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
@@ -25,6 +25,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             if n > MAX_HEADER or 8 + n > size:
                 raise CorruptFileError(f"{path}: header length {n} exceeds the file ({size} bytes)")
             raw = fh.read(n)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise CorruptFileError(f"{path}: is a directory, expected a safetensors file") from None
     except PermissionError:

@@ -1,0 +1,53 @@
+"""What to read for numerical analysis: the tensors of a checkpoint or a consolidated file as ``Source``s.
+
+A DeepSpeed checkpoint goes through the consolidation plan (fp32 masters, frozen parameters,
+buffers; with ``optimizer``, Adam's moments too); a consolidated file through the format registry.
+Tied names (``dsckpt.aliases``, ``shared_params``) are listed under every name, so two sides compare
+name for name whatever form each is in.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError
+from ..formats import metadata as M
+from ..formats.safetensors_file import parse_aliases
+from ..io.formats import for_input
+from .stats import Source
+
+
+def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -> list[Source]:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such file or directory")
+    fmt = for_input(p) if not (p.is_dir() and any(p.glob("*/*_states.pt"))) else None
+    if fmt is not None:
+        listing = fmt.read(p)
+        out = [Source(t.name, "tensor", t.dtype, t.shape, ((t.path, t.offset, t.span_bytes),))
+               for t in listing.tensors if t.stride is None]
+        by_name = {s.name: s for s in out}
+        for alias, target in parse_aliases(listing.metadata.get(M.ALIASES), p).items():
+            if target in by_name and alias not in by_name:
+                out.append(Source(alias, "tensor", by_name[target].dtype, by_name[target].shape, by_name[target].pieces))
+        return out
+    from ..plan.consolidate import build_plan
+    from ..zero.reader import open_checkpoint
+
+    ckpt = open_checkpoint(p, tag)
+    out = _plan_sources(build_plan(ckpt), prefix="")
+    if optimizer and ckpt.zero_stage:
+        for state in ("exp_avg", "exp_avg_sq"):
+            out += [Source(f"{state}/{s.name}", state, s.dtype, s.shape, s.pieces)
+                    for s in _plan_sources(build_plan(ckpt, state=state), prefix="") if s.kind == "param"]
+    return out
+
+
+def _plan_sources(plan, prefix: str) -> list[Source]:
+    out = [Source(prefix + t.name, t.kind, t.src_dtype, t.shape, tuple((p.path, p.offset, p.nbytes) for p in t.pieces))
+           for t in plan.tensors]
+    by_name = {s.name: s for s in out}
+    for alias, target in plan.aliases.items():
+        if target in by_name:
+            src = by_name[target]
+            out.append(Source(prefix + alias, src.kind, src.dtype, src.shape, src.pieces))
+    return out

@@ -1,0 +1,134 @@
+"""Numbers inside a checkpoint or a consolidated file, streamed: per-tensor statistics and diffs.
+
+No torch, bounded memory: every tensor is read in ``CHUNK_BYTES`` pieces (positional reads of the
+byte ranges the plan or the format registry names), decoded with numpy and folded into running
+reductions (float64 sums over cache-sized blocks), so a 1 GB tensor costs one chunk of memory.  Tensors
+are spread over a few threads (numpy and pread release the GIL).
+
+Statistics are over the finite values; NaN and ±Inf are counted, never folded into min/max/mean.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..dtypes import ITEMSIZE, numpy_dtype
+from ..io.positional import pread_exact
+
+CHUNK_BYTES = 16 << 20
+THREADS = min(4, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A tensor to read: its bytes are ``pieces`` (path, offset, nbytes) back to back, in ``dtype``."""
+
+    name: str
+    kind: str  # param | frozen | buffer | exp_avg | exp_avg_sq | tensor (a consolidated file's)
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[Path, int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    count: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    norm: float
+    nan: int
+    inf: int
+    zeros: int
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.inf == 0
+
+    def record(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape)}
+
+
+BLOCK = 1 << 16  # elements reduced at a time: the several passes below then run in the CPU's cache
+
+
+def chunks(src: Source, fds: dict[Path, int]) -> Iterator[np.ndarray]:
+    """The tensor's values (float32, or float64 for F64) in cache-sized blocks, read ~CHUNK_BYTES at a time."""
+    size = ITEMSIZE[src.dtype]
+    step = max(size, CHUNK_BYTES - CHUNK_BYTES % size)
+    for path, offset, nbytes in src.pieces:
+        for start in range(0, nbytes, step):
+            values = decode(pread_exact(fds[path], min(step, nbytes - start), offset + start, path), src.dtype)
+            for i in range(0, values.size, BLOCK):
+                yield values[i:i + BLOCK]
+
+
+def decode(raw: bytes, dtype: str) -> np.ndarray:
+    values = np.frombuffer(raw, dtype=numpy_dtype(dtype))
+    if dtype == "BF16":  # the uint16 bit pattern of a bf16 is the top half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values if dtype in ("F32", "F64") else values.astype(np.float64)
+
+
+def tensor_stats(src: Source, fds: dict[Path, int]) -> TensorStats:
+    n = nan = inf = zeros = 0
+    total = sumsq = 0.0
+    lo, hi = math.inf, -math.inf
+    for x in chunks(src, fds):
+        if not np.isfinite(x).all():
+            bad_nan = np.isnan(x)
+            nan += int(bad_nan.sum())
+            inf += int(np.isinf(x).sum())
+            x = x[np.isfinite(x)]
+            if not x.size:
+                continue
+        zeros += x.size - int(np.count_nonzero(x))
+        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+        wide = x.astype(np.float64)
+        total += float(wide.sum())
+        sumsq += float(np.dot(wide, wide))
+        n += x.size
+    mean = total / n if n else None
+    # float64 sums over cache-sized blocks: exact enough for weights and moments (tests compare with torch)
+    std = math.sqrt(max(sumsq / n - mean * mean, 0.0)) if n else None
+    return TensorStats(src.name, src.kind, src.dtype, src.shape, src.numel, lo if n else None, hi if n else None,
+                       mean, std, math.sqrt(sumsq), nan, inf, zeros)
+
+
+class OpenFiles:
+    """One read-only descriptor per file, shared by the threads (positional reads need no seek)."""
+
+    def __init__(self, sources: list[Source]):
+        self.fds = {}
+        for src in sources:
+            for path, _, _ in src.pieces:
+                if path not in self.fds:
+                    self.fds[path] = os.open(path, os.O_RDONLY)
+
+    def __enter__(self) -> dict[Path, int]:
+        return self.fds
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def compute_stats(sources: list[Source], threads: int = THREADS) -> list[TensorStats]:
+    """Statistics of every source, in the sources' order."""
+    with OpenFiles(sources) as fds, ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda s: tensor_stats(s, fds), sources))

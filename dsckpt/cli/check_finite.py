@@ -1,0 +1,44 @@
+"""`dsckpt check-finite`: a NaN/Inf gate for CI and job scripts."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .app import cli
+
+EXIT_NON_FINITE = 3
+
+
+@cli.command("check-finite")
+@click.argument("path", type=click.Path())
+@click.option("--tag", default=None, help="Tag of a checkpoint (default: what `latest` names).")
+@click.option("--optimizer", is_flag=True, help="Check Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document: {finite, tensors, offending}.")
+def check_finite(path: str, tag: str | None, optimizer: bool, as_json: bool) -> None:
+    """Exit 0 when every value is finite; exit 3 listing the tensors with NaN or Inf.
+
+    \b
+    Examples:
+      dsckpt check-finite runs/demo && echo healthy
+      dsckpt check-finite model.safetensors --json
+      dsckpt check-finite runs/demo --optimizer --tag step1000
+    Works on checkpoint folders and consolidated files; exit 2 on unreadable input.
+    """
+    import json
+
+    from ..analysis.sources import sources
+    from ..analysis.stats import compute_stats
+
+    stats = compute_stats(sources(path, tag, optimizer))
+    bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
+    if as_json:
+        click.echo(json.dumps({"path": str(path), "finite": not bad, "tensors": len(stats), "offending": bad}))
+    elif bad:
+        click.echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
+        for b in bad:
+            click.echo(f"  {b['name']}: {b['nan']:,} NaN, {b['inf']:,} Inf of {b['count']:,}")
+    else:
+        click.echo(f"all {len(stats)} tensors finite")
+    if bad:
+        sys.exit(EXIT_NON_FINITE)

@@ -1,0 +1,39 @@
+"""`dsckpt diff`: compare two checkpoints, two tags, or a checkpoint and a consolidated file."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .app import EXIT_PROBLEMS, cli
+
+
+@cli.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--tag-a", default=None, help="Tag of A (default: what `latest` names).")
+@click.option("--tag-b", default=None, help="Tag of B (default: what `latest` names).")
+@click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (0 with --rtol 0: bitwise).")
+@click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance, as torch.allclose.")
+@click.option("--optimizer", is_flag=True, help="Compare Adam's moments too (two checkpoints).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document.")
+def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool) -> None:
+    """Per tensor: max |a-b|, relative L2 change, equal or not; names on one side only.
+
+    \b
+    Examples:
+      dsckpt diff runs/demo model.safetensors              # does a consolidated file equal its checkpoint?
+      dsckpt diff runs/demo runs/demo --tag-a step1000 --tag-b step2000
+      dsckpt diff runs/a runs/b --atol 1e-6 --json
+    Exit 0 when identical (bitwise, or within --atol/--rtol), 1 when not, 2 on errors.
+    """
+    import json
+
+    from ..analysis.diff import diff as compare
+    from ..analysis.report import render_diff
+    from ..analysis.sources import sources
+
+    report = compare(sources(a, tag_a, optimizer), sources(b, tag_b, optimizer), atol, rtol)
+    click.echo(json.dumps({"a": str(a), "b": str(b), **report.record()}) if as_json else render_diff(report))
+    if not report.identical:
+        sys.exit(EXIT_PROBLEMS)
