@@ -124,3 +124,22 @@ def test_resumed_then_saved_run_equals_the_file_it_loaded(tmp_path):
     proc = run_cli("diff", tmp_path / "saved", weights, "--json")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads(proc.stdout)["identical"]
+
+
+def test_plot_needs_the_extra_and_renders_when_present(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_packaging import BLOCKED  # the CLI with some packages made unimportable
+
+    blocked = BLOCKED.replace("('torch', 'deepspeed', 'safetensors')", "('matplotlib',)")
+    proc = subprocess.run([sys.executable, "-c", blocked, "diff", FIXTURES / "z3_ws2_fp32", FIXTURES / "z3_ws2_fp32",
+                           "--plot", tmp_path / "d.png"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "--plot needs matplotlib" in proc.stderr
+    assert "pip install 'dsckpt[plot]'" in proc.stderr and "Traceback" not in proc.stderr
+    pytest.importorskip("matplotlib")
+    for args in (("diff", FIXTURES / "z3_ws2_fp32", FIXTURES / "z3_ws3_bf16"), ("inspect", FIXTURES / "z3_ws2_fp32", "--stats")):
+        out = tmp_path / f"{args[0]}.png"
+        assert run_cli(*args, "--plot", out).returncode in (0, 1)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

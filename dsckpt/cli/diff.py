@@ -17,7 +17,10 @@ from .app import EXIT_PROBLEMS, cli
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance, as torch.allclose.")
 @click.option("--optimizer", is_flag=True, help="Compare Adam's moments too (two checkpoints).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
-def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool) -> None:
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="A PNG of the relative change per tensor, by layer (needs dsckpt[plot]).")
+def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool,
+         plot: str | None) -> None:
     """Per tensor: max |a-b|, relative L2 change, equal or not; names on one side only.
 
     \b
@@ -34,6 +37,13 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     from ..analysis.sources import sources
 
     report = compare(sources(a, tag_a, optimizer), sources(b, tag_b, optimizer), atol, rtol)
+    if plot:
+        from pathlib import Path
+
+        from ..analysis.plot import bar_plot
+
+        bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
+                 title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
     click.echo(json.dumps({"a": str(a), "b": str(b), **report.record()}) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

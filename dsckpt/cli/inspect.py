@@ -16,7 +16,10 @@ from .app import EXIT_PROBLEMS, cli
 @click.option("--stats", is_flag=True, help="Read the values: per tensor min, max, mean, std, L2 norm, NaN/Inf, zeros.")
 @click.option("--optimizer", is_flag=True, help="With --stats: Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
 @click.option("--top", default=20, show_default=True, help="With --stats: tensors listed by norm.")
-def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int) -> None:
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="With --stats: a PNG of the norm per tensor, by layer (needs dsckpt[plot]).")
+def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int,
+            plot: str | None) -> None:
     """Summarize a checkpoint, or a consolidated file, from metadata alone.
 
     \b
@@ -30,6 +33,7 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     Exit code 1 when problems (missing ranks, truncated files...) are found.
     """
     import json
+    import math
 
     from ..analysis.inspect import render, summarize
 
@@ -39,6 +43,13 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
         from ..analysis.stats import compute_stats
 
         records = compute_stats(sources(path, tag, optimizer))
+        if plot:
+            from pathlib import Path
+
+            from ..analysis.plot import bar_plot
+
+            bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
+                     title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
         click.echo(json.dumps({"path": str(path), "stats": [s.record() for s in records]}) if as_json
                    else render_stats(records, top))
         return

@@ -71,3 +71,10 @@ def build_large() -> nn.Module:
     from dsckpt.runtime.demo_model import TinyCausalLM
 
     return TinyCausalLM(vocab_size=8192, dim=512, n_layers=4, n_heads=8, seq_len=16, tie_embeddings=False)
+
+
+def build_deep() -> nn.Module:
+    """100 blocks of a small model: for plots that must stay readable at 100 layers."""
+    from dsckpt.runtime.demo_model import TinyCausalLM
+
+    return TinyCausalLM(vocab_size=64, dim=16, n_layers=100, n_heads=2, seq_len=8)
