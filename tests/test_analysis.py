@@ -23,9 +23,10 @@ def _check_against_torch(stats, tensors):
         t = tensors[s.name].double().reshape(-1)
         assert (s.count, s.nan, s.inf, s.zeros) == (t.numel(), 0, 0, int((t == 0).sum())), s.name
         assert s.min == t.min().item() and s.max == t.max().item(), s.name
-        assert math.isclose(s.mean, t.mean().item(), rel_tol=1e-9, abs_tol=1e-12), s.name
-        assert math.isclose(s.std, t.std(unbiased=False).item(), rel_tol=1e-6, abs_tol=1e-9), s.name
-        assert math.isclose(s.norm, t.norm().item(), rel_tol=1e-9), s.name
+        # float32 block sums (relative error ~1e-6, docs/cli.md), compared with torch in float64
+        assert math.isclose(s.mean, t.mean().item(), rel_tol=1e-5, abs_tol=1e-7 * t.abs().max().item()), s.name
+        assert math.isclose(s.std, t.std(unbiased=False).item(), rel_tol=1e-4, abs_tol=1e-7), s.name
+        assert math.isclose(s.norm, t.norm().item(), rel_tol=1e-5), s.name
 
 
 @pytest.mark.parametrize("name", CPU_FIXTURES)
