@@ -24,6 +24,8 @@ demo: setup
 	$(BIN)/dsckpt train --stage 3 --nproc 2 --steps 30 --save-dir $(DEMO_DIR)/ckpt
 	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
 	$(BIN)/dsckpt consolidate $(DEMO_DIR)/ckpt $(DEMO_DIR)/model.safetensors --verify
+	$(BIN)/dsckpt diff $(DEMO_DIR)/ckpt $(DEMO_DIR)/model.safetensors
+	$(BIN)/dsckpt check-finite $(DEMO_DIR)/ckpt --optimizer
 	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --check
 	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir $(DEMO_DIR)/ckpt
 	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
