@@ -17,7 +17,7 @@ _DEFAULTS = {
     "MAX_PICKLE_BYTES": 256 << 20,  # one data.pkl (metadata only: tensor bytes live outside it)
     "MAX_CONTAINER_ITEMS": 10_000_000,  # set/frozenset/bytearray built by a pickle from one argument
     "MAX_NESTING": 500,  # containers inside containers (JSON encoders and printers recurse)
-    "MAX_VALUES": 5_000_000,  # values visited when a client state is expanded (shared refs count each time)
+    "MAX_VALUES": 5_000_000,  # values in one data.pkl, a shared reference counted at each use (as encoders expand it)
     "MAX_WORLD_SIZE": 1 << 16,  # data-parallel ranks a checkpoint may record
     "MAX_LATEST_BYTES": 4096,  # the `latest` file holds one tag name
     "MAX_JSON_BYTES": 256 << 20,  # index.json, a client-state sidecar

@@ -36,27 +36,10 @@ def sidecar_paths(out: Path) -> tuple[Path, Path]:
 HUGE_INT_BITS = 10_000  # str() of an int refuses beyond 4300 digits (~14,000 bits): such ints go as hex
 
 
-class _Budget:
-    """Counts values as they are encoded: shared references expand once per use, so a small pickle
-    of lists referencing lists ("billion laughs") would otherwise become a huge JSON file."""
-
-    def __init__(self, where: str):
-        from ..limits import limit
-
-        self.left, self.where = limit("MAX_VALUES"), where
-
-    def spend(self) -> None:
-        self.left -= 1
-        if self.left < 0:
-            from ..limits import check, limit
-
-            check("MAX_VALUES", limit("MAX_VALUES") + 1, self.where, "the number of values in the client state")
-
-
-def encode(value: Any, tensors: dict[str, TensorRef], budget: _Budget | None = None) -> Any:
-    budget = budget or _Budget("client state")
-    budget.spend()
-    encode_ = lambda v: encode(v, tensors, budget)  # noqa: E731
+def encode(value: Any, tensors: dict[str, TensorRef]) -> Any:
+    """JSON-able form of a parsed client state (its size and depth were bounded when its pickle was
+    read: ``torchzip.check_structure``)."""
+    encode_ = lambda v: encode(v, tensors)  # noqa: E731
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > HUGE_INT_BITS:
         return {"__int_hex__": hex(value)}
     if isinstance(value, TensorRef):
@@ -120,7 +103,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
     json_path, tensors_path = sidecar_paths(out)
     tensors: dict[str, TensorRef] = {}
     doc = {"format": M.SIDECAR_FORMAT, "weights": out.name,
-           "client_state": encode(client_state, tensors, _Budget(f"{out}: client state"))}
+           "client_state": encode(client_state, tensors)}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
         write_safetensors(plans, stage.temp_for(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})

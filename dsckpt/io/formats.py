@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..dtypes import ITEMSIZE
 from ..errors import OutputError
 
 Progress = Callable[[int], None]
@@ -34,8 +35,6 @@ class Stored:
 
     @property
     def span_bytes(self) -> int:
-        from ..dtypes import ITEMSIZE
-
         if not all(self.shape):
             return 0
         if self.stride is None:

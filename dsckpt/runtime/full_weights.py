@@ -58,7 +58,7 @@ def check_keys(expected: dict[str, tuple[int, ...]], src: WeightsFile, strict: b
     return problems
 
 
-def _broadcast_object(obj: Any) -> Any:
+def broadcast_object(obj: Any) -> Any:
     if eng.world_size() == 1:
         return obj
     box = [obj]
@@ -94,11 +94,11 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     module = engine.module
     expected = expected_entries(module)
     src = WeightsFile(path, strip_prefixes) if eng.rank() == 0 else None
-    problems = _broadcast_object(check_keys(expected, src, strict) if src else None)
+    problems = broadcast_object(check_keys(expected, src, strict) if src else None)
     if problems:
         raise StateDictMismatchError(f"{path}: does not fit the model - " + "; ".join(problems),
                                      hint="use --no-strict to skip missing/unexpected keys, --strip-prefix for wrapper prefixes")
-    have = _broadcast_object(set(src.keys()) if src else None)
+    have = broadcast_object(set(src.keys()) if src else None)
     steps = []  # per module, in module order: (parameters, persistent buffers) found in the file
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""

@@ -23,7 +23,7 @@ from ..formats.sidecar import JSON_SUFFIX, read_sidecar
 from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state
-from .full_weights import _broadcast_object, get_fp32_master, load_full_weights
+from .full_weights import broadcast_object, get_fp32_master, load_full_weights
 from .train import Trainer, states_equal
 from .weights_file import WeightsFile
 
@@ -50,7 +50,7 @@ def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None
     if eng.rank() == 0:
         console.info("note: a full-weights file holds no optimizer moments: Adam state starts fresh")
     found = None if skip_client or eng.rank() != 0 else read_client_state(Path(weights), client_state)
-    client, source = _broadcast_object(found) or (None, None)
+    client, source = broadcast_object(found) or (None, None)
     pos = trainer.restore(client) if client is not None else None
     if pos is not None:
         trainer.client_source = client
@@ -92,7 +92,7 @@ def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: 
 
     beside = open_checkpoint(ckpt_dir, tag=tag).layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
-    tmp = Path(_broadcast_object(str(tmp) if tmp else None))
+    tmp = Path(broadcast_object(str(tmp) if tmp else None))
     try:
         if eng.rank() == 0:
             consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False)
