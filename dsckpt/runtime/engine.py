@@ -199,7 +199,7 @@ class Runtime:
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
-                        load_optimizer: bool = True, trust: bool = False) -> dict[str, Any]:
+                        load_optimizer: bool = True, trust: bool = False, ckpt=None) -> dict[str, Any]:
         """Restore module (+ optimizer when training continues) and return the client state.
 
         No pickle code runs unless ``trust``: the files are checked for foreign classes with dsckpt's
@@ -208,7 +208,7 @@ class Runtime:
         from ..zero.reader import open_checkpoint
         from . import safe_load
 
-        ckpt = open_checkpoint(load_dir, tag=tag)
+        ckpt = ckpt or open_checkpoint(load_dir, tag=tag)  # ``ckpt``: already opened by the caller
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)
         safe_load.install(self.engine, trust)

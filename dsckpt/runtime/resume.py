@@ -65,11 +65,12 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
                    skip_client: bool = False, trust: bool = False) -> Position | None:
     from ..zero.reader import open_checkpoint
 
-    if open_checkpoint(ckpt_dir, tag=tag).world_size != eng.world_size():
+    ckpt = open_checkpoint(ckpt_dir, tag=tag)  # read once: metadata for every step below
+    if ckpt.world_size != eng.world_size():
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
-            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust)
-        return _resume_resharded(trainer, ckpt_dir, tag, strict, skip_client)
-    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust)
+            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
+        return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client)
+    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
     if not skip_client and not any(k in client for k in ("global_step", "epoch")):
         client = {**(hf_trainer_state(Path(ckpt_dir)) or {}), **client}  # an HF Trainer's checkpoint-N
     pos = None if skip_client else trainer.restore(client)
@@ -80,7 +81,7 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     return pos
 
 
-def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: bool,
+def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, strict: bool,
                       skip_client: bool) -> Position | None:
     """Another world size: consolidate on rank 0 into one temp folder (beside the checkpoint) that
     every rank then uses."""
@@ -88,9 +89,7 @@ def _resume_resharded(trainer: Trainer, ckpt_dir: str, tag: str | None, strict: 
 
     from ..convert import consolidate
 
-    from ..zero.reader import open_checkpoint
-
-    beside = open_checkpoint(ckpt_dir, tag=tag).layout.root.resolve().parent  # not inside the checkpoint
+    beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(broadcast_object(str(tmp) if tmp else None))
     try:
