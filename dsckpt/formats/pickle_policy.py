@@ -5,7 +5,8 @@ Nothing named by a checkpoint is ever imported or called.  ``SafeUnpickler.find_
 * tensor rebuild functions and storage types of torch -> inert builders of ``TensorRef``
   (no torch import, no tensor data read);
 * plain data constructors (``collections.OrderedDict``, ``builtins.set`` ...) -> the same builtins;
-* ``torch.Size`` -> tuple, ``torch.<dtype>`` -> its name, ``torch.device`` -> its string;
+* ``torch.Size`` -> a tuple, ``torch.<dtype>`` -> its name, ``torch.device`` -> its string (subclasses
+  that remember what they were, so ``pickle_writer`` can write them back);
 * every other global - DeepSpeed's ``LossScaler`` / ``ZeroStageEnum`` / ``fragment_address``, a
   client's own classes, and hostile ones like ``os.system`` - -> an ``Opaque`` placeholder type
   that only records its class path, arguments and state.  It has no behaviour, so a malicious
@@ -73,13 +74,19 @@ class TensorRef(_Sealed):
 
     Immutable: its fields are checked once, when the pickle builds it (offset and strides
     non-negative, the view inside its storage), and nothing may change them afterwards.
+    ``requires_grad`` / ``parameter`` only matter to ``pickle_writer``, which writes them back.
     """
 
-    __slots__ = ("file", "storage", "offset", "shape", "stride")
+    __slots__ = ("file", "storage", "offset", "shape", "stride", "requires_grad", "parameter")
 
-    def __init__(self, file, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]):
-        for name, value in (("file", file), ("storage", storage), ("offset", offset), ("shape", shape), ("stride", stride)):
+    def __init__(self, file, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+                 requires_grad: bool = False, parameter: bool = False):
+        for name, value in (("file", file), ("storage", storage), ("offset", offset), ("shape", shape),
+                            ("stride", stride), ("requires_grad", requires_grad is True), ("parameter", parameter)):
             object.__setattr__(self, name, value)
+
+    def as_parameter(self, requires_grad: bool) -> "TensorRef":
+        return TensorRef(self.file, self.storage, self.offset, self.shape, self.stride, requires_grad is True, True)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"TensorRef is immutable (tried to set {name!r})")
@@ -109,17 +116,21 @@ class TensorRef(_Sealed):
 
 
 class Opaque:
-    """Inert stand-in for any class a pickle names that is not on the allowlist."""
+    """Inert stand-in for any class a pickle names that is not on the allowlist.
+
+    Records how the pickle made it - ``via`` "newobj" (``cls.__new__(cls, *args)``, then BUILD with
+    ``state``: plain objects, dataclasses) or "reduce" (``cls(*args)``: enums) - and nothing else.
+    """
 
     class_path = "?"
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
-        obj.args, obj.state = args, None
+        obj.args, obj.state, obj.via = args, None, "newobj"
         return obj
 
-    def __init__(self, *args, **kwargs):  # REDUCE calls cls(*args); nothing to do
-        pass
+    def __init__(self, *args, **kwargs):  # only REDUCE calls cls(*args); nothing to do but note it
+        self.via = "reduce"
 
     def __setstate__(self, state):  # BUILD: record, never apply
         self.state = state
@@ -134,8 +145,31 @@ _opaque_types: dict[str, type] = {}
 def opaque_type(module: str, name: str) -> type:
     path = f"{module}.{name}"
     if path not in _opaque_types:
-        _opaque_types[path] = type(name, (Opaque,), {"class_path": path, "__module__": "dsckpt.opaque"})
+        _opaque_types[path] = type(name, (Opaque,), {"class_path": path, "__module__": "dsckpt.opaque",
+                                                     "pickle_global": (module, name)})
     return _opaque_types[path]
+
+
+class TorchSize(tuple):
+    """A ``torch.Size`` as read: a tuple that remembers it was one."""
+
+
+class TorchDtype(str):
+    """A ``torch.<dtype>`` as read: its safetensors name ("F32"), remembering torch's attribute name."""
+
+    def __new__(cls, name: str, torch_name: str):
+        obj = super().__new__(cls, name)
+        obj.torch_name = torch_name
+        return obj
+
+
+class TorchDevice(str):
+    """A ``torch.device(...)`` as read: "cuda:0", remembering the constructor's arguments."""
+
+    def __new__(cls, *args):
+        obj = super().__new__(cls, ":".join(str(x) for x in args))
+        obj.args = args
+        return obj
 
 
 def opaque_int(value: Any) -> Any:
@@ -177,11 +211,11 @@ class _Policy:
             if name in BY_STORAGE:
                 return _StorageType(name)
             if name == "Size":
-                return tuple
+                return TorchSize
             if name in BY_TORCH_NAME:
-                return BY_TORCH_NAME[name]
+                return TorchDtype(BY_TORCH_NAME[name], name)
             if name == "device":
-                return lambda *a: ":".join(str(x) for x in a)
+                return TorchDevice
         if (module, name) == ("_codecs", "encode"):
             return _latin1_encode
         return opaque_type(module, name)
@@ -204,7 +238,7 @@ class _Policy:
                 and all(map(_is_count, size + stride)) and _is_count(storage_offset)):
             raise pickle.UnpicklingError(f"tensor with malformed geometry: offset {storage_offset!r:.40}, "
                                          f"shape {size!r:.80}, stride {stride!r:.80}")
-        ref = TensorRef(self._file, storage, storage_offset, size, stride)
+        ref = TensorRef(self._file, storage, storage_offset, tuple(size), tuple(stride), requires_grad)
         if ref.numel and storage_offset + _span(size, stride) > storage.numel:
             raise pickle.UnpicklingError(f"tensor of shape {list(size)} at offset {storage_offset} does not fit "
                                          f"its storage of {storage.numel} elements")
@@ -214,10 +248,10 @@ class _Policy:
         return self._rebuild_tensor_v2(storage, storage_offset, size, stride)
 
     def _rebuild_parameter(self, data, requires_grad=False, hooks=None):
-        return data
+        return data.as_parameter(requires_grad) if isinstance(data, TensorRef) else data
 
     def _rebuild_parameter_with_state(self, data, requires_grad=False, hooks=None, state=None):
-        return data
+        return self._rebuild_parameter(data, requires_grad)
 
     def _rebuild_from_type_v2(self, func, new_type, args, state):
         return func(*args) if callable(func) and not isinstance(func, type) else opaque_type("torch", "Tensor")(*args)

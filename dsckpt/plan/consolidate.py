@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
+from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
 from ..dtypes import FLOATING, ITEMSIZE, canonical
 from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
@@ -188,9 +188,10 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
         layout = stage12_group([math.prod(s) for s in shapes.values()], ckpt.world_size, pad,
                                parameter_alignment(pad or [], itemsize))
         for r, space in enumerate(spaces):
-            if space.numel != layout.partition_numel:
+            expected = layout.partition_numel - (stage12_trimmed(layout, r) if state == "fp32" else 0)
+            if space.numel != expected:
                 raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: group {g} partition holds {space.numel} "
-                                                  f"elements, the recorded shapes need {layout.partition_numel}")
+                                                  f"elements, the recorded shapes need {expected}")
         for i, (name, shape) in enumerate(shapes.items()):
             add(name, shape, spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")

@@ -56,6 +56,9 @@ PARTITION_COUNT = "partition_count"  # int (stage 3) or list per group (stage 1/
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # stage 1/2 flat partitions
 FP32_FLAT_GROUPS = "fp32_flat_groups"  # stage 3 flat partitions
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # optional per-param padding (stage 1/2)
+GROUP_PADDINGS = "group_paddings"  # stage 1/2, per group: tail padding trimmed from this rank's saved fp32
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"  # stage 1/2, per group: name -> fragment_address(numel, start)
+ELASTIC_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"  # present only in elastic (lean) checkpoints
 BASE_OPTIMIZER_STATE = "base_optimizer_state"  # stage 1/2: the torch optimizer's state (Adam moments)
 LOSS_SCALER = "loss_scaler"  # DeepSpeed's LossScaler / DynamicLossScaler (cur_scale, ...)
 

@@ -35,6 +35,7 @@ class GroupState:
     moments: dict[str, TensorRef] = field(default_factory=dict)  # "exp_avg", "exp_avg_sq" (same layout as fp32)
     step: Any = None  # Adam's step count: a 0-d tensor reference or a number
     hyperparams: dict[str, Any] = field(default_factory=dict)  # lr, betas, eps, weight_decay, ...
+    trimmed: int = 0  # stage 1/2: tail padding left out of the saved fp32 partition (moments hold it)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
             flats, torch_state = osd[L.SINGLE_PARTITION_OF_FP32_GROUPS], osd.get(L.BASE_OPTIMIZER_STATE, {})
             raw = osd.get(L.PARAM_ALIGNMENT_PADDINGS)
             paddings = tuple(tuple(int(p) for p in g) for g in raw) if raw is not None else None
+        trims = [int(p) for p in osd.get(L.GROUP_PADDINGS) or []] if stage != 3 else []
         per_group = torch_state.get("state", {}) if isinstance(torch_state, dict) else {}
         hyper = _hyperparams(torch_state.get("param_groups", []) if isinstance(torch_state, dict) else [])
         groups = []
@@ -68,11 +70,13 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
             if not isinstance(flat, TensorRef):
                 raise TypeError(f"flat group {g} is a {type(flat).__name__}")
             state = per_group.get(g, {})
+            trimmed = trims[g] if g < len(trims) else 0
             moments = {k: state[k] for k in ADAM_MOMENTS if isinstance(state.get(k), TensorRef)}
             for name, ref in moments.items():
-                if ref.numel != flat.numel:
-                    raise ValueError(f"group {g} {name} holds {ref.numel} elements, its fp32 partition {flat.numel}")
-            groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {})))
+                if ref.numel != flat.numel + trimmed:
+                    raise ValueError(f"group {g} {name} holds {ref.numel} elements, its fp32 partition {flat.numel}"
+                                     + (f" + {trimmed} of trimmed padding" if trimmed else ""))
+            groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {}), trimmed))
         scaler = osd.get(L.LOSS_SCALER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise InconsistentCheckpointError(f"{tf.path}: unexpected optimizer-state structure ({exc})") from None

@@ -10,7 +10,8 @@ Stage 1/2 (``stage12_group``), per optimizer param group, as DeepSpeed 0.19.8 bu
    padding (``param_alignment_paddings``: 0 unless parameter alignment is on);
 2. the flat buffer is padded up to a multiple of ``2 * world_size`` elements
    (``nccl_start_alignment_factor`` x world size);
-3. rank r holds the r-th of ``world_size`` equal slices; a parameter may straddle ranks.
+3. rank r holds the r-th of ``world_size`` equal slices; a parameter may straddle ranks;
+4. saved, each rank's fp32 partition loses its tail padding (``stage12_trimmed``), its moments do not.
 
 Stage 3 (``stage3_group``), per sub-group (``fp32_flat_groups`` entry):
 1. each parameter is split on its own into ``ceil(n / world_size)``-element parts; rank r holds
@@ -84,6 +85,13 @@ def stage12_group(numels: list[int], world_size: int, paddings: list[int] | None
         layout.append(tuple(spans))
         offset += n + pad
     return GroupLayout(world_size, partition, tuple(layout), used)
+
+
+def stage12_trimmed(layout: GroupLayout, rank: int) -> int:
+    """Tail padding DeepSpeed trims from ``rank``'s saved fp32 partition (its ``group_paddings`` entry):
+    the part of the partition past the parameters; Adam's moments keep it (zeros)."""
+    start = rank * layout.partition_numel
+    return max(0, min(layout.partition_numel, start + layout.partition_numel - layout.used_numel))
 
 
 def stage3_part(numel: int, world_size: int) -> int:

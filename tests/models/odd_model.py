@@ -1,7 +1,7 @@
 """A model whose every parameter size is odd or prime, for world sizes that divide nothing.
 
 Embedding(101, 37) tied to the output head (3737 elements: 2 and 3 do not divide it), a frozen
-layer, LayerNorm(37), a float and an int persistent buffer and a non-persistent one.
+layer, LayerNorm(37), a 9-element gate, a float and an int persistent buffer and a non-persistent one.
 """
 import torch
 from torch import nn
@@ -19,7 +19,9 @@ class OddLM(nn.Module):
         self.frozen = nn.Linear(HIDDEN, DIM)  # 1961 + 37, not trained
         self.frozen.requires_grad_(False)
         self.norm = nn.LayerNorm(DIM)  # 37 + 37
-        self.gate = nn.Parameter(torch.full((7,), 0.5))  # 7
+        # 9: the trainable total (5834) is then no multiple of 2 x world size at 2 or 3 ranks, so ZeRO-1/2
+        # groups end in real padding (DeepSpeed trims it from the last rank's saved fp32 partition)
+        self.gate = nn.Parameter(torch.full((9,), 0.5))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 11))  # persistent float buffer
