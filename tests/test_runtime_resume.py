@@ -114,18 +114,23 @@ def test_demo_model_learns(trained_z3):
 
 
 def test_reshard_loads_another_world_size(trained_z3, tmp_path):
-    """Every rank resumes at the same step and writes into the same tag (one temp copy, broadcast)."""
+    """`resume --reshard` at 3 ranks of a 2-rank ZeRO-3 run: one temp copy written by `dsckpt reshard`,
+    loaded by DeepSpeed itself, so the Adam moments carry over (saved again at once: 0 steps)."""
+    from dsckpt.convert import load_state_dict
+
     skip_beyond_devices(3)
-    proc = run_cli("resume", trained_z3 / "ckpt", "--stage", "3", "--nproc", "3", "--reshard", "--steps", "1",
+    proc = run_cli("resume", trained_z3 / "ckpt", "--nproc", "3", "--reshard", "--steps", "0",
                    "--save-dir", tmp_path / "ws3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resharding: weights loaded from a consolidated copy" in proc.stderr
-    assert "steps 6 -> 7" in proc.stdout
+    assert "resharded ZeRO-3 from 2 to 3 ranks: weights, optimizer state and client state carried over" in proc.stderr
     ckpt = open_checkpoint(tmp_path / "ws3")
-    assert ckpt.world_size == 3 and ckpt.layout.tag == "step7" and not ckpt.problems
-    assert list_tags(tmp_path / "ws3") == ["step7"]
+    assert ckpt.world_size == 3 and ckpt.zero_stage == 3 and ckpt.layout.tag == "step6" and not ckpt.problems
+    assert list_tags(tmp_path / "ws3") == ["step6"]
     assert [p.name for p in (tmp_path / "ws3").iterdir() if p.name.startswith(".")] == []  # no stray partial tags
-    assert ckpt.client_state["global_step"] == 7
+    assert ckpt.client_state["global_step"] == 6
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        before, after = load_state_dict(trained_z3 / "ckpt", state=state), load_state_dict(tmp_path / "ws3", state=state)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), state
     assert not list(trained_z3.glob(".dsckpt-reshard-*"))  # the temp copy (beside the checkpoint) is gone
 
 

@@ -19,7 +19,8 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
-@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: load its consolidated weights.")
+@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: rewrite it for this one first "
+              "(optimizer state kept; across ZeRO stages: its consolidated weights, optimizer fresh).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
                    "Default: refuse classes beyond DeepSpeed's own.")
@@ -34,7 +35,8 @@ def resume(nproc: int, **kwargs) -> None:
       dsckpt resume --full-weights model.safetensors --nproc 2 --check
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5
     Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
-    optimizer moments start fresh; the client state comes from the sidecar.
+    optimizer moments start fresh; the client state comes from the sidecar.  A sharded CHECKPOINT
+    resumes at its own ZeRO stage unless --stage, --preset or --config say otherwise.
     """
     require_runtime("resume")
     from ..runtime import commands, launch

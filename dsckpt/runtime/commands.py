@@ -34,6 +34,13 @@ def _options(kwargs: dict[str, Any]):
     return TrainOptions(**kwargs)
 
 
+def _stage_of_checkpoint(kwargs: dict[str, Any], ckpt) -> None:
+    """Resuming a sharded checkpoint with no --stage/--preset/--config: train at the checkpoint's stage
+    (DeepSpeed loads a stage's files only into an engine of that stage)."""
+    if kwargs.get("stage") is None and not kwargs.get("preset") and not kwargs.get("config"):
+        kwargs["stage"] = ckpt.zero_stage
+
+
 def _check_precision(opts) -> None:
     import torch
 
@@ -80,7 +87,8 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
 
         ckpt = open_checkpoint(checkpoint, tag=tag)
         ckpt.require_complete()
-        if not trust_checkpoint and not (reshard and ckpt.world_size != world_size):  # (--reshard reads with dsckpt)
+        _stage_of_checkpoint(kwargs, ckpt)
+        if not trust_checkpoint:  # --reshard too: its copy goes through DeepSpeed's loader
             from .safe_load import check_checkpoint_classes
 
             check_checkpoint_classes(ckpt)
@@ -122,6 +130,10 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
 
     console.claim_stdout()
     quiet_deepspeed()
+    if checkpoint:
+        from ..zero.reader import open_checkpoint
+
+        _stage_of_checkpoint(kwargs, open_checkpoint(checkpoint, tag=tag))
     trainer = Trainer(_options(kwargs))
     skip_client = client_state == NO_CLIENT_STATE
     if full_weights:

@@ -1,7 +1,8 @@
 """`dsckpt resume`: carry on training from a sharded checkpoint or from one full-weights file.
 
 * ``resume CKPT_DIR``: the engine's ``load_checkpoint`` (weights, optimizer moments, client state),
-  same world size only; ``--reshard`` consolidates to a temp file first and loads it as full weights.
+  same world size; ``--reshard`` at another one rewrites it for this world size first (``dsckpt reshard``,
+  optimizer state kept), or - across ZeRO stages - loads its consolidated weights.
 * ``resume --full-weights FILE``: ``full_weights.load_full_weights`` at any world size, then the
   client state: ``--client-state PATH``, else the sidecar beside FILE (``FILE.client_state.json``),
   else what a ``.pt`` holds beside its ``state_dict`` (Lightning's converted checkpoints).  Rank 0
@@ -69,35 +70,58 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     if ckpt.world_size != eng.world_size():
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
             trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
-        return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client)
-    client = trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
+        return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client, trust)
+    return _load_sharded(trainer, ckpt_dir, tag, ckpt, skip_client, trust, shown_as=ckpt_dir)
+
+
+def _load_sharded(trainer: Trainer, path: str, tag: str | None, ckpt, skip_client: bool, trust: bool,
+                  shown_as: str) -> Position | None:
+    """DeepSpeed's own load (weights-only unpickling) of a checkpoint at this world size."""
+    client = trainer.runtime.load_checkpoint(path, tag=tag, trust=trust, ckpt=ckpt)
     if not skip_client and not any(k in client for k in ("global_step", "epoch")):
-        client = {**(hf_trainer_state(Path(ckpt_dir)) or {}), **client}  # an HF Trainer's checkpoint-N
+        client = {**(hf_trainer_state(Path(shown_as)) or {}), **client}  # an HF Trainer's checkpoint-N
     pos = None if skip_client else trainer.restore(client)
     if pos is not None and pos.global_step is None:  # a foreign job: DeepSpeed's own count
         trainer.global_step = trainer.data_position = trainer.engine.global_steps
-    console.info(f"resumed {ckpt_dir} at step {trainer.global_step}"
+    console.info(f"resumed {shown_as} at step {trainer.global_step}"
                  + (f"; client state: {describe(pos)}" if pos else "; client state skipped"))
     return pos
 
 
 def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, strict: bool,
-                      skip_client: bool) -> Position | None:
-    """Another world size: consolidate on rank 0 into one temp folder (beside the checkpoint) that
-    every rank then uses."""
+                      skip_client: bool, trust: bool) -> Position | None:
+    """Another world size, through one temp folder beside the checkpoint that rank 0 writes.
+
+    Same ZeRO stage (1-3): ``dsckpt reshard`` to this world size, then DeepSpeed's own load -
+    weights, fp32 masters, optimizer moments, scheduler and client state carry over.  Otherwise
+    (stage 0, or another stage than the checkpoint's): consolidated weights, the optimizer fresh.
+    """
     import tempfile
 
     from ..convert import consolidate
+    from ..resharder import reshard
+    from ..zero.reader import open_checkpoint
 
+    keep_optimizer = ckpt.zero_stage in (1, 2, 3) and ckpt.zero_stage == trainer.runtime.stage
     beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(broadcast_object(str(tmp) if tmp else None))
     try:
         if eng.rank() == 0:
-            consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False)
+            if keep_optimizer:
+                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, fsync=False)
+            else:
+                consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False)
         if eng.world_size() > 1:
             dist.barrier()
-        console.info("resharding: weights loaded from a consolidated copy; optimizer moments start fresh")
+        if keep_optimizer:
+            console.info(f"resharded ZeRO-{ckpt.zero_stage} from {ckpt.world_size} to {eng.world_size()} ranks: "
+                         "weights, optimizer state and client state carried over")
+            resharded = str(tmp / "ckpt")
+            return _load_sharded(trainer, resharded, None, open_checkpoint(resharded), skip_client, trust,
+                                 shown_as=ckpt_dir)
+        why = "ZeRO-0" if ckpt.zero_stage == 0 else f"ZeRO-{ckpt.zero_stage} checkpoint, ZeRO-{trainer.runtime.stage} run"
+        console.info(f"resharding ({why}): weights loaded from a consolidated copy; optimizer moments start fresh")
         return resume_full_weights(trainer, str(tmp / "weights.safetensors"), None, strict, (), skip_client)
     finally:
         if eng.world_size() > 1:

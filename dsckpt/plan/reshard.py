@@ -1,0 +1,297 @@
+"""The reshard plan: every file of a native DeepSpeed checkpoint for another data-parallel world size.
+
+``build_reshard_plan(ckpt, M)`` is pure bookkeeping over the checkpoint model (no file access): it
+returns, per output file, the object tree to pickle - the matching source rank file's tree with its
+partitions swapped for ``NewTensor``s whose bytes are lists of source byte ranges and zero fills.
+Steps:
+1. refuse what cannot be resharded (stage 0, elastic optimizer state, a world size out of range);
+2. per flat group, the source layout at N and the target layout at M (``partitioning``): stage 1/2
+   per param group; stage 3 per sub-group, each parameter split on its own;
+3. per target rank r and group: the segments of the fp32 partition and of every per-element optimizer
+   state (Adam's ``exp_avg`` / ``exp_avg_sq``, any optimizer's like them), zero padding included;
+   stage 3 frozen parameters' fragments the same way;
+4. per target file: the tree of source rank ``min(r, N - 1)`` (its client state, loss scaler, step
+   counts, hyper-parameters, config) with the partitions, ``partition_count``, ``group_paddings``,
+   ``param_slice_mappings`` and ``dp_world_size`` rewritten for M.
+
+What DeepSpeed 0.19.8 checks on load, and what this plan therefore makes exact: the fp32 partition
+sizes (the last rank's trimmed by its ``group_paddings`` at stage 1/2), moment sizes equal to the
+partition, ``dp_world_size`` equal to the loading job's, and one optimizer file per rank.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import ITEMSIZE, canonical
+from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
+from ..formats.pickle_writer import NewTensor
+from ..limits import limit
+from ..zero import layout as L
+from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
+from ..zero.reader import Checkpoint
+from .consolidate import FlatSpace, Piece
+
+FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")  # DeepSpeed's (numel, start) record
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """``nbytes`` zero bytes (partition padding)."""
+    nbytes: int
+
+
+Segment = Piece | Zeros
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    name: str  # file name inside the tag folder
+    template: Path  # the source rank file whose tree this is
+    tree: Any  # what to pickle: plain data, TensorRefs (copied whole) and NewTensors (source = segments)
+
+
+@dataclass(frozen=True)
+class GroupMove:
+    """One flat group's layouts before and after, for ``inspect``-style summaries and tests."""
+    names: tuple[str, ...]
+    source: GroupLayout
+    target: GroupLayout
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    stage: int
+    source_world_size: int
+    world_size: int
+    tag: str
+    groups: tuple[GroupMove, ...]
+    files: tuple[OutputFile, ...]
+
+
+def build_reshard_plan(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
+    """The plan for ``ckpt`` at data-parallel ``world_size`` (see the module docstring)."""
+    ckpt.require_complete()
+    _check_reshardable(ckpt, world_size)
+    try:
+        groups = _stage3_groups(ckpt, world_size) if ckpt.zero_stage == 3 else _stage12_groups(ckpt, world_size)
+        files = [_model_file(ckpt, world_size, r) for r in range(world_size if ckpt.zero_stage == 3 else 1)]
+        files += [_optim_file(ckpt, groups, world_size, r) for r in range(world_size)]
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
+                                          f"({type(exc).__name__}: {exc})") from None
+    return ReshardPlan(ckpt.zero_stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(groups), tuple(files))
+
+
+def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
+    where = ckpt.layout.tag_dir
+    if type(world_size) is not int or not 1 <= world_size <= limit("MAX_WORLD_SIZE"):
+        raise ConfigError(f"--world-size {world_size!r}: a checkpoint is split over 1 to "
+                          f"{limit('MAX_WORLD_SIZE'):,} data-parallel ranks")
+    if ckpt.zero_stage == 0:
+        raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
+                                         "at any world size as it is", hint="use it directly")
+    if ckpt.zero_stage not in (1, 2, 3):
+        raise UnsupportedCheckpointError(f"{where}: ZeRO stage {ckpt.zero_stage} is not one dsckpt can reshard")
+    for tf in ckpt.optim_files:
+        osd = tf.obj[L.OPTIMIZER_STATE_DICT]
+        if ckpt.zero_stage != 3 and (not isinstance(osd.get(L.BASE_OPTIMIZER_STATE), dict)
+                                     or L.ELASTIC_OPTIMIZER_STATE_STEP in osd):
+            raise UnsupportedCheckpointError(f"{tf.path}: elastic ZeRO optimizer state (zero_optimization."
+                                             "elastic_checkpoint) is not supported by reshard yet")
+
+
+# --- step 2: layouts ------------------------------------------------------------------------------
+def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
+    paddings = ckpt.optimizer_states[0].alignment_paddings
+    itemsize = ITEMSIZE[canonical(ckpt.precision)]
+    moves = []
+    for g, shapes in enumerate(ckpt.param_groups):
+        numels = [math.prod(s) for s in shapes.values()]
+        pad = list(paddings[g]) if paddings is not None else None
+        align = parameter_alignment(pad or [], itemsize)
+        moves.append(GroupMove(tuple(shapes), stage12_group(numels, ckpt.world_size, pad, align),
+                               stage12_group(numels, world_size, pad, align)))
+    return moves
+
+
+def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
+    """Sub-groups are cut by parameter count (sub_group_size), not by world size: recover each one's
+    parameters from its partition size at N, then lay the same parameters out at M."""
+    names = list(ckpt.trainable)
+    numels = [math.prod(ckpt.trainable[n]) for n in names]
+    moves, i = [], 0
+    for g, state in enumerate(ckpt.optimizer_states[0].groups):
+        start, size = i, 0
+        while i < len(names) and size < state.fp32.numel:
+            size += math.ceil(numels[i] / ckpt.world_size)
+            i += 1
+        while i < len(names) and numels[i] == 0 and g == len(ckpt.optimizer_states[0].groups) - 1:
+            i += 1  # empty parameters at the end occupy nothing
+        if size != state.fp32.numel:
+            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: sub-group {g} holds {state.fp32.numel} "
+                                              "elements, which no run of the recorded parameters fills")
+        moves.append(GroupMove(tuple(names[start:i]), stage3_group(numels[start:i], ckpt.world_size),
+                               stage3_group(numels[start:i], world_size)))
+    if i != len(names):
+        raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
+                                          f"{len(names)} trainable parameters")
+    return moves
+
+
+# --- step 3: segments -----------------------------------------------------------------------------
+def partition_segments(move: GroupMove, rank: int, spaces: list[FlatSpace], length: int,
+                       where: str) -> tuple[Segment, ...]:
+    """Target ``rank``'s first ``length`` elements of the group: parameters' elements read from the
+    source ranks' ``spaces``, padding between and after them as zeros."""
+    itemsize = spaces[0].itemsize
+    out: list[Segment] = []
+    pos = 0
+    for i, spans in enumerate(move.target.params):
+        for span in spans:
+            if span.rank != rank:
+                continue
+            if span.rank_start > pos:
+                out.append(Zeros((span.rank_start - pos) * itemsize))
+            out += _param_range(move.source, i, span.param_start, span.count, spaces, where)
+            pos = span.rank_start + span.count
+    if pos > length:
+        raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
+    if length > pos:
+        out.append(Zeros((length - pos) * itemsize))
+    return _merged(out)
+
+
+def _param_range(source: GroupLayout, index: int, start: int, count: int, spaces: list[FlatSpace],
+                 where: str) -> list[Piece]:
+    """Elements ``[start, start + count)`` of parameter ``index``, from the source ranks holding them."""
+    out = []
+    for span in source.params[index]:
+        lo, hi = max(start, span.param_start), min(start + count, span.param_start + span.count)
+        if lo < hi:
+            out += spaces[span.rank].pieces(span.rank_start + lo - span.param_start, hi - lo, where)
+    return out
+
+
+def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
+    """Adjacent byte ranges of one file and adjacent zero fills become one (fewer, larger reads)."""
+    out: list[Segment] = []
+    for seg in segments:
+        last = out[-1] if out else None
+        if isinstance(seg, Zeros) and isinstance(last, Zeros):
+            out[-1] = Zeros(last.nbytes + seg.nbytes)
+        elif (isinstance(seg, Piece) and isinstance(last, Piece) and last.path == seg.path
+              and last.offset + last.nbytes == seg.offset):
+            out[-1] = Piece(last.path, last.offset, last.nbytes + seg.nbytes)
+        elif not (isinstance(seg, (Zeros, Piece)) and seg.nbytes == 0):
+            out.append(seg)
+    return tuple(out)
+
+
+def _new_tensor(like: TensorRef, numel: int, segments: tuple[Segment, ...]) -> NewTensor:
+    return NewTensor(like.dtype, (numel,), segments, like.requires_grad, like.storage.location)
+
+
+# --- step 4: files ---------------------------------------------------------------------------------
+def _template(files: list, rank: int):
+    """Source rank r for target rank r; ranks beyond the source's take the last one's non-partition state."""
+    return files[min(rank, len(files) - 1)]
+
+
+def _model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
+    tf = _template(ckpt.model_files, rank)
+    tree = _copy(tf.obj)
+    tree[L.DP_WORLD_SIZE] = world_size
+    if ckpt.zero_stage == 3:
+        name = f"zero_pp_rank_{rank}_mp_rank_00{L.MODEL_STATES_SUFFIX}"
+        fragments = ckpt.frozen_fragments
+        if fragments:
+            tree[L.FROZEN_PARAM_FRAGMENTS] = type(tree[L.FROZEN_PARAM_FRAGMENTS])(
+                (n, _frozen_fragment(ckpt, fragments, n, world_size, rank)) for n in ckpt.frozen)
+    else:
+        name = tf.path.name
+    return OutputFile(name, tf.path, tree)
+
+
+def _frozen_fragment(ckpt: Checkpoint, fragments, name: str, world_size: int, rank: int) -> NewTensor:
+    n = math.prod(ckpt.frozen[name])
+    move = GroupMove((name,), stage3_group([n], ckpt.world_size), stage3_group([n], world_size))
+    spaces = [FlatSpace([f[name]]) for f in fragments]
+    where = f"{ckpt.layout.tag_dir}: frozen {name!r}"
+    return _new_tensor(fragments[0][name], move.target.partition_numel,
+                       partition_segments(move, rank, spaces, move.target.partition_numel, where))
+
+
+def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank: int) -> OutputFile:
+    tf = _template(ckpt.optim_files, rank)
+    tree = _copy(tf.obj)
+    osd = tree[L.OPTIMIZER_STATE_DICT]
+    stage3 = ckpt.zero_stage == 3
+    torch_state = osd[L.OPTIMIZER_STATE_DICT] if stage3 else osd[L.BASE_OPTIMIZER_STATE]
+    flats = []
+    for g, move in enumerate(moves):
+        where = f"{ckpt.layout.tag_dir}: group {g}"
+        sources = [rs.groups[g] for rs in ckpt.optimizer_states]
+        trimmed = 0 if stage3 else stage12_trimmed(move.target, rank)
+        length = move.target.partition_numel
+        spaces = [FlatSpace([s.fp32]) for s in sources]
+        flats.append(_new_tensor(sources[0].fp32, length - trimmed,
+                                 partition_segments(move, rank, spaces, length - trimmed, where)))
+        state = torch_state.get("state", {}).get(g)
+        for key, value in list((state or {}).items()):
+            if not isinstance(value, TensorRef) or value.numel <= 1:
+                continue  # Adam's step and other scalars: the same on every rank, kept
+            per_rank = [_state_tensor(ckpt, r, g, key, move) for r in range(ckpt.world_size)]
+            spaces = [FlatSpace([ref]) for ref in per_rank]
+            state[key] = _new_tensor(value, length, partition_segments(move, rank, spaces, length, f"{where} {key}"))
+    if stage3:
+        osd[L.FP32_FLAT_GROUPS] = flats
+        osd[L.PARTITION_COUNT] = world_size
+    else:
+        osd[L.SINGLE_PARTITION_OF_FP32_GROUPS] = flats
+        osd[L.PARTITION_COUNT] = [world_size] * len(moves)
+        osd[L.GROUP_PADDINGS] = [stage12_trimmed(m.target, rank) for m in moves]
+        if L.PARAM_SLICE_MAPPINGS in osd:
+            osd[L.PARAM_SLICE_MAPPINGS] = [_slice_mappings(m, rank, osd[L.PARAM_SLICE_MAPPINGS]) for m in moves]
+    prefix = "bf16_" if tf.path.name.startswith("bf16_") else ""
+    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", tf.path, tree)
+
+
+def _state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupMove) -> TensorRef:
+    osd = ckpt.optim_files[rank].obj[L.OPTIMIZER_STATE_DICT]
+    torch_state = osd[L.OPTIMIZER_STATE_DICT] if ckpt.zero_stage == 3 else osd[L.BASE_OPTIMIZER_STATE]
+    ref = torch_state["state"][group][key]
+    if not isinstance(ref, TensorRef) or ref.numel != move.source.partition_numel:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.optim_files[rank].path}: optimizer state {key!r} of group {group} is neither per element "
+            f"({move.source.partition_numel} elements) nor a scalar; dsckpt cannot split it")
+    return ref
+
+
+def _slice_mappings(move: GroupMove, rank: int, existing: list) -> dict:
+    """``param_slice_mappings``: name -> fragment_address(numel, start) of each parameter piece on ``rank``."""
+    kind = next((v for group in existing for v in group.values() if isinstance(v, Opaque)), None)
+    cls = type(kind) if kind is not None else opaque_type(*FRAGMENT_ADDRESS)
+    out = type(existing[0])() if existing else {}
+    for name, spans in zip(move.names, move.target.params):
+        for span in spans:
+            if span.rank == rank and span.count:
+                address = cls.__new__(cls)
+                address.state = {"numel": span.count, "start": span.rank_start}
+                out[name] = address
+    return out
+
+
+def _copy(tree: Any) -> Any:
+    """Containers copied, leaves (TensorRefs, opaque records, scalars) shared: the source is never edited."""
+    if type(tree) in (dict, OrderedDict):
+        return type(tree)((k, _copy(v)) for k, v in tree.items())
+    if type(tree) is list:
+        return [_copy(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(_copy(v) for v in tree)
+    return tree

@@ -1,0 +1,90 @@
+"""Reshard API: ``reshard(ckpt, out_dir, world_size)`` writes a native DeepSpeed checkpoint for another
+data-parallel world size, optimizer state included; stock ``engine.load_checkpoint(out_dir)`` loads it.
+
+Steps:
+1. open the checkpoint (``zero.reader``) and build the plan (``plan.reshard``): no bytes read yet;
+2. check OUT_DIR (not an input, not inside the checkpoint, not existing unless ``force``);
+3. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
+   from ``pickle_writer``, its storages streamed in bounded chunks from the source byte ranges
+   (unchanged tensors copied whole, partitions assembled from the ranks that held them);
+4. re-open the result with dsckpt's reader (complete, world size M), then rename it into place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .convert import _write_errors
+from .errors import InconsistentCheckpointError
+from .formats.pickle_policy import TensorRef
+from .formats.pickle_writer import StorageOut, dumps
+from .io.output import check_output, staged
+from .io.torch_writer import write_archive
+from .io.writer import CHUNK_BYTES, SourceFiles
+from .plan.consolidate import Piece
+from .plan.reshard import ReshardPlan, Zeros, build_reshard_plan
+from .zero import layout as L
+from .zero.reader import open_checkpoint
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    out: Path
+    tag: str
+    stage: int
+    source_world_size: int
+    world_size: int
+    files: tuple[str, ...]
+    nbytes: int
+
+
+def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
+            force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
+            progress_total: Callable[[int], None] | None = None) -> ReshardResult:
+    """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` into ``out_dir``."""
+    ckpt = open_checkpoint(checkpoint, tag)
+    plan = build_reshard_plan(ckpt, world_size)
+    out = Path(out_dir)
+    check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
+    total = sum(s.nbytes for f in plan.files for s in dumps(f.tree)[1])
+    if progress_total:
+        progress_total(total)
+    with staged(fsync) as stage, _write_errors(out):
+        tmp = stage.temp_for(out, directory=True)
+        write_plan(plan, tmp, progress)
+        _check_written(tmp, plan)
+    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size,
+                         tuple(f"{plan.tag}/{f.name}" for f in plan.files) + (L.LATEST_FILE,), total)
+
+
+def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | None = None) -> None:
+    """The plan's files under ``root/<tag>/`` and ``root/latest`` (root must exist)."""
+    tag_dir = root / plan.tag
+    tag_dir.mkdir()
+    with SourceFiles() as src:
+        for f in plan.files:
+            write_archive(tag_dir / f.name, f.tree, lambda storage: _storage_chunks(src, storage), progress)
+    (root / L.LATEST_FILE).write_text(plan.tag)
+
+
+def _storage_chunks(src: SourceFiles, storage: StorageOut, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    if isinstance(storage.source, TensorRef):  # an unchanged tensor: its whole storage, as it was
+        loc = storage.source.file.locate(storage.source.storage)
+        segments = (Piece(storage.source.file.path, loc.offset, loc.nbytes),)
+    else:
+        segments = storage.source.source
+    for seg in segments:
+        for start in range(0, seg.nbytes, chunk):
+            n = min(chunk, seg.nbytes - start)
+            yield bytes(n) if isinstance(seg, Zeros) else src.pread(seg.path, n, seg.offset + start)
+
+
+def _check_written(root: Path, plan: ReshardPlan) -> None:
+    """What DeepSpeed will look for: one complete tag at world size M (read back with dsckpt's reader)."""
+    written = open_checkpoint(root)
+    written.require_complete()
+    if written.world_size != plan.world_size or written.zero_stage != plan.stage:
+        raise InconsistentCheckpointError(f"{root}: wrote stage {written.zero_stage} at world size "
+                                          f"{written.world_size}, meant stage {plan.stage} at {plan.world_size}")

@@ -1,0 +1,148 @@
+"""Run under torchrun, twice per world-size pair: the oracle for `dsckpt reshard` (issue 13).
+
+``train ROOT COMBOS STEPS`` (at world size N), for every stage x precision in COMBOS:
+  train the odd model (two param groups with their own hyper-parameters, a frozen layer, a tied
+  weight, buffers, DeepSpeed's WarmupLR scheduler) for STEPS steps on a fixed global batch, save
+  ROOT/<combo>/ckpt with a client state, then record - the oracle - every parameter's
+  ``safe_get_full_fp32_param`` and Adam moments, the full state dict, the step counts, scheduler,
+  loss scale and counters (ROOT/<combo>/before.pt), and take STEPS_AFTER more steps recording the
+  losses and the masters after them (the uninterrupted run).
+``load ROOT COMBOS STEPS`` (at world size M, after `dsckpt reshard ROOT/<combo>/ckpt ROOT/<combo>/ws<M>`):
+  a fresh engine, stock ``engine.load_checkpoint`` (dsckpt's weights-only loader, DeepSpeed's four
+  classes allowed), the same records (ROOT/<combo>/after_ws<M>.pt), DeepSpeed's own save of the
+  loaded state (ROOT/<combo>/native_ws<M>) for the file comparison, then STEPS_AFTER steps on the
+  same global batches.  The test compares the records.
+
+The global batch (GLOBAL_BATCH sequences) is the same at every world size; rank r of W takes its
+r-th slice, so N and M see the same samples per step.
+"""
+import gc
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dsckpt.runtime.commands import quiet_deepspeed
+from dsckpt.runtime.engine import Runtime, full_state_dict, rank, shutdown, world_size
+from dsckpt.runtime.train import TrainOptions
+
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
+STEPS_AFTER = 3
+CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t": torch.arange(5)}}
+
+
+def build(stage: int, precision: str):
+    import odd_model
+
+    config = TrainOptions(stage=stage, precision=precision, lr=3e-3).deepspeed_config()
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                          "warmup_num_steps": 10}}
+    runtime = Runtime(config)
+
+    def optimizer(params):
+        matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) > 1]
+        vectors = [p for p in params if len(getattr(p, "ds_shape", p.shape)) <= 1]
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                  {"params": vectors, "weight_decay": 0.0, "betas": (0.8, 0.95)}], lr=3e-3)
+
+    torch.manual_seed(7)
+    runtime.setup(odd_model.build, optimizer)
+    return runtime
+
+
+def batch(step: int, seq_len: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, seq_len), generator=gen)
+    per_rank = GLOBAL_BATCH // world_size()
+    return tokens[rank() * per_rank:(rank() + 1) * per_rank]
+
+
+def step(engine, index: int) -> float:
+    module = engine.module
+    loss = engine(batch(index, module.seq_len, module.vocab_size).to(engine.device))
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    return float(mean) / world_size()
+
+
+def relink_optimizer_state(engine) -> None:
+    """DeepSpeed 0.19.8 defect: ZeRO-1/2 steps one param group at a time and links parameters to their
+    optimizer state right after the *first* group's step, once - so the parameters of groups 1, 2, ...
+    never see theirs and ``safe_get_full_optimizer_state`` raises "exp_avg not found in optimizer
+    state fragment".  Link every group again (views only; no state changes)."""
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    opt = engine.optimizer
+    if hasattr(opt, "single_partition_of_fp32_groups"):
+        for i, _ in enumerate(opt.optimizer.param_groups):
+            lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], opt.single_partition_of_fp32_groups[i],
+                                                opt.optimizer.state)
+
+
+def record(engine) -> dict:
+    """The oracle: what the issue names, gathered the way a user of DeepSpeed would (collectives)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    relink_optimizer_state(engine)
+    masters, moments = {}, {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            masters[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    inner = engine.optimizer.optimizer
+    steps = sorted(float(s["step"]) for s in inner.state.values() if "step" in s)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    return {"masters": masters, "moments": moments, "module": full_state_dict(engine.module), "steps": steps,
+            "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "loss_scale": float(getattr(scaler, "cur_scale", 0.0)) if scaler is not None else None,
+            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples,
+            "hyperparams": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]}
+
+
+def after_steps(engine, first: int) -> dict:
+    losses = [step(engine, first + i) for i in range(STEPS_AFTER)]
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+               for n, p in engine.module.named_parameters() if p.requires_grad}
+    return {"losses": losses, "masters": masters}
+
+
+def main(mode: str, root: str, combos: str, steps: str) -> None:
+    quiet_deepspeed()
+    steps = int(steps)
+    for combo in combos.split(","):
+        stage, precision = combo.split(":")
+        folder = Path(root) / f"z{stage}_{precision}"
+        runtime = build(int(stage), precision)
+        engine = runtime.engine
+        if mode == "train":
+            for i in range(steps):
+                step(engine, i)
+            runtime.save_checkpoint(folder / "ckpt", {**CLIENT, "rank": rank()}, tag="step%d" % steps)
+            before = record(engine)
+            before["after"] = after_steps(engine, steps)
+            before["world_size"] = world_size()
+            if rank() == 0:
+                torch.save(before, folder / "before.pt")
+        else:
+            client = runtime.load_checkpoint(folder / f"ws{world_size()}")
+            loaded = record(engine)
+            loaded["client"] = client
+            runtime.save_checkpoint(folder / f"native_ws{world_size()}", client, tag="step%d" % steps)
+            loaded["after"] = after_steps(engine, steps)
+            loaded["world_size"] = world_size()
+            if rank() == 0:
+                torch.save(loaded, folder / f"after_ws{world_size()}.pt")
+        del runtime, engine
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
+    shutdown(exit_process=True)
