@@ -5,13 +5,16 @@ in milliseconds; ``dsckpt.runtime`` (training, resume) needs both.
 """
 from ._version import __version__
 
-__all__ = ["__version__", "consolidate", "load_state_dict", "iter_state_dict", "open_checkpoint", "reshard"]
+__all__ = ["__version__", "consolidate", "load_state_dict", "iter_state_dict", "open_checkpoint", "reshard", "load_into"]
 
 
 def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
     if name in ("consolidate", "load_state_dict", "iter_state_dict"):
         from . import convert as _c
         return getattr(_c, name)
+    if name == "load_into":  # needs torch (dsckpt[runtime])
+        from .runtime.load_into import load_into
+        return load_into
     if name == "reshard":
         from .resharder import reshard
         return reshard

@@ -24,7 +24,7 @@ from .plan.consolidate import Plan, TensorPlan, build_plan
 from .zero.reader import open_checkpoint
 from .formats.sidecar import sidecar_paths, write_sidecar
 from .formats.torchzip import check_storage_crcs
-from .io.formats import Format, for_output
+from .io.formats import Format, by_name, for_output
 from .io.positional import read_range
 from .io.writer import SourceFiles, read_tensor, torch_state_dict
 
@@ -56,14 +56,28 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
+                form: str | None = None, config: str | os.PathLike | None = None,
                 progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
-    """Gather a ZeRO checkpoint into ``out`` (form chosen by its suffix); see the module docstring."""
+    """Gather a ZeRO checkpoint into ``out``; see the module docstring.
+
+    ``form``: a registered format by name ("hf": a folder ``from_pretrained`` loads, with the config and
+    tokenizer files found beside the checkpoint or ``config``); default: chosen by OUT's suffix.
+    """
     ckpt = open_checkpoint(checkpoint, tag)
     plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
     out = Path(out)
-    fmt = for_output(out)
+    fmt = by_name(form) if form else for_output(out)
     form = fmt.name
+    options = {"max_shard_bytes": parse_size(max_shard_size)}
+    if form == "hf":
+        from .formats.hf import find_companions, ties_embeddings
+
+        if out.suffix:
+            raise OutputError(f"{out}: --hf writes a folder; give a folder name without a suffix")
+        options["hf_companions"] = find_companions(ckpt.layout.root, config)  # no config: refused before writing
+        if not ties_embeddings(options["hf_companions"]):
+            duplicate_tied = True  # the config unties the head: transformers wants both names stored
     inputs = [f.path for f in ckpt.layout.all_files]
     check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
     write_client = bool(client_state and ckpt.client_state)
@@ -78,7 +92,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     notes = _notes(ckpt, plan, form, strip_prefixes)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=fmt.directory)
-        files = tuple(fmt.write(plan, tmp, {"max_shard_bytes": parse_size(max_shard_size)}, progress))
+        files = tuple(fmt.write(plan, tmp, options, progress))
         if verify:
             verify_output(plan, tmp, fmt)  # before the rename: a failed check leaves nothing at OUT
         if write_client:
@@ -96,7 +110,7 @@ def _notes(ckpt, plan: Plan, form: str, strip_prefixes: tuple[str, ...]) -> tupl
     for prefix in strip_prefixes:
         if not any(n.startswith(prefix) for n in names):
             notes.append(f"--strip-prefix {prefix!r} matched no tensor name; nothing was stripped")
-    if plan.aliases and form != "torch":
+    if plan.aliases and form not in ("torch", "hf"):  # (hf: transformers ties them from the config)
         pairs = ", ".join(f"{a} = {s}" for a, s in list(plan.aliases.items())[:3])
         notes.append(f"tied weights are stored once ({pairs}): load with safetensors.torch.load_model(model, path) "
                      "(it re-ties them); a strict model.load_state_dict(load_file(path)) needs --duplicate-tied")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsckptError
+from ..formats.hf import trainer_summary
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
 from ..io.formats import for_input
@@ -82,6 +83,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
                       "consolidate_cast_peak_rss_bytes": CONSOLIDATE_CAST_RSS},
         "problems": problems,
         "notes": list(ckpt.layout.notes),
+        "trainer_state": trainer_summary(lay.root),  # an HF Trainer's checkpoint-N: its trainer_state.json
     }
     if with_tensors:
         summary["tensors"] = tensor_table(ckpt, plan, shapes)
@@ -143,6 +145,10 @@ def render(s: dict[str, Any]) -> str:
     lines.append("largest tensors")
     for t in s["largest"]:
         lines.append(f"  {t['name']:<40}{str(t['shape']):<20}{t['numel']:>14,}")
+    if s.get("trainer_state"):
+        t = s["trainer_state"]
+        row("trainer state", t.get("error") or f"global step {t['global_step']}    epoch {t['epoch']}    "
+                                               f"last logged loss {t['last_loss']}    (trainer_state.json)")
     lines.append("client state")
     for k, d in s["client_state"].items():
         detail = d.get("value", d.get("len", d.get("class", d.get("shape", ""))))

@@ -1,6 +1,8 @@
 """`dsckpt inspect` on consolidated files: safetensors (validated header), sharded index, torch .pt/.bin."""
 from __future__ import annotations
 
+from ..formats import hf
+
 import math
 from collections import Counter
 from pathlib import Path
@@ -31,6 +33,16 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
                "files": [{"path": str(f), "size": f.stat().st_size} for f in files if f.exists()],
                "tensor_count": len(rows), "numel": numel, "dtypes": dict(Counter(d for _, d, _ in rows)),
                "metadata": metadata, "problems": problems}
+    folder = path if path.is_dir() else path.parent
+    if (folder / hf.CONFIG).is_file():  # a Hugging Face model folder: what from_pretrained will build
+        try:
+            config = hf.read_json(folder / hf.CONFIG)
+            summary["hf_config"] = {k: config.get(k) for k in ("model_type", "architectures", "dtype", "torch_dtype",
+                                                               "tie_word_embeddings") if k in config}
+        except DsckptError as exc:
+            problems.append(str(exc))
+        summary["hf_files"] = sorted(p.name for p in folder.iterdir()
+                                     if p.name in (hf.GENERATION_CONFIG, *hf.TOKENIZER_FILES))
     if with_tensors:
         summary["tensors"] = [{"name": n, "dtype": d, "shape": s} for n, d, s in rows]
     return summary
@@ -40,6 +52,9 @@ def render_file(s: dict[str, Any]) -> str:
     lines = [f"{'file':<14}{s['path']}", f"{'kind':<14}{s['kind']}",
              f"{'tensors':<14}{s['tensor_count']} ({s['numel']:,} elements)",
              f"{'dtypes':<14}" + ", ".join(f"{d}: {n}" for d, n in s["dtypes"].items())]
+    if "hf_config" in s:
+        lines.append(f"{'hf config':<14}" + ", ".join(f"{k}: {v}" for k, v in s["hf_config"].items()))
+        lines.append(f"{'hf files':<14}" + (", ".join(s["hf_files"]) or "-"))
     for k, v in s["metadata"].items():
         lines.append(f"  {k}: {v if len(str(v)) < 80 else str(v)[:77] + '...'}")
     for t in s.get("tensors", []):

@@ -19,13 +19,17 @@ from .app import cli
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
+@click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
+              "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+              help="With --hf: the model's config.json, when CHECKPOINT has none beside it.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, force, verify, no_fsync, quiet, as_json) -> None:
+                max_shard_size, no_client_state, hf, config, force, verify, no_fsync, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
@@ -33,11 +37,14 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       model.safetensors           safetensors (tied weights once, aliases in __metadata__)
       model.pt | .pth | .bin      torch state dict (loads with weights_only=True)
       model_dir/                  sharded safetensors + model.safetensors.index.json
+      model_dir/ --hf             the same + config.json, generation config, tokenizer: from_pretrained loads it
     \b
     Examples:
       dsckpt consolidate runs/demo model.safetensors
       dsckpt consolidate runs/demo model.pt --tag step10 --dtype bf16
       dsckpt consolidate runs/demo hf_model/ --max-shard-size 2GB --strip-prefix module.
+      dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
+      dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
     import json
@@ -55,7 +62,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     progress=bar.update, progress_total=announce)
+                     form="hf" if hf else None, config=config, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

@@ -79,6 +79,14 @@ def for_output(out: Path) -> Format:
     raise OutputError(f"{out}: unknown output type; use {', '.join(known)}, or a folder name")
 
 
+def by_name(name: str) -> Format:
+    """A format chosen explicitly (``--hf``, ``--format``) rather than by OUT's suffix."""
+    _load()
+    if name not in FORMATS:
+        raise OutputError(f"unknown output format {name!r}; known: {', '.join(sorted(FORMATS))}")
+    return FORMATS[name]
+
+
 def for_input(path: Path) -> Format | None:
     """The format of an existing consolidated file or folder, or None (e.g. a DeepSpeed checkpoint)."""
     _load()

@@ -30,6 +30,16 @@ def _write_sharded(plan, folder: Path, options: dict, progress) -> list[str]:
     return write_sharded(plan, folder, options["max_shard_bytes"], progress)
 
 
+def _write_hf(plan, folder: Path, options: dict, progress) -> list[str]:
+    """A folder ``from_pretrained`` loads: sharded safetensors + config, generation config, tokenizer."""
+    from ..formats.hf import write_companions
+    from .writer import write_sharded
+
+    dtypes = {t.dtype for t in plan.tensors if t.kind != "buffer"} or {"F32"}
+    names = write_sharded(plan, folder, options["max_shard_bytes"], progress)
+    return names + write_companions(options["hf_companions"], folder, dtypes.pop() if len(dtypes) == 1 else "F32")
+
+
 def _read_sharded(path: Path) -> Listing:
     index = path if path.is_file() else next(path.glob("*.index.json"), None)
     if index is None:
@@ -76,3 +86,4 @@ def _read_torch(path: Path) -> Listing:
 register(Format("safetensors", (".safetensors",), False, _write_safetensors, _read_safetensors))
 register(Format("torch", (".pt", ".pth", ".bin"), False, _write_torch, _read_torch))
 register(Format("sharded", ("",), True, _write_sharded, _read_sharded))
+register(Format("hf", (), True, _write_hf, _read_sharded))  # chosen by name (consolidate --hf), never by suffix

@@ -1,0 +1,90 @@
+"""Hugging Face model folders: the files ``from_pretrained`` reads besides the weights, and trainer state.
+
+An HF Trainer's ``checkpoint-N`` folder is also the DeepSpeed checkpoint root: ``global_stepN/`` and
+``latest`` beside ``config.json``, ``generation_config.json``, the tokenizer's files and
+``trainer_state.json``.  ``consolidate --hf`` writes the weights as sharded safetensors and copies the
+companions found there (or ``--config PATH``), with the config's dtype set to what the weights hold.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..limits import limit
+
+CONFIG = "config.json"  # required: from_pretrained builds the model from it
+GENERATION_CONFIG = "generation_config.json"
+TRAINER_STATE = "trainer_state.json"  # HF Trainer: global_step, epoch, log_history
+# Tokenizer files any tokenizer class may save (fast and slow tokenizers, chat templates).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # config.json's spelling
+DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers >= 4.56 writes "dtype"; older ones "torch_dtype"
+
+
+@dataclass(frozen=True)
+class Companions:
+    config: Path
+    others: tuple[Path, ...]  # generation config and tokenizer files, copied as they are
+
+
+def find_companions(root: Path, config: Path | None = None) -> Companions:
+    """The config (``config`` if given, else ``root/config.json``) and the other files beside it."""
+    chosen = Path(config) if config else Path(root) / CONFIG
+    if not chosen.is_file():
+        where = f"--config {config}: no such file" if config else f"{root}: holds no {CONFIG}"
+        raise ConfigError(f"{where}; a Hugging Face folder needs the model's config",
+                          hint="pass --config PATH/config.json (the one the model was built from)")
+    read_json(chosen)  # a broken config fails now, before any weight is written
+    others = tuple(Path(root) / n for n in (GENERATION_CONFIG, *TOKENIZER_FILES) if (Path(root) / n).is_file())
+    return Companions(chosen, others)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > limit("MAX_JSON_BYTES"):
+            raise ConfigError(f"{path}: larger than {limit('MAX_JSON_BYTES'):,} bytes")
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
+
+
+def ties_embeddings(companions: Companions) -> bool:
+    """Whether transformers will tie the output head to the embedding itself (its default: yes)."""
+    return read_json(companions.config).get("tie_word_embeddings", True) is not False
+
+
+def write_companions(companions: Companions, folder: Path, weights_dtype: str) -> list[str]:
+    """Copy the companions into ``folder``; the config's dtype fields say ``weights_dtype``."""
+    config = read_json(companions.config)
+    name = DTYPE_NAMES.get(weights_dtype)
+    if name:
+        for key in DTYPE_KEYS:
+            if key in config or key == DTYPE_KEYS[0]:
+                config[key] = name
+    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for path in companions.others:
+        shutil.copyfile(path, folder / path.name)
+    return [CONFIG] + [p.name for p in companions.others]
+
+
+def trainer_summary(root: Path) -> dict[str, Any] | None:
+    """``trainer_state.json``'s global step, epoch and last logged loss, if the folder has one."""
+    path = Path(root) / TRAINER_STATE
+    if not path.is_file():
+        return None
+    try:
+        state = read_json(path)
+    except ConfigError:
+        return {"error": f"{path.name} is not readable JSON"}
+    losses = [e["loss"] for e in state.get("log_history") or [] if isinstance(e, dict) and isinstance(e.get("loss"), (int, float))]
+    return {"global_step": state.get("global_step"), "epoch": state.get("epoch"),
+            "last_loss": losses[-1] if losses else None, "max_steps": state.get("max_steps")}

@@ -1,0 +1,152 @@
+"""``load_into(model, source)``: fill an existing ``nn.Module`` from a checkpoint, one tensor at a time.
+
+Peer: DeepSpeed's ``load_state_dict_from_zero_checkpoint`` builds the whole fp32 state dict in memory
+and loads it with ``strict=False``, reporting nothing.  Here:
+1. list the source's names (a DeepSpeed checkpoint folder: its consolidation plan; a consolidated file
+   or folder: its header) and the model's (parameters and persistent buffers, tied names grouped);
+2. compare names and shapes first: with ``strict`` any missing, unexpected or mismatched key raises
+   ``StateDictMismatchError`` before the model is touched;
+3. read and assign one tensor at a time - peak memory is the model plus the largest tensor; a tensor
+   on the meta device is materialized (on the CPU, in the model's dtype) as it loads, and every name a
+   tied parameter has gets the same new Parameter, so ties survive;
+4. return a ``LoadReport`` (``missing_keys`` / ``unexpected_keys`` first, as ``load_state_dict``'s).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import StateDictMismatchError
+
+
+@dataclass
+class LoadReport:
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # name, file, model
+    loaded: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)  # model name filled through the tensor it is tied to
+    still_meta: list[str] = field(default_factory=list)  # meta tensors no source entry filled (non-persistent buffers)
+
+
+class _Source:
+    """Names, shapes and one-tensor reads of a checkpoint folder or a consolidated file."""
+
+    def __init__(self, source: str | os.PathLike, tag: str | None, strip_prefixes: tuple[str, ...]):
+        from ..io.formats import for_input
+
+        path = Path(source)
+        if path.is_dir() and for_input(path) is None:  # a DeepSpeed checkpoint folder
+            from ..io.writer import torch_state_dict
+            from ..plan.consolidate import build_plan, strip_name
+            from ..zero.reader import open_checkpoint
+
+            plan = build_plan(open_checkpoint(path, tag))
+            by_name = {t.name: t for t in plan.tensors}
+            targets = {**{n: n for n in by_name}, **plan.aliases}
+            self.shapes = {strip_name(n, strip_prefixes): tuple(by_name[t].shape) for n, t in targets.items()}
+            originals = {strip_name(n, strip_prefixes): t for n, t in targets.items()}
+            self.read: Callable[[str], torch.Tensor] = \
+                lambda name: torch_state_dict(plan, only={originals[name]})[originals[name]]
+        else:
+            from .weights_file import WeightsFile
+
+            weights = WeightsFile(path, strip_prefixes)
+            self.shapes = {n: tuple(weights.shape(n)) for n in weights.source}
+            self.read = weights.get
+
+
+def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
+              strip_prefixes: tuple[str, ...] = ()) -> LoadReport:
+    """Fill ``model`` from ``source`` (see the module docstring); returns the key report."""
+    src = _Source(source, tag, tuple(strip_prefixes))
+    slots = _slots(model)  # name -> (module, attribute, is parameter)
+    groups = _tie_groups(model)  # name -> every name sharing its tensor
+    report = LoadReport()
+    for name, (module, attr, _) in slots.items():
+        current = getattr(module, attr)
+        if name in src.shapes:
+            if tuple(current.shape) != src.shapes[name]:
+                report.mismatched_keys.append((name, src.shapes[name], tuple(current.shape)))
+        elif not any(other in src.shapes for other in groups.get(name, ())):
+            report.missing_keys.append(name)
+    report.unexpected_keys = [n for n in src.shapes if n not in slots]
+    if strict and (report.missing_keys or report.unexpected_keys or report.mismatched_keys):
+        raise StateDictMismatchError(_mismatch_message(source, report),
+                                     hint="strict=False loads what matches and reports the rest")
+    mismatched = {m[0] for m in report.mismatched_keys}
+    done: set[int] = set()
+    for name in slots:
+        if name not in src.shapes or name in mismatched:
+            continue
+        tensor = src.read(name)
+        module, attr, is_param = slots[name]
+        current = getattr(module, attr)
+        if current.is_meta:
+            _materialize(slots, groups.get(name, (name,)), tensor, current, is_param)
+        else:
+            with torch.no_grad():
+                current.copy_(tensor.reshape(current.shape))
+        done.add(id(getattr(module, attr)))
+        report.loaded.append(name)
+    for name in slots:
+        if name not in report.loaded and id(getattr(slots[name][0], slots[name][1])) in done:
+            source_name = next(o for o in groups.get(name, ()) if o in report.loaded)
+            report.tied[name] = source_name
+    report.still_meta = [n for n, (m, a, _) in _all_tensors(model).items() if getattr(m, a).is_meta]
+    return report
+
+
+def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
+    """What ``state_dict()`` names: parameters (tied ones under each name) and persistent buffers."""
+    out = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                out[prefix + attr] = (mod, attr, True)
+        for attr, b in mod._buffers.items():
+            if b is not None and attr not in mod._non_persistent_buffers_set:
+                out[prefix + attr] = (mod, attr, False)
+    return out
+
+
+def _all_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
+    out = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        out.update({prefix + a: (mod, a, True) for a, p in mod._parameters.items() if p is not None})
+        out.update({prefix + a: (mod, a, False) for a, b in mod._buffers.items() if b is not None})
+    return out
+
+
+def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    by_tensor: dict[int, list[str]] = {}
+    for name, (mod, attr, _) in _slots(model).items():
+        by_tensor.setdefault(id(getattr(mod, attr)), []).append(name)
+    return {n: tuple(names) for names in by_tensor.values() if len(names) > 1 for n in names}
+
+
+def _materialize(slots, names, tensor: torch.Tensor, like: torch.Tensor, is_param: bool) -> None:
+    data = tensor.reshape(like.shape).to(like.dtype)
+    new = nn.Parameter(data, requires_grad=like.requires_grad) if is_param else data
+    for name in names:  # every name of a tied tensor gets the same object
+        module, attr, _ = slots[name]
+        (module._parameters if is_param else module._buffers)[attr] = new
+
+
+def _mismatch_message(source, report: LoadReport) -> str:
+    parts = []
+    for label, keys in (("missing", report.missing_keys), ("unexpected", report.unexpected_keys)):
+        if keys:
+            parts.append(f"{len(keys)} {label} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+    if report.mismatched_keys:
+        name, file_shape, model_shape = report.mismatched_keys[0]
+        parts.append(f"{len(report.mismatched_keys)} of another shape ({name}: {list(file_shape)} in the file, "
+                     f"{list(model_shape)} in the model)")
+    return f"{source}: does not match the model: " + "; ".join(parts)
