@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test]" "$(TORCH_SPEC)"  # the pin again: no dependency may swap torch
 	touch $@
 
 setup: $(VENV)/.installed
@@ -28,6 +28,8 @@ demo: setup
 	$(BIN)/dsckpt check-finite $(DEMO_DIR)/ckpt --optimizer
 	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --check
 	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir $(DEMO_DIR)/ckpt
+	$(BIN)/dsckpt reshard $(DEMO_DIR)/ckpt $(DEMO_DIR)/ckpt_ws3 --world-size 3
+	$(BIN)/dsckpt resume $(DEMO_DIR)/ckpt_ws3 --nproc 3 --steps 5
 	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
 
 test: setup

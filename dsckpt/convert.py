@@ -78,9 +78,21 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         options["hf_companions"] = find_companions(ckpt.layout.root, config)  # no config: refused before writing
         if not ties_embeddings(options["hf_companions"]):
             duplicate_tied = True  # the config unties the head: transformers wants both names stored
+    lightning_notes: list[str] = []
+    if form == "lightning":
+        from .formats.lightning import WRAPPER_PREFIX, checkpoint_tree
+        from .plan.consolidate import strip_prefix
+
+        if not strip_prefixes and plan.tensors and all(t.name.startswith(WRAPPER_PREFIX) for t in plan.tensors):
+            plan = strip_prefix(plan, (WRAPPER_PREFIX,))  # Lightning's wrapper, as its own converter strips it
+        options["client_state"] = ckpt.client_state
+        _, dropped = checkpoint_tree({}, ckpt.client_state)
+        lightning_notes = [f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c))}, which "
+                           "dsckpt does not load (OUT stays loadable with torch.load(weights_only=True))"
+                           for k, c in dropped.items()]
     inputs = [f.path for f in ckpt.layout.all_files]
     check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
-    write_client = bool(client_state and ckpt.client_state)
+    write_client = bool(client_state and ckpt.client_state) and form != "lightning"  # (lightning: inside OUT)
     for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
         check_output(path, inputs, force)
     if duplicate_tied and form != "torch":
@@ -89,7 +101,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         check_sources(plan)  # damaged source bytes are caught before anything is written
     if progress_total:
         progress_total(plan.nbytes)
-    notes = _notes(ckpt, plan, form, strip_prefixes)
+    notes = _notes(ckpt, plan, form, strip_prefixes) + tuple(lightning_notes)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=fmt.directory)
         files = tuple(fmt.write(plan, tmp, options, progress))
@@ -110,7 +122,7 @@ def _notes(ckpt, plan: Plan, form: str, strip_prefixes: tuple[str, ...]) -> tupl
     for prefix in strip_prefixes:
         if not any(n.startswith(prefix) for n in names):
             notes.append(f"--strip-prefix {prefix!r} matched no tensor name; nothing was stripped")
-    if plan.aliases and form not in ("torch", "hf"):  # (hf: transformers ties them from the config)
+    if plan.aliases and form not in ("torch", "hf", "lightning"):  # (hf: transformers ties them from the config)
         pairs = ", ".join(f"{a} = {s}" for a, s in list(plan.aliases.items())[:3])
         notes.append(f"tied weights are stored once ({pairs}): load with safetensors.torch.load_model(model, path) "
                      "(it re-ties them); a strict model.load_state_dict(load_file(path)) needs --duplicate-tied")

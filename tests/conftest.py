@@ -18,6 +18,7 @@ JOB_TIMEOUT = 240  # gloo's own timeout is 10 minutes; fail well before
 
 MODELS = ROOT / "tests" / "models"  # test-only models, importable as `--model odd_model:build`
 PYTHONPATH = os.pathsep.join([str(ROOT), str(MODELS), *filter(None, [os.environ.get("PYTHONPATH")])])
+sys.path.insert(0, str(MODELS))  # the test models import in-process too (load_into, Lightning's load_from_checkpoint)
 
 
 def run_cli(*args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess:

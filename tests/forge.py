@@ -70,3 +70,29 @@ def replace_data_pkl(path: Path, data: bytes, compress: bool = False) -> None:
 def nested_lists_pickle(depth: int) -> bytes:
     """A pickle of lists nested ``depth`` deep, built from opcodes (pickle.dumps would recurse)."""
     return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+def add_client_entry(ckpt_dir: Path, key: str, class_path: str, state: dict) -> Path:
+    """Rewrite the first model-states file of ``ckpt_dir`` with one more client-state entry: an object
+    of ``class_path`` (a class nobody here can import), recorded as ``NEWOBJ`` + ``BUILD(state)``."""
+    from dsckpt.formats.pickle_policy import opaque_type
+    from dsckpt.formats.torchzip import TorchFile
+    from dsckpt.io.positional import read_range
+    from dsckpt.io.torch_writer import write_archive
+
+    model = sorted(Path(ckpt_dir).glob("*/*model_states.pt"))[0]
+    source = TorchFile(model)
+    tree = dict(source.obj)
+    module, _, name = class_path.rpartition(".")
+    obj = opaque_type(module, name).__new__(opaque_type(module, name))
+    obj.state = state
+    tree[key] = obj
+
+    def whole_storage(storage):
+        loc = source.locate(storage.source.storage)
+        yield read_range(model, loc.offset, loc.nbytes)
+
+    forged = model.with_name(model.name + ".forged")
+    write_archive(forged, tree, whole_storage)
+    forged.replace(model)
+    return model

@@ -14,7 +14,8 @@ from ..formats.safetensors_file import parse_aliases
 from ..io.formats import for_input
 
 
-KINDS = {"safetensors": "safetensors", "sharded": "safetensors-sharded", "torch": "torch"}
+KINDS = {"safetensors": "safetensors", "sharded": "safetensors-sharded", "torch": "torch", "lightning": "lightning",
+         "hf": "safetensors-sharded"}
 
 
 def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from .app import cli
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
+@click.option("--format", "form", type=click.Choice(["safetensors", "torch", "sharded", "lightning"]), default=None,
+              help="Output format when OUT's name does not say it (default: by suffix; .ckpt is lightning).")
 @click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
               "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
@@ -29,7 +31,7 @@ from .app import cli
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, hf, config, force, verify, no_fsync, quiet, as_json) -> None:
+                max_shard_size, no_client_state, form, hf, config, force, verify, no_fsync, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
@@ -38,12 +40,14 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       model.pt | .pth | .bin      torch state dict (loads with weights_only=True)
       model_dir/                  sharded safetensors + model.safetensors.index.json
       model_dir/ --hf             the same + config.json, generation config, tokenizer: from_pretrained loads it
+      model.ckpt                  Lightning checkpoint: the client state + state_dict (--format lightning)
     \b
     Examples:
       dsckpt consolidate runs/demo model.safetensors
       dsckpt consolidate runs/demo model.pt --tag step10 --dtype bf16
       dsckpt consolidate runs/demo hf_model/ --max-shard-size 2GB --strip-prefix module.
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
+      dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
@@ -62,7 +66,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     form="hf" if hf else None, config=config, progress=bar.update, progress_total=announce)
+                     form="hf" if hf else form, config=config, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

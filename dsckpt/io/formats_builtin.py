@@ -37,7 +37,8 @@ def _write_hf(plan, folder: Path, options: dict, progress) -> list[str]:
 
     dtypes = {t.dtype for t in plan.tensors if t.kind != "buffer"} or {"F32"}
     names = write_sharded(plan, folder, options["max_shard_bytes"], progress)
-    return names + write_companions(options["hf_companions"], folder, dtypes.pop() if len(dtypes) == 1 else "F32")
+    return names + [INDEX_NAME] + write_companions(options["hf_companions"], folder,
+                                                   dtypes.pop() if len(dtypes) == 1 else "F32")
 
 
 def _read_sharded(path: Path) -> Listing:
@@ -59,6 +60,34 @@ def _write_torch(plan, path: Path, options: dict, progress) -> list[str]:
     from .torch_writer import write_torch
 
     write_torch(plan, path, progress)
+    return [path.name]
+
+
+def _write_lightning(plan, path: Path, options: dict, progress) -> list[str]:
+    """One .ckpt: Lightning's checkpoint dict from the client state, plus ``state_dict``."""
+    from collections import OrderedDict
+
+    from ..formats.lightning import checkpoint_tree
+    from ..formats.pickle_policy import TensorRef
+    from ..formats.pickle_writer import NewTensor
+    from .torch_writer import write_archive
+    from .writer import SourceFiles, iter_tensor_chunks
+
+    tensors = {t.name: NewTensor(t.dtype, t.shape, t) for t in plan.tensors}
+    state = OrderedDict(tensors)
+    for alias, src in plan.aliases.items():
+        state[alias] = tensors[src]
+    tree, _ = checkpoint_tree(state, options.get("client_state") or {})
+
+    def chunks(storage):
+        if isinstance(storage.source, TensorRef):  # a client-state tensor, copied as stored
+            loc = storage.source.file.locate(storage.source.storage)
+            yield src.pread(storage.source.file.path, loc.nbytes, loc.offset)
+        else:
+            yield from iter_tensor_chunks(src, storage.source.source)
+
+    with SourceFiles() as src:
+        write_archive(path, tree, chunks, progress)
     return [path.name]
 
 
@@ -86,4 +115,5 @@ def _read_torch(path: Path) -> Listing:
 register(Format("safetensors", (".safetensors",), False, _write_safetensors, _read_safetensors))
 register(Format("torch", (".pt", ".pth", ".bin"), False, _write_torch, _read_torch))
 register(Format("sharded", ("",), True, _write_sharded, _read_sharded))
-register(Format("hf", (), True, _write_hf, _read_sharded))  # chosen by name (consolidate --hf), never by suffix
+register(Format("hf", (), True, _write_hf, _read_sharded))
+register(Format("lightning", (".ckpt",), False, _write_lightning, _read_torch))  # chosen by name (consolidate --hf), never by suffix

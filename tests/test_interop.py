@@ -1,0 +1,175 @@
+"""Hugging Face and Lightning (issue 14): checkpoints their trainers write in, files they load directly out.
+
+* HF: Transformers' own ``Trainer`` with a DeepSpeed ZeRO-3 config on 2 CPU ranks (tests/jobs/hf_trainer.py:
+  a small Llama from a config, tied embeddings, a tokenizer built in code) writes ``checkpoint-3``;
+  ``consolidate --hf`` must give a folder ``from_pretrained`` loads with no key problems and the live
+  model's logits.
+* Lightning: its ``DeepSpeedStrategy`` needs CUDA, so its save is reproduced on CPU ranks
+  (tests/jobs/lightning_deepspeed.py) with the real dict Lightning's Trainer wrote;
+  ``consolidate --format lightning`` must load in ``load_from_checkpoint`` and ``Trainer.fit(ckpt_path=)``.
+* ``dsckpt.load_into``: a model built on the meta device, filled tensor by tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import FIXTURES, run_cli, run_job
+
+torch = pytest.importorskip("torch")
+
+
+# --- Hugging Face -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("hf_trainer")
+    run_job("hf_trainer.py", 2, out, 3)
+    return out
+
+
+def test_hf_trainer_checkpoint_loads_with_from_pretrained(hf_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc = run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = json.loads(proc.stdout)["files"]
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json"} <= set(files)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied the way transformers ties them
+    live = torch.load(hf_run / "live.pt", weights_only=True)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in live["state_dict"].items())
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=live["probe"]).logits, live["logits"])
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("w1 w2").input_ids == [5, 6]
+
+
+def test_hf_bf16_export_says_bf16_in_its_config(hf_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf16", "--hf", "--dtype", "bf16", "-q").returncode == 0
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf16")
+    live = torch.load(hf_run / "live.pt", weights_only=True)["state_dict"]
+    assert model.dtype == torch.bfloat16
+    assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in live.items())
+
+
+def test_hf_export_needs_a_config(tmp_path):
+    proc = run_cli("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "hf", "--hf")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "holds no config.json; a Hugging Face folder needs the model's config" in proc.stderr
+    assert "--config" in proc.stderr and not (tmp_path / "hf").exists()
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "demo", "tie_word_embeddings": False}))
+    proc = run_cli("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "hf", "--hf", "--config", config, "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "head.weight" in index["weight_map"]  # the config unties the head: both names stored
+
+
+def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
+    report = json.loads(run_cli("inspect", hf_run / "checkpoint-3", "--json").stdout)
+    state = report["trainer_state"]
+    assert state["global_step"] == 3 and state["epoch"] > 0 and isinstance(state["last_loss"], float)
+    assert "trainer state     global step 3" in run_cli("inspect", hf_run / "checkpoint-3").stdout
+    assert run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "-q").returncode == 0
+    folder = json.loads(run_cli("inspect", tmp_path / "hf", "--json").stdout)
+    assert folder["hf_config"]["model_type"] == "llama" and "tokenizer.json" in folder["hf_files"]
+
+
+def test_hf_trainer_checkpoint_reshards(hf_run, tmp_path):
+    """The HF Trainer's two param groups (with and without weight decay) at another world size."""
+    from dsckpt.convert import load_state_dict
+    from dsckpt.resharder import reshard
+
+    reshard(hf_run / "checkpoint-3", tmp_path / "ws3", 3, fsync=False)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        a, b = load_state_dict(hf_run / "checkpoint-3", state=state), load_state_dict(tmp_path / "ws3", state=state)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- Lightning --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory):
+    L = pytest.importorskip("lightning")
+    from lit_model import LitOdd, batches
+
+    root = tmp_path_factory.mktemp("lightning")
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.fit(LitOdd(lr=2e-3, note="from-lightning"), batches())
+    trainer.save_checkpoint(root / "cpu.ckpt")  # Lightning's own dict: what its DeepSpeedStrategy saves as client state
+    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 3)
+    return root
+
+
+def test_lightning_export_loads_in_lightning(lightning_run, tmp_path):
+    import lightning as L
+    from lit_model import LitOdd, batches
+
+    out = tmp_path / "model.ckpt"
+    proc = run_cli("consolidate", lightning_run / "ds", out, "--format", "lightning", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["form"] == "lightning"
+    raw = torch.load(out, weights_only=True)  # no class beyond torch's safe ones
+    assert raw["hyper_parameters"] == {"lr": 2e-3, "note": "from-lightning"} and raw["global_step"] == 2
+    assert all(not k.startswith("_forward_module.") for k in raw["state_dict"])
+    model = LitOdd.load_from_checkpoint(out)
+    live = torch.load(lightning_run / "ds" / "live.pt", weights_only=True)
+    state = model.state_dict()
+    assert state.keys() == live.keys() and all(torch.equal(state[k], live[k]) for k in live)
+    assert model.hparams.note == "from-lightning"
+    assert model.model.frozen.weight.dtype == torch.float32  # frozen parameters in fp32 too
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(LitOdd(), batches(), ckpt_path=out)  # accepted as a weights checkpoint: steps 2 -> 4
+    assert trainer.global_step == 4
+
+
+def test_lightning_export_leaves_out_foreign_client_objects(lightning_run, tmp_path):
+    from forge import add_client_entry
+
+    ckpt = tmp_path / "ds"
+    import shutil
+
+    shutil.copytree(lightning_run / "ds", ckpt)
+    add_client_entry(ckpt, "sampler", "custom.Sampler", {"position": 3})
+    proc = run_cli("consolidate", ckpt, tmp_path / "m.ckpt", "--format", "lightning")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "client-state entry 'sampler' left out: it holds objects of custom.Sampler" in proc.stderr
+    raw = torch.load(tmp_path / "m.ckpt", weights_only=True)
+    assert "sampler" not in raw and raw["global_step"] == 2 and "loops" in raw
+
+
+# --- load_into --------------------------------------------------------------------------------------
+def test_load_into_a_meta_model_keeps_ties_and_reports_keys(lightning_run, tmp_path):
+    import dsckpt
+    from dsckpt.errors import StateDictMismatchError
+    from odd_model import OddLM
+
+    live = torch.load(lightning_run / "ds" / "live.pt", weights_only=True)
+    live = {k.removeprefix("model."): v for k, v in live.items()}
+    with torch.device("meta"):
+        model = OddLM()
+    report = dsckpt.load_into(model, lightning_run / "ds", strip_prefixes=("_forward_module.model.",))
+    assert report.missing_keys == [] and report.unexpected_keys == [] and report.still_meta == ["scratch"]
+    assert model.head.weight is model.embed.weight  # still tied after materializing
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in live.items())
+    dsckpt.consolidate(lightning_run / "ds", tmp_path / "m.safetensors", strip_prefixes=("_forward_module.model.",))
+    fresh = OddLM()
+    assert dsckpt.load_into(fresh, tmp_path / "m.safetensors").missing_keys == []
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in live.items())
+    with pytest.raises(StateDictMismatchError, match=r"does not match the model: 2 missing \(weight, bias\)"):
+        dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors")
+    lenient = dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors", strict=False)
+    assert lenient.missing_keys == ["weight", "bias"] and "gate" in lenient.unexpected_keys
