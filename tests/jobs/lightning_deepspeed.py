@@ -1,7 +1,7 @@
 """Run under torchrun: a Lightning-style DeepSpeed checkpoint, saved the way Lightning's DeepSpeedStrategy
 saves one (which needs CUDA to run, so CI cannot use the strategy itself).
 
-    lightning_deepspeed.py LIGHTNING_CKPT OUT_DIR STAGE
+    lightning_deepspeed.py LIGHTNING_CKPT OUT_DIR STAGE PRECISION
 
 LIGHTNING_CKPT: a checkpoint Lightning's own Trainer wrote on the CPU (its real dict: epoch,
 global_step, loops, callbacks, hyper_parameters, ...).  As ``DeepSpeedStrategy.save_checkpoint`` does:
@@ -29,18 +29,18 @@ class Wrapper(nn.Module):
         return self._forward_module(tokens)
 
 
-def main(lightning_ckpt: str, out_dir: str, stage: str) -> None:
+def main(lightning_ckpt: str, out_dir: str, stage: str, precision: str) -> None:
     from lit_model import LitOdd, batches
 
     quiet_deepspeed()
     client = torch.load(lightning_ckpt, weights_only=True)
     hparams = client["hyper_parameters"]
-    runtime = Runtime(TrainOptions(stage=int(stage)).deepspeed_config())
+    runtime = Runtime(TrainOptions(stage=int(stage), precision=precision).deepspeed_config())
     torch.manual_seed(5)
     engine = runtime.setup(lambda: Wrapper(LitOdd(**hparams)),
                            lambda params: torch.optim.AdamW(params, lr=hparams["lr"]))
     for batch in list(batches())[:2]:
-        loss = engine(batch)
+        loss = engine(batch.to(engine.device))
         engine.backward(loss)
         engine.step()
     state = {k: v for k, v in client.items() if k not in ("state_dict", "optimizer_states")}
@@ -51,5 +51,5 @@ def main(lightning_ckpt: str, out_dir: str, stage: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
     shutdown(exit_process=True)
