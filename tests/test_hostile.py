@@ -345,14 +345,14 @@ def test_tag_symlinked_from_elsewhere_is_reported(tmp_path):
 def test_reading_errors_are_not_called_writing_errors(tmp_path):
     import errno
 
-    from dsckpt.convert import _write_errors
+    from dsckpt.convert import write_errors
     from dsckpt.errors import CorruptFileError, OutputError
 
     with pytest.raises(CorruptFileError, match="rank.pt: reading failed"):
-        with _write_errors(tmp_path / "m.safetensors"):
+        with write_errors(tmp_path / "m.safetensors"):
             raise OSError(errno.EIO, "Input/output error", str(tmp_path / "rank.pt"))
     with pytest.raises(OutputError, match="writing failed"):
-        with _write_errors(tmp_path / "m.safetensors"):
+        with write_errors(tmp_path / "m.safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device")
 
 
