@@ -57,7 +57,7 @@ def every_rank_loads(engine, path: str) -> None:
     engine.optimizer.refresh_fp32_params()
 
 
-def job(approach: str, weights: str, report: str) -> None:
+def job(approach: str, weights: str, report: str, precision: str = "32") -> None:
     import torch.distributed as dist
 
     from dsckpt.runtime.commands import quiet_deepspeed
@@ -65,7 +65,12 @@ def job(approach: str, weights: str, report: str) -> None:
     from dsckpt.runtime.train import TrainOptions, Trainer
 
     quiet_deepspeed()
-    trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3))
+    import torch
+
+    trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3, precision=precision))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     sampler = RssSampler()
     before = sampler.rss()
@@ -79,7 +84,8 @@ def job(approach: str, weights: str, report: str) -> None:
     elapsed = time.perf_counter() - start
     sampler.running = False
     sampler.join()
-    row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed}
+    row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed,
+           "gpu_peak": torch.cuda.max_memory_allocated() if cuda else 0}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -126,6 +132,6 @@ def main() -> None:
 if __name__ == "__main__":
     if "--job" in sys.argv:
         i = sys.argv.index("--job")
-        job(*sys.argv[i + 1:i + 4])
+        job(*sys.argv[i + 1:i + 5])
     else:
         main()

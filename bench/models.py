@@ -10,4 +10,5 @@ from dsckpt.runtime.demo_model import TinyCausalLM
 
 def transformer():
     dim, layers = int(os.environ.get("BENCH_DIM", "1024")), int(os.environ.get("BENCH_LAYERS", "8"))
-    return TinyCausalLM(vocab_size=256, dim=dim, n_layers=layers, n_heads=8, seq_len=16, tie_embeddings=False)
+    vocab = int(os.environ.get("BENCH_VOCAB", "256"))  # 50257: an embedding no world size divides
+    return TinyCausalLM(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=8, seq_len=16, tie_embeddings=False)

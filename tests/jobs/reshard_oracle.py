@@ -28,13 +28,14 @@ from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import Runtime, full_state_dict, rank, shutdown, world_size
 from dsckpt.runtime.train import TrainOptions
 
-GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
+GLOBAL_BATCH = int(os.environ.get("RESHARD_GLOBAL_BATCH", "6"))  # divisible by 1, 2 and 3 ranks
+MODEL = os.environ.get("RESHARD_MODEL", "odd_model:build")  # bench/multi_gpu_proof.py: a ~1B transformer
 STEPS_AFTER = int(os.environ.get("RESHARD_STEPS_AFTER", "3"))  # bench/reshard_curves.py runs longer
 CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t": torch.arange(5)}}
 
 
 def build(stage: int, precision: str):
-    import odd_model
+    from dsckpt.runtime.train import load_factory
 
     config = TrainOptions(stage=stage, precision=precision, lr=3e-3).deepspeed_config()
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
@@ -48,7 +49,7 @@ def build(stage: int, precision: str):
                                   {"params": vectors, "weight_decay": 0.0, "betas": (0.8, 0.95)}], lr=3e-3)
 
     torch.manual_seed(7)
-    runtime.setup(odd_model.build, optimizer)
+    runtime.setup(load_factory(MODEL), optimizer)
     return runtime
 
 
