@@ -95,7 +95,7 @@ def test_stock_deepspeed_restores_every_state_bit_for_bit(oracle, n, m, stage, p
     assert len(before["moments"]) == 2 * len(before["masters"]) > 0
     assert _equal(before["module"], after["module"]) == []  # 16-bit weights, frozen layer, buffers
     assert "frozen.weight" in after["module"] and "scale" in after["module"]
-    assert after["steps"] == before["steps"] == [float(STEPS)] * len(before["steps"]) and before["steps"]
+    assert after["steps"] == before["steps"] and before["steps"]  # (fp16 may have skipped a step on overflow)
     for key in ("scheduler", "loss_scale", "global_steps", "skipped_steps", "global_samples", "hyperparams"):
         assert after[key] == before[key], key
     assert {g["weight_decay"] for g in after["hyperparams"]} == {0.1, 0.0}  # two groups, their own settings

@@ -38,6 +38,8 @@ def build(stage: int, precision: str):
     from dsckpt.runtime.train import load_factory
 
     config = TrainOptions(stage=stage, precision=precision, lr=3e-3).deepspeed_config()
+    if "fp16" in config and config["fp16"].get("enabled"):
+        config["fp16"]["initial_scale_power"] = 8  # 2**16 would skip the first steps on overflow
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                           "warmup_num_steps": 10}}
     runtime = Runtime(config)
