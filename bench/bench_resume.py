@@ -57,6 +57,20 @@ def every_rank_loads(engine, path: str) -> None:
     engine.optimizer.refresh_fp32_params()
 
 
+def transformers_loads(engine, path: str) -> None:
+    """Transformers' ZeRO-3 path (``from_pretrained`` under an ``HfDeepSpeedConfig``): rank 0 holds the
+    whole state dict, per module ``GatheredParameters(modifier_rank=0)`` + ``_load_from_state_dict``."""
+    import torch
+    from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
+
+    rank = torch.distributed.get_rank()
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: nothing read yet
+    if rank != 0:  # the other ranks pass meta tensors of the file's names and dtypes, as from_pretrained does
+        state = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    _load_state_dict_into_zero3_model(engine.module, state)
+    engine.optimizer.refresh_fp32_params()
+
+
 def job(approach: str, weights: str, report: str, precision: str = "32") -> None:
     import torch.distributed as dist
 
@@ -68,6 +82,10 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     import torch
 
     trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3, precision=precision))
+    if approach == "transformers":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep_alive = HfDeepSpeedConfig(trainer.runtime.config)  # noqa: F841  (is_deepspeed_zero3_enabled() reads it)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -78,6 +96,8 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     start = time.perf_counter()
     if approach == "dsckpt":
         load_full_weights(trainer.engine, weights)
+    elif approach == "transformers":
+        transformers_loads(trainer.engine, weights)
     else:
         every_rank_loads(trainer.engine, weights)
     dist.barrier()
@@ -86,6 +106,17 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     sampler.join()
     row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed,
            "gpu_peak": torch.cuda.max_memory_allocated() if cuda else 0}
+    steps = int(os.environ.get("BENCH_STEPS_AFTER", "0"))
+    if steps:  # training speed after the load: 2 warm-up steps, then ``steps`` timed
+        for _ in range(2):
+            trainer.step()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        row["steps_per_s"] = steps / (time.perf_counter() - start)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:

@@ -1,0 +1,80 @@
+"""Issue 16 part 2: `resume --full-weights` of a ~1.2B-parameter fp32 file into ZeRO-3 bf16 on a GPU, against the peers.
+
+    python bench/bench_gpu_resume.py --out $OUT [--runs 2] [--nproc 1]
+    python bench/bench_gpu_resume.py --out /tmp/g --dim 64 --layers 2 --vocab 101 --cpu   # dry run
+
+The benchmark transformer (``--dim 2048 --layers 20 --vocab 50257``: ~1.2B parameters, a 4.8 GB fp32 ``.pt``)
+is written once; then, alternating, each approach in its own torchrun job (bench_resume.py's ``--job``):
+  dsckpt        ``load_full_weights`` - rank 0 reads the file lazily, module by module;
+  every-rank    every rank ``torch.load``s the whole file, per-module ``GatheredParameters`` (Lightning's
+                ``load_full_weights`` path);
+  transformers  Transformers' ``_load_state_dict_into_zero3_model`` (what ``from_pretrained`` does under ZeRO-3).
+Per rank: seconds until loaded, peak host RSS growth (sampled every 2 ms), peak GPU memory; and, after
+dsckpt's load, training steps/s.  Writes ``report.md`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PY = sys.executable
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cpu", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab),
+           "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if args.cpu:
+        env.update({"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    weights = args.out / "weights.pt"
+    if not weights.exists():
+        code = ("import torch, sys; sys.path.insert(0, sys.argv[2]); import bench.models; torch.manual_seed(0); "
+                "torch.save(bench.models.transformer().state_dict(), sys.argv[1])")
+        subprocess.run([PY, "-c", code, str(weights), str(ROOT)], check=True, env=env, cwd=ROOT)
+    size = weights.stat().st_size / 2**20
+    lines = [f"# bench_gpu_resume: `{' '.join(sys.argv)}`", "",
+             f"file: {size:,.0f} MiB fp32 .pt; ZeRO-3 bf16, world size {args.nproc}; {args.runs} alternating runs", "",
+             "| approach | run | load s (slowest rank) | host RSS growth MiB (max rank) | peak GPU MiB (max rank) | steps/s |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    results = {}
+    for run in range(args.runs):
+        for approach in ("dsckpt", "every-rank-loads", "transformers"):
+            report = args.out / f"{approach}.json"
+            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   str(HERE / "bench_resume.py"), "--job", approach, str(weights), str(report), "bf16"]
+            job_env = {**env, "BENCH_STEPS_AFTER": str(args.steps if approach == "dsckpt" else 0)}
+            proc = subprocess.run(cmd, env=job_env, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode:
+                line = f"| {approach} | {run + 1} | failed: {proc.stderr.strip().splitlines()[-1][:120] if proc.stderr.strip() else '?'} | | | |"
+            else:
+                rows = json.loads(report.read_text())
+                results.setdefault(approach, []).append(rows)
+                steps = rows[0].get("steps_per_s")
+                line = (f"| {approach} | {run + 1} | {max(r['seconds'] for r in rows):.2f} | "
+                        f"{max(r['growth'] for r in rows) / 2**20:,.0f} | {max(r['gpu_peak'] for r in rows) / 2**20:,.0f} | "
+                        f"{f'{steps:.2f}' if steps else '-'} |")
+            lines.append(line)
+            print(line, flush=True)
+    (args.out / "report.md").write_text("\n".join(lines) + "\n")
+    (args.out / "report.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
