@@ -21,13 +21,14 @@ EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="dsckpt")
 def cli() -> None:
-    """Inspect, consolidate and resume DeepSpeed ZeRO checkpoints.
+    """Inspect, consolidate, reshard and resume DeepSpeed ZeRO checkpoints.
 
     \b
     Examples:
       dsckpt train --stage 3 --nproc 2 --save-dir runs/demo
       dsckpt inspect runs/demo
       dsckpt consolidate runs/demo model.safetensors
+      dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
       dsckpt resume --full-weights model.safetensors --nproc 2 --steps 5
     """
 

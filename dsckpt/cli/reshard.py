@@ -19,7 +19,7 @@ from .app import cli
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, no_fsync, quiet, as_json) -> None:
-    """Rewrite a ZeRO-1/2/3 checkpoint for WORLD_SIZE data-parallel ranks.
+    """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks.
 
     OUT_DIR is a native DeepSpeed checkpoint (`latest` + one tag): a plain
     `engine.load_checkpoint(OUT_DIR)` at the new world size restores weights, fp32 masters, Adam
