@@ -14,6 +14,7 @@ to M (2 -> 3, 2 -> 1, 3 -> 2), loaded by ``engine.load_checkpoint`` at M.  Compa
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -209,7 +210,6 @@ def test_gathered_state_is_unchanged_at_any_world_size(name, world_size, tmp_pat
 
 
 def test_cli_json_and_inspect_report_the_new_world_size(tmp_path):
-    import json
 
     proc = run_cli("reshard", FIXTURES / "z3_ws3_bf16", tmp_path / "ws2", "-w", "2", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -269,3 +269,22 @@ def test_foreign_client_classes_are_carried_not_run(tmp_path, fixture_copy):
     with pytest.raises(Exception, match="os.system"):  # stock weights-only loading refuses it, as the input's
         torch.load(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt", weights_only=True)
     assert not marker.exists()
+
+
+def test_a_reordered_flat_buffer_is_refused_not_misread(tmp_path):
+    """ZeRO-2 with round_robin_gradients lays parameters out in another order than param_shapes; the
+    recorded param_slice_mappings say so, and consolidate / reshard refuse instead of mixing them up."""
+    config = tmp_path / "rr.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+                                  "zero_optimization": {"stage": 2, "round_robin_gradients": True}}))
+    skip_beyond_devices(2)
+    proc = run_cli("train", "--config", config, "--model", "odd_model:build", "--nproc", 2, "--steps", 1,
+                   "--save-dir", tmp_path / "ckpt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for args in (("consolidate", tmp_path / "ckpt", tmp_path / "m.safetensors"),
+                 ("reshard", tmp_path / "ckpt", tmp_path / "ws3", "-w", 3)):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert "is not where its param_slice_mappings entry says" in proc.stderr
+        assert "round_robin_gradients" in proc.stderr
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "ws3").exists()

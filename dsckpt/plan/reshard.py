@@ -34,7 +34,7 @@ from ..limits import limit
 from ..zero import layout as L
 from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
 from ..zero.reader import Checkpoint
-from .consolidate import FlatSpace, Piece
+from .consolidate import FlatSpace, Piece, check_slice_mappings
 
 FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")  # DeepSpeed's (numel, start) record
 
@@ -114,8 +114,9 @@ def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
         numels = [math.prod(s) for s in shapes.values()]
         pad = list(paddings[g]) if paddings is not None else None
         align = parameter_alignment(pad or [], itemsize)
-        moves.append(GroupMove(tuple(shapes), stage12_group(numels, ckpt.world_size, pad, align),
-                               stage12_group(numels, world_size, pad, align)))
+        source = stage12_group(numels, ckpt.world_size, pad, align)
+        check_slice_mappings(ckpt, g, list(shapes), source)
+        moves.append(GroupMove(tuple(shapes), source, stage12_group(numels, world_size, pad, align)))
     return moves
 
 
