@@ -210,7 +210,6 @@ def test_gathered_state_is_unchanged_at_any_world_size(name, world_size, tmp_pat
 
 
 def test_cli_json_and_inspect_report_the_new_world_size(tmp_path):
-
     proc = run_cli("reshard", FIXTURES / "z3_ws3_bf16", tmp_path / "ws2", "-w", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
