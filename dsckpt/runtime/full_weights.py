@@ -111,6 +111,7 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread
         return {name: src.get(name) for name, _ in steps[i][0] + steps[i][1]}
 
+    masters = _MasterSetter(engine)  # 16-bit runs: fp32 masters from the same values, no second read
     loaded = 0
     with ThreadPoolExecutor(1) as pool:
         # rank 0 reads module i+1 from disk while module i is gathered and scattered: two modules in memory
@@ -126,6 +127,8 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
                         p.data.copy_(values[name].to(p.dtype).view(p.shape))
                     if not hasattr(p, "ds_id") and eng.world_size() > 1:
                         dist.broadcast(p.data, 0)  # stages 0-2: replicate rank 0's values
+            for name, p in params:
+                masters.set(name, p, values.get(name))
             for name, b in buffers:
                 if eng.rank() == 0:
                     b.data.copy_(values[name].to(b.dtype).view(b.shape))
@@ -134,7 +137,7 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
             loaded += len(params) + len(buffers)
             if progress:
                 progress(1)
-    _set_fp32_masters(engine, src, have)
+    masters.finish()
     return {"loaded": loaded, "expected": len(expected)}
 
 
@@ -194,29 +197,40 @@ def set_full_fp32(engine, param: torch.nn.Parameter, full: torch.Tensor, state_k
         safe_set_full_optimizer_state(param, full, state_key)
 
 
-def _set_fp32_masters(engine, src: WeightsFile | None, have: set[str]) -> None:
-    """Make the optimizer's fp32 masters hold the file's values (else step() reverts the load)."""
-    opt = engine.optimizer
-    if opt is None:
-        return
-    sixteen_bit = any(p.dtype in (torch.float16, torch.bfloat16) for p in engine.module.parameters())
-    if not sixteen_bit:
-        if hasattr(opt, "refresh_fp32_params"):
-            opt.refresh_fp32_params()  # masters = the (fp32) weights just loaded
-        return
-    stage0 = stage0_masters(opt)
-    device = comm_device()
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad or name not in have:
-            continue
+class _MasterSetter:
+    """Make the optimizer's fp32 masters hold the file's values (else step() reverts the load).
+
+    16-bit runs: each trainable parameter's master is set from the value just read for its weight (rank 0
+    broadcasts it, one parameter at a time: no rank holds the whole file) - exact fp32, where the peers'
+    ``refresh_fp32_params`` would leave the 16-bit rounding in the masters.  The file is read once: a first
+    version read every tensor again for its master, 2.3x the load time on an H200 (docs/performance.md).
+    fp32 runs: ``refresh_fp32_params`` at the end (the weights are the masters).
+    """
+
+    def __init__(self, engine):
+        self.engine, self.opt = engine, engine.optimizer
+        self.sixteen_bit = self.opt is not None and any(
+            p.dtype in (torch.float16, torch.bfloat16) for p in engine.module.parameters())
+        self.stage0 = stage0_masters(self.opt) if self.sixteen_bit else {}
+        self.device = comm_device()
+        self.done: set[int] = set()
+
+    def set(self, name: str, p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+        if not self.sixteen_bit or not p.requires_grad or id(p) in self.done:
+            return
+        self.done.add(id(p))  # a tied parameter once
         shape = tuple(getattr(p, "ds_shape", p.shape))
-        if src:
-            full = src.get(name).to(device=device, dtype=torch.float32).reshape(shape).contiguous()
+        if eng.rank() == 0:
+            full = value.to(device=self.device, dtype=torch.float32).reshape(shape).contiguous()
         else:
-            full = torch.empty(shape, dtype=torch.float32, device=device)
+            full = torch.empty(shape, dtype=torch.float32, device=self.device)
         if eng.world_size() > 1:
-            dist.broadcast(full, 0)  # one parameter at a time: no rank holds the whole file
-        if id(p) in stage0:
-            stage0[id(p)].data.copy_(full.view_as(stage0[id(p)]))
+            dist.broadcast(full, 0)
+        if id(p) in self.stage0:
+            self.stage0[id(p)].data.copy_(full.view_as(self.stage0[id(p)]))
         else:
-            set_full_fp32(engine, p, full)
+            set_full_fp32(self.engine, p, full)
+
+    def finish(self) -> None:
+        if self.opt is not None and not self.sixteen_bit and hasattr(self.opt, "refresh_fp32_params"):
+            self.opt.refresh_fp32_params()  # masters = the (fp32) weights just loaded
