@@ -124,6 +124,9 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
             with gathered, torch.no_grad():
                 for name, p in params:
                     if eng.rank() == 0:
+                        # to the device first, then cast there (a CPU-side fp32 -> bf16 cast of every tensor
+                        # cost more than the copy on an H200); the master below reuses the device copy
+                        values[name] = values[name].to(p.device)
                         p.data.copy_(values[name].to(p.dtype).view(p.shape))
                     if not hasattr(p, "ds_id") and eng.world_size() > 1:
                         dist.broadcast(p.data, 0)  # stages 0-2: replicate rank 0's values
