@@ -11,28 +11,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ..formats.pickle_policy import Opaque
+from ..formats.pickle_policy import opaque_class_paths
 
 WRAPPER_PREFIX = "_forward_module."  # Lightning's _LightningModuleWrapperBase around the user's module
 STATE_DICT = "state_dict"
 # A weights checkpoint for Trainer.fit(ckpt_path=): empty lists restore nothing (fresh optimizer and
 # schedulers), where a missing key makes Lightning refuse the file ("contains only the model").
 EMPTY_TRAINING_STATE = ("optimizer_states", "lr_schedulers")
-
-
-def foreign_classes(value: Any) -> set[str]:
-    """Class paths of objects dsckpt does not load, anywhere inside ``value``."""
-    found, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Opaque):
-            found.add(v.class_path)
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-    return found
 
 
 def checkpoint_tree(state_dict: "OrderedDict[str, Any]", client_state: dict[str, Any]) -> tuple[dict, dict[str, set[str]]]:
@@ -44,7 +29,7 @@ def checkpoint_tree(state_dict: "OrderedDict[str, Any]", client_state: dict[str,
     tree: dict[str, Any] = {}
     dropped: dict[str, set[str]] = {}
     for key, value in client_state.items():
-        classes = foreign_classes(value)
+        classes = opaque_class_paths(value)
         if classes:
             dropped[str(key)] = classes
         elif key != STATE_DICT:

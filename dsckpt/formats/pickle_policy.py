@@ -172,6 +172,23 @@ class TorchDevice(str):
         return obj
 
 
+def opaque_class_paths(obj: Any) -> set[str]:
+    """Class paths of every ``Opaque`` record anywhere in a parsed pickle (their arguments and state too)."""
+    found, stack = set(), [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Opaque):
+            found.add(value.class_path)
+            stack.extend(value.args)
+            stack.append(value.state)
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+    return found
+
+
 def opaque_int(value: Any) -> Any:
     """The int inside an enum placeholder (DeepSpeed's ZeroStageEnum(3)) or the value itself."""
     if isinstance(value, Opaque) and len(value.args) == 1 and isinstance(value.args[0], int):

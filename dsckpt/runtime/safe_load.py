@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_policy import Opaque
+from ..formats.pickle_policy import opaque_class_paths
 
 # The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
 # stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.
@@ -34,20 +34,7 @@ TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickle
 
 def foreign_classes(obj: Any) -> set[str]:
     """Class paths in a parsed pickle (dsckpt's reader) that are not DeepSpeed's own."""
-    found, stack = set(), [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, Opaque):
-            if value.class_path not in DEEPSPEED_CLASSES:
-                found.add(value.class_path)
-            stack.extend(value.args)
-            stack.append(value.state)
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
-    return found
+    return opaque_class_paths(obj) - set(DEEPSPEED_CLASSES)
 
 
 def check_checkpoint_classes(ckpt) -> None:
