@@ -71,6 +71,61 @@ def transformers_loads(engine, path: str) -> None:
     engine.optimizer.refresh_fp32_params()
 
 
+class Phases:
+    """Seconds per phase of one load on this rank (BENCH_PROFILE=1): where a gap between approaches lies.
+
+    gather_enter: ``GatheredParameters`` allgathers; gather_exit: rank 0's broadcast + re-partition;
+    read: dsckpt's reads (on its helper thread, so they overlap the rest); torch_load: the peers' load.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def add(self, key: str, since: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - since
+
+    def install(self) -> None:
+        import deepspeed
+        import torch
+
+        from dsckpt.runtime import full_weights
+
+        original_gather, original_get, original_load, phases = (deepspeed.zero.GatheredParameters,
+                                                                  full_weights.WeightsFile.get, torch.load, self)
+
+        class TimedGather:
+            def __init__(self, *args, **kwargs):
+                self.inner = original_gather(*args, **kwargs)
+
+            def __enter__(self):
+                t = time.perf_counter()
+                out = self.inner.__enter__()
+                phases.add("gather_enter", t)
+                return out
+
+            def __exit__(self, *exc):
+                t = time.perf_counter()
+                out = self.inner.__exit__(*exc)
+                phases.add("gather_exit", t)
+                return out
+
+        def timed_get(src, name):
+            t = time.perf_counter()
+            out = original_get(src, name)
+            phases.add("read", t)
+            return out
+
+        def timed_load(*args, **kwargs):
+            t = time.perf_counter()
+            out = original_load(*args, **kwargs)
+            phases.add("torch_load", t)
+            return out
+
+        deepspeed.zero.GatheredParameters = TimedGather
+        full_weights.WeightsFile.get = timed_get
+        torch.load = timed_load
+
+
 def job(approach: str, weights: str, report: str, precision: str = "32") -> None:
     import torch.distributed as dist
 
@@ -82,6 +137,18 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     import torch
 
     trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3, precision=precision))
+    phases = Phases()
+    if os.environ.get("BENCH_PROFILE"):
+        phases.install()
+    if approach.startswith("dsckpt-"):  # dsckpt-heap: glibc's own (dynamic) mmap threshold; dsckpt-<MiB>: that one
+        import dsckpt.runtime.full_weights as full_weights
+
+        variant = approach.split("-", 1)[1]
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        full_weights.release_memory_promptly = (lambda: None) if variant == "heap" else \
+            (lambda: libc.mallopt(-3, int(variant) << 20))  # M_MMAP_THRESHOLD
     if approach == "transformers":
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -94,7 +161,7 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     before = sampler.rss()
     sampler.start()
     start = time.perf_counter()
-    if approach == "dsckpt":
+    if approach.startswith("dsckpt"):
         load_full_weights(trainer.engine, weights)
     elif approach == "transformers":
         transformers_loads(trainer.engine, weights)
@@ -105,7 +172,7 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     sampler.running = False
     sampler.join()
     row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed,
-           "gpu_peak": torch.cuda.max_memory_allocated() if cuda else 0}
+           "gpu_peak": torch.cuda.max_memory_allocated() if cuda else 0, "phases": phases.seconds}
     steps = int(os.environ.get("BENCH_STEPS_AFTER", "0"))
     if steps:  # training speed after the load: 2 warm-up steps, then ``steps`` timed
         for _ in range(2):
@@ -126,26 +193,51 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     shutdown(exit_process=True)
 
 
+def weights_from_init(layers: int) -> Path:
+    """A ``torch.save``d state dict of the benchmark model as initialised (no training run needed)."""
+    import torch
+
+    weights = HERE / "cache" / f"weights_init_d{os.environ.get('BENCH_DIM', '1024')}_l{layers}.pt"
+    if not weights.exists():
+        weights.parent.mkdir(exist_ok=True)
+        os.environ["BENCH_LAYERS"] = str(layers)
+        from bench.models import transformer
+
+        torch.save(transformer().state_dict(), weights)
+    return weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--approaches", default="dsckpt,every-rank-loads",
+                    help="comma-separated: dsckpt, dsckpt-heap (glibc's dynamic mmap threshold), dsckpt-<MiB> (that "
+                         "threshold), every-rank-loads, transformers")
+    ap.add_argument("--from-init", action="store_true",
+                    help="torch.save the initialised model instead of consolidating a trained ws-4 checkpoint")
+    ap.add_argument("--profile", action="store_true", help="per-phase seconds on rank 0 (gather, read, torch.load)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from bench_consolidate import generate
+    sys.path.insert(0, str(ROOT))
+    if args.from_init:
+        weights = weights_from_init(args.layers)
+    else:
+        from bench_consolidate import generate
 
-    ckpt = generate(3, args.layers)
-    weights = HERE / "cache" / f"weights_l{args.layers}.pt"
-    if not weights.exists():
-        subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(weights), "-q", "--no-client-state"],
-                       check=True, cwd=ROOT)
+        ckpt = generate(3, args.layers)
+        weights = HERE / "cache" / f"weights_l{args.layers}.pt"
+        if not weights.exists():
+            subprocess.run([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(weights), "-q",
+                            "--no-client-state"], check=True, cwd=ROOT)
     env = {**os.environ, "BENCH_LAYERS": str(args.layers), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1",
-           **({"MALLOC_MMAP_THRESHOLD_": os.environ["MMAP_T"]} if os.environ.get("MMAP_T") else {})}
+           **({"MALLOC_MMAP_THRESHOLD_": os.environ["MMAP_T"]} if os.environ.get("MMAP_T") else {}),
+           **({"BENCH_PROFILE": "1"} if args.profile else {})}
     print(f"file: {weights.stat().st_size / 2**20:.0f} MiB, world size {args.nproc}, ZeRO-3\n")
-    print("| approach | rank 0 growth MiB | other ranks growth MiB (max) | load s |\n|---|---|---|---|")
+    print("| approach | rank 0 growth MiB | other ranks growth MiB (max) | load s | rank 0 phases s |\n|---|---|---|---|---|")
     for _ in range(args.runs):
-        for approach in ("dsckpt", "every-rank-loads"):
+        for approach in args.approaches.split(","):
             report = HERE / "cache" / f"resume_{approach}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--job", approach, str(weights), str(report)]
@@ -155,8 +247,9 @@ def main() -> None:
             else:
                 raise SystemExit(f"failed three times: {' '.join(cmd)}")
             rows = json.loads(report.read_text())
-            others = max(r["growth"] for r in rows[1:])
-            print(f"| {approach} | {rows[0]['growth'] / 2**20:.0f} | {others / 2**20:.0f} | {rows[0]['seconds']:.2f} |",
+            others = max(r["growth"] for r in rows[1:]) if len(rows) > 1 else 0
+            phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(rows[0].get("phases", {}).items()))
+            print(f"| {approach} | {rows[0]['growth'] / 2**20:.0f} | {others / 2**20:.0f} | {rows[0]['seconds']:.2f} | {phases} |",
                   flush=True)
 
 

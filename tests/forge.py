@@ -72,27 +72,32 @@ def nested_lists_pickle(depth: int) -> bytes:
     return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
 
 
-def add_client_entry(ckpt_dir: Path, key: str, class_path: str, state: dict) -> Path:
-    """Rewrite the first model-states file of ``ckpt_dir`` with one more client-state entry: an object
-    of ``class_path`` (a class nobody here can import), recorded as ``NEWOBJ`` + ``BUILD(state)``."""
-    from dsckpt.formats.pickle_policy import opaque_type
+def rewrite_tree(path: Path, edit) -> Path:
+    """Rewrite the torch file ``path`` with ``edit(tree)`` applied to its parsed tree (``dsckpt``'s own
+    writer: storages, shared ones included, stay as recorded - ``torch.save`` would re-key them)."""
     from dsckpt.formats.torchzip import TorchFile
     from dsckpt.io.positional import read_range
     from dsckpt.io.torch_writer import write_archive
 
-    model = sorted(Path(ckpt_dir).glob("*/*model_states.pt"))[0]
-    source = TorchFile(model)
-    tree = dict(source.obj)
-    module, _, name = class_path.rpartition(".")
-    obj = opaque_type(module, name).__new__(opaque_type(module, name))
-    obj.state = state
-    tree[key] = obj
+    source = TorchFile(path)
+    tree = edit(dict(source.obj))
 
     def whole_storage(storage):
         loc = source.locate(storage.source.storage)
-        yield read_range(model, loc.offset, loc.nbytes)
+        yield read_range(path, loc.offset, loc.nbytes)
 
-    forged = model.with_name(model.name + ".forged")
+    forged = path.with_name(path.name + ".forged")
     write_archive(forged, tree, whole_storage)
-    forged.replace(model)
-    return model
+    forged.replace(path)
+    return path
+
+
+def add_client_entry(ckpt_dir: Path, key: str, class_path: str, state: dict) -> Path:
+    """Rewrite the first model-states file of ``ckpt_dir`` with one more client-state entry: an object
+    of ``class_path`` (a class nobody here can import), recorded as ``NEWOBJ`` + ``BUILD(state)``."""
+    from dsckpt.formats.pickle_policy import opaque_type
+
+    module, _, name = class_path.rpartition(".")
+    obj = opaque_type(module, name).__new__(opaque_type(module, name))
+    obj.state = state
+    return rewrite_tree(sorted(Path(ckpt_dir).glob("*/*model_states.pt"))[0], lambda tree: {**tree, key: obj})

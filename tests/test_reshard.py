@@ -243,24 +243,12 @@ def test_refusals_name_the_problem(tmp_path, fixture_copy):
 def test_foreign_client_classes_are_carried_not_run(tmp_path, fixture_copy):
     """A client object of a class dsckpt does not know is written back as recorded - never built."""
     from dsckpt.formats.pickle_policy import opaque_type
-    from dsckpt.io.positional import read_range
-    from dsckpt.io.torch_writer import write_archive
+    from forge import rewrite_tree
 
     ckpt_dir = fixture_copy("z2_ws2_fp32")
-    model = next(ckpt_dir.glob("*/mp_rank_00_model_states.pt"))
     marker = tmp_path / "pwned"
-    source = TorchFile(model)
-    tree = dict(source.obj)
     payload = opaque_type("os", "system")(f"touch {marker}")  # recorded as `os.system("touch ...")`
-    tree["payload"] = payload
-
-    def whole_storage(storage):
-        loc = source.locate(storage.source.storage)
-        yield read_range(model, loc.offset, loc.nbytes)
-
-    forged = tmp_path / "forged.pt"
-    write_archive(forged, tree, whole_storage)
-    os.replace(forged, model)
+    rewrite_tree(next(ckpt_dir.glob("*/mp_rank_00_model_states.pt")), lambda tree: {**tree, "payload": payload})
     reshard(ckpt_dir, tmp_path / "ws3", 3, fsync=False)
     written = TorchFile(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt").obj["payload"]
     assert written.class_path == "os.system" and written.args == (f"touch {marker}",) and written.via == "reduce"

@@ -224,10 +224,22 @@ def check_slice_mappings(ckpt: Checkpoint, group: int, names: list[str], layout:
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:
+    where = ckpt.model_files[0].path
+    if ckpt.unsaved:
+        more = f" (+{len(ckpt.unsaved) - 5} more)" if len(ckpt.unsaved) > 5 else ""
+        raise UnsupportedCheckpointError(
+            f"{where}: {len(ckpt.unsaved)} parameters have no saved values: {', '.join(ckpt.unsaved[:5])}{more} "
+            f"('{L.MODULE}' holds empty placeholders, '{L.PARAM_SHAPES}' and '{L.FROZEN_PARAM_SHAPES}' do not list them)",
+            hint="frozen ZeRO-3 parameters of a DeepSpeed that did not record them; --exclude-frozen writes the rest")
     fragments = ckpt.frozen_fragments
-    if not fragments:  # ZeRO-1: frozen weights are in `module` at their trained dtype
+    if not fragments:  # ZeRO-1 (and stage 2 without fragments): frozen weights are in `module`, whole
         for name, shape in ckpt.frozen.items():
-            ref = ckpt.module[name]
+            ref = ckpt.module.get(name)
+            if not isinstance(ref, TensorRef) or ref.numel != math.prod(shape):
+                held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "nothing"
+                raise InconsistentCheckpointError(
+                    f"{where}: frozen {name!r} (shape {list(shape)}) has no '{L.FROZEN_PARAM_FRAGMENTS}' entry and "
+                    f"'{L.MODULE}' holds {held} for it")
             add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
         return
     for name, shape in ckpt.frozen.items():

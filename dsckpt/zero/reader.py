@@ -50,6 +50,9 @@ class Checkpoint:
     buffers: dict[str, TensorRef]
     client_state: dict[str, Any]
     problems: list[Problem] = field(default_factory=list)
+    # stage 3: parameters `module` names (as empty placeholders) that no shape list records, so no
+    # rank file holds their values - frozen ones of a DeepSpeed that did not save frozen parameters
+    unsaved: tuple[str, ...] = ()
 
     @property
     def module(self) -> dict[str, Any]:
@@ -118,14 +121,16 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
     param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
     shared = _typed(head.get(L.SHARED_PARAMS) or {}, dict, where, L.SHARED_PARAMS)
-    if stage == 0 and not shared:
-        shared = _aliases_by_storage(module)
     trainable = {n for g in param_groups for n in g}
     frozen = _shapes(head.get(L.FROZEN_PARAM_SHAPES) or {}, where, L.FROZEN_PARAM_SHAPES)
+    if (stage == 0 and not shared) or L.SHARED_PARAMS not in head:
+        shared = _aliases_by_storage(module, trainable | set(frozen), empty_too=stage == 3)
     if not frozen and stage in (1, 2):  # ZeRO-1 keeps frozen params only in `module`
         frozen = {n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in trainable
                   and n not in buffer_names and n not in shared}
     buffers = {n: module[n] for n in buffer_names if isinstance(module.get(n), TensorRef)}
+    unsaved = tuple(n for n, t in module.items() if stage == 3 and isinstance(t, TensorRef) and n not in trainable
+                    and n not in frozen and n not in buffers and n not in shared)
     for name in buffer_names:
         if name not in buffers:
             problems.append(Problem(InconsistentCheckpointError,
@@ -137,7 +142,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       ds_version=head.get(L.DS_VERSION), precision=precision,
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
-                      client_state=client, problems=problems)
+                      client_state=client, problems=problems, unsaved=unsaved)
 
 
 def _count(value: Any, path, key: str) -> int:
@@ -243,15 +248,16 @@ def _summarized(problems: list[Problem], error: type, items, count: int, message
         problems.append(Problem(error, message(item)))
 
 
-def _aliases_by_storage(module: dict[str, Any]) -> dict[str, str]:
-    """Stage 0 records no shared_params: two names viewing the same bytes are tied."""
-    seen: dict[tuple, str] = {}
-    aliases = {}
+def _aliases_by_storage(module: dict[str, Any], known: set[str] = frozenset(), empty_too: bool = False) -> dict[str, str]:
+    """Tied names where no ``shared_params`` says so (stage 0; DeepSpeed before it recorded them): names
+    viewing the same bytes.  ``empty_too``: stage 3's empty placeholders, one storage per parameter, shared
+    only by tied names.  The source is the first name of a group that ``known`` lists, else the first."""
+    groups: dict[tuple, list[str]] = {}
     for name, t in module.items():
-        if isinstance(t, TensorRef) and t.numel:
-            key = (t.storage.key, t.offset, t.shape, t.stride)
-            if key in seen:
-                aliases[name] = seen[key]
-            else:
-                seen[key] = name
+        if isinstance(t, TensorRef) and (t.numel or empty_too):
+            groups.setdefault((t.storage.key, t.offset, t.shape, t.stride), []).append(name)
+    aliases = {}
+    for names in groups.values():
+        source = next((n for n in names if n in known), names[0])
+        aliases.update((n, source) for n in names if n != source)
     return aliases
