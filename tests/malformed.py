@@ -170,6 +170,15 @@ def pipeline_files(tmp):
     return root
 
 
+def expert_files(name):
+    """A mixture-of-experts save: DeepSpeed writes each expert's weights beside the rank files, not in `module`."""
+    def build(tmp):
+        root = copy(tmp, "z2_ws2_fp32")
+        (root / "step3" / name).write_bytes(b"")
+        return root
+    return build
+
+
 # -- hostile pickles ---------------------------------------------------------------------------------
 class Hostile:
     """Pickles as a call of ``func(*args)``; each would create the marker file if ever run."""
@@ -326,6 +335,10 @@ def cases() -> list[Case]:
              INSP_CONS(E, E), names="empty"),
         Case("path that does not exist", "layout", lambda tmp: tmp / "nowhere", INSP_CONS(E, E), names="nowhere"),
         Case("pipeline-parallel layer files", "unsupported", pipeline_files, INSP_CONS(P, E), names="pipeline"),
+        Case("mixture-of-experts expert files", "unsupported", expert_files("layer_0_expert_3_mp_rank_00_model_states.pt"),
+             INSP_CONS(P, E), names="mixture-of-experts checkpoint (1 expert files, e.g. layer_0_expert_3"),
+        Case("mixture-of-experts files, older naming", "unsupported", expert_files("expert_0_mp_rank_00_model_states.pt"),
+             INSP_CONS(P, E), names="mixture-of-experts"),
         Case("mp world size 2", "unsupported", torch_save("z2_ws2_fp32", "mp_rank_00_model_states.pt",
                                                           set_key(("mp_world_size",), 2)), INSP_CONS(P, E), names="tensor/pipeline"),
         Case("unknown zero_stage", "unsupported", torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*",

@@ -258,20 +258,42 @@ def test_foreign_client_classes_are_carried_not_run(tmp_path, fixture_copy):
     assert not marker.exists()
 
 
-def test_a_reordered_flat_buffer_is_refused_not_misread(tmp_path):
-    """ZeRO-2 with round_robin_gradients lays parameters out in another order than param_shapes; the
-    recorded param_slice_mappings say so, and consolidate / reshard refuse instead of mixing them up."""
+def test_round_robin_checkpoint_is_read_by_param_shapes(tmp_path):
+    """ZeRO-2 with round_robin_gradients flattens each group in a reordered sequence; ``param_shapes`` follows
+    it, DeepSpeed's recorded param_slice_mappings do not (see zero/slice_mappings.py). consolidate reads by
+    param_shapes: in an fp32 run the saved module weights are the masters, so they are the oracle.
+    reshard refuses: the reorder depends on the world size."""
+    from safetensors.torch import load_file
+
+    from dsckpt.zero import slice_mappings
+    from dsckpt.zero.partitioning import stage12_group
+
+    skip_beyond_devices(2)
     config = tmp_path / "rr.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
                                   "zero_optimization": {"stage": 2, "round_robin_gradients": True}}))
-    skip_beyond_devices(2)
-    proc = run_cli("train", "--config", config, "--model", "odd_model:build", "--nproc", 2, "--steps", 1,
-                   "--save-dir", tmp_path / "ckpt")
+    proc = run_cli("train", "--config", config, "--model", "odd_model:build", "--nproc", 2, "--steps", 2,
+                   "--save-dir", tmp_path / "rr")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for args in (("consolidate", tmp_path / "ckpt", tmp_path / "m.safetensors"),
-                 ("reshard", tmp_path / "ckpt", tmp_path / "ws3", "-w", 3)):
-        proc = run_cli(*args)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert "is not where its param_slice_mappings entry says" in proc.stderr
-        assert "round_robin_gradients" in proc.stderr
-    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "ws3").exists()
+    src = open_checkpoint(tmp_path / "rr")
+    shapes = src.param_groups[0]
+    assert list(shapes)[:3] == ["gate", "up.weight", "norm.weight"]  # reordered: module order is gate, embed, up...
+    computed = stage12_group([math.prod(s) for s in shapes.values()], 2, [0] * len(shapes))
+    assert "is not where its param_slice_mappings entry says" in slice_mappings.mismatch(src, 0, list(shapes), computed)
+
+    proc = run_cli("consolidate", tmp_path / "rr", tmp_path / "rr.safetensors")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = load_file(tmp_path / "rr.safetensors")
+    module = torch.load(src.model_files[0].path, weights_only=False)["module"]  # noqa: S614 - this test's own run
+    assert {n for n in shapes} <= set(ours)
+    for name in ours:
+        assert torch.equal(ours[name], module[name].float()), name
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "rr"))  # also reads by param_shapes
+    assert all(torch.equal(ours[n], theirs[n]) for n in shapes)
+
+    proc = run_cli("reshard", tmp_path / "rr", tmp_path / "ws3", "-w", 3)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "round_robin_gradients order, which depends on the world size" in proc.stderr
+    assert not (tmp_path / "ws3").exists()

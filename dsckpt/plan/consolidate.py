@@ -188,7 +188,6 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
         itemsize = ITEMSIZE[canonical(ckpt.precision)]
         layout = stage12_group([math.prod(s) for s in shapes.values()], ckpt.world_size, pad,
                                parameter_alignment(pad or [], itemsize))
-        check_slice_mappings(ckpt, g, list(shapes), layout)
         for r, space in enumerate(spaces):
             expected = layout.partition_numel - (stage12_trimmed(layout, r) if state == "fp32" else 0)
             if space.numel != expected:
@@ -197,30 +196,6 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
         for i, (name, shape) in enumerate(shapes.items()):
             add(name, shape, spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
-
-
-def check_slice_mappings(ckpt: Checkpoint, group: int, names: list[str], layout: GroupLayout) -> None:
-    """Stage 1/2: the layout computed from ``param_shapes`` must place every parameter where DeepSpeed's own
-    ``param_slice_mappings`` (per rank: name -> fragment_address(start, numel)) says it put it.
-
-    They differ when the flat buffer was not built in ``param_shapes`` order (``round_robin_gradients``
-    reorders it) - then reading by ``param_shapes`` would mix parameters up silently.
-    """
-    for rank, tf in enumerate(ckpt.optim_files):
-        recorded = (tf.obj.get(L.OPTIMIZER_STATE_DICT) or {}).get(L.PARAM_SLICE_MAPPINGS)
-        if not isinstance(recorded, list) or group >= len(recorded) or not isinstance(recorded[group], dict):
-            return  # older DeepSpeed versions do not record it: nothing to check against
-        for name, spans in zip(names, layout.params):
-            here = [(s.rank_start, s.count) for s in spans if s.rank == rank and s.count]
-            address = recorded[group].get(name)
-            state = getattr(address, "state", None)
-            if not here and address is None:
-                continue
-            if not (isinstance(state, dict) and here == [(state.get("start"), state.get("numel"))]):
-                raise InconsistentCheckpointError(
-                    f"{tf.path}: parameter {name!r} of group {group} is not where its param_slice_mappings entry "
-                    f"says (computed {here}, recorded {state}); was the buffer reordered (round_robin_gradients)?",
-                    hint="this layout is not supported yet")
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:

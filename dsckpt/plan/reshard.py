@@ -31,10 +31,10 @@ from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckp
 from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
 from ..formats.pickle_writer import NewTensor
 from ..limits import limit
-from ..zero import layout as L
+from ..zero import layout as L, slice_mappings
 from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
 from ..zero.reader import Checkpoint
-from .consolidate import FlatSpace, Piece, check_slice_mappings
+from .consolidate import FlatSpace, Piece
 
 FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")  # DeepSpeed's (numel, start) record
 
@@ -115,7 +115,11 @@ def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
         pad = list(paddings[g]) if paddings is not None else None
         align = parameter_alignment(pad or [], itemsize)
         source = stage12_group(numels, ckpt.world_size, pad, align)
-        check_slice_mappings(ckpt, g, list(shapes), source)
+        problem = slice_mappings.mismatch(ckpt, g, list(shapes), source)
+        if problem:  # round_robin_gradients: its order at M differs from the one at N (see slice_mappings)
+            raise UnsupportedCheckpointError(problem + "; the flat buffer is in round_robin_gradients order, which "
+                                             "depends on the world size", hint="reshard does not support it yet; "
+                                             "consolidate and a resume at the same world size do")
         moves.append(GroupMove(tuple(shapes), source, stage12_group(numels, world_size, pad, align)))
     return moves
 

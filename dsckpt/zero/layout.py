@@ -27,6 +27,9 @@ RANK_FILE_RE = re.compile(
     r"^(?P<bf16>bf16_)?(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_(?P<kind>model|optim)_states\.pt$"
 )
 PIPELINE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+# Mixture-of-experts: expert weights live outside `module`, one file per expert (older: expert_E_...),
+# their optimizer state in expp_rank_R_... files.
+EXPERT_FILE_RE = re.compile(r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
 
 # --- keys of the model-states file ------------------------------------------------------------
 MODULE = "module"  # state dict: full at stage 0-2, buffers + empty placeholders at stage 3
@@ -84,6 +87,7 @@ class Layout:
     model_files: tuple[RankFile, ...]
     optim_files: tuple[RankFile, ...]
     pipeline_files: tuple[Path, ...] = field(default=())
+    expert_files: tuple[Path, ...] = field(default=())
     problems: tuple[tuple[type, str], ...] = field(default=())
     notes: tuple[str, ...] = field(default=())  # worth telling, not wrong (a tag linked from elsewhere)
 
@@ -107,8 +111,9 @@ def file_kind(path: Path | str) -> str | None:
             "not a regular file")
 
 
-def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]) -> tuple[list[RankFile], list[RankFile], list[Path]]:
-    model, optim, pipeline = [], [], []
+def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
+                  ) -> tuple[list[RankFile], list[RankFile], list[Path], list[Path]]:
+    model, optim, pipeline, experts = [], [], [], []
     claimed: dict[tuple[str, int | None, int], Path] = {}
     for entry in sorted(os.scandir(tag_dir), key=lambda e: e.name):
         match = RANK_FILE_RE.match(entry.name)
@@ -130,8 +135,10 @@ def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]) -> tuple[list
             (model if rank_file.kind == "model" else optim).append(rank_file)
         elif PIPELINE_LAYER_RE.match(entry.name):
             pipeline.append(Path(entry.path))
+        elif EXPERT_FILE_RE.match(entry.name):
+            experts.append(Path(entry.path))
     key = lambda f: (f.mp_rank, -1 if f.dp_rank is None else f.dp_rank)
-    return sorted(model, key=key), sorted(optim, key=key), pipeline
+    return sorted(model, key=key), sorted(optim, key=key), pipeline, experts
 
 
 def _is_tag_dir(path: Path) -> bool:
@@ -224,9 +231,9 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     notes = []
     if tag_dir.is_symlink() and not _inside(tag_dir.resolve(), root):
         notes.append(f"{tag_dir}: a symlink to {tag_dir.resolve()}, outside {root}; followed")
-    model, optim, pipeline = _scan_tag_dir(tag_dir, problems)
+    model, optim, pipeline, experts = _scan_tag_dir(tag_dir, problems)
     if not model:
         raise CheckpointNotFoundError(f"{tag_dir}: no *_model_states.pt file")
     return Layout(root=root, tag=tag_dir.name, tag_dir=tag_dir, tags=tuple(tags), latest=latest,
                   model_files=tuple(model), optim_files=tuple(optim), pipeline_files=tuple(pipeline),
-                  problems=tuple(problems), notes=tuple(notes))
+                  expert_files=tuple(experts), problems=tuple(problems), notes=tuple(notes))

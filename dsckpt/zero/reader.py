@@ -115,6 +115,11 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
         problems.append(Problem(UnsupportedCheckpointError,
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
                                 f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
+    if lay.expert_files:  # their weights are in no file this reader plans from: refuse, never leave them out
+        problems.append(Problem(UnsupportedCheckpointError,
+                                f"{lay.tag_dir}: mixture-of-experts checkpoint ({len(lay.expert_files)} expert files, "
+                                f"e.g. {lay.expert_files[0].name}) - not supported yet; the experts' weights are not "
+                                f"in '{L.MODULE}'"))
     _check_ranks(lay, stage, world, problems)
     _check_same_run(model_files, optim_files, world, problems)
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
