@@ -65,6 +65,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "tags": list(lay.tags),
         "latest": lay.latest,
         "zero_stage": ckpt.zero_stage,
+        "universal": ckpt.universal,
         "world_size": ckpt.world_size,
         "mp_world_size": ckpt.mp_world_size,
         "ds_version": ckpt.ds_version,
@@ -135,7 +136,8 @@ def render(s: dict[str, Any]) -> str:
     tags = ", ".join(t + (" (latest)" if t == s["latest"] else "") for t in s["tags"])
     row("checkpoint", s["path"])
     row("tag", f"{s['tag']}    tags: {tags or '-'}")
-    row("zero stage", f"{s['zero_stage']}    world size: {s['world_size']}    dtype: {s['dtype']}    "
+    universal = " (universal: ds_to_universal's zero/ folder)" if s.get("universal") else ""
+    row("zero stage", f"{s['zero_stage']}{universal}    world size: {s['world_size']}    dtype: {s['dtype']}    "
                       f"ds_version: {s['ds_version']}    global steps: {s['global_steps']}")
     p, f = s["parameters"], s["frozen"]
     row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")

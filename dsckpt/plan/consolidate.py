@@ -27,7 +27,7 @@ from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..zero import layout as L
 from ..zero.reader import Checkpoint
-from ..formats.torchzip import tensor_byte_range
+from ..formats.torchzip import TorchFile, tensor_byte_range
 
 
 
@@ -125,7 +125,11 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
 
     try:
-        if ckpt.zero_stage == 0:
+        if ckpt.universal:
+            if not exclude_frozen and not moments:
+                _plan_frozen(ckpt, add)  # ds_to_universal leaves them in the model states (stage 3: only there)
+            _plan_universal(ckpt, add, state)
+        elif ckpt.zero_stage == 0:
             _plan_stage0(ckpt, add, exclude_frozen)
         else:
             if not exclude_frozen and not moments:
@@ -196,6 +200,24 @@ def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
         for i, (name, shape) in enumerate(shapes.items()):
             add(name, shape, spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
+
+
+def _plan_universal(ckpt: Checkpoint, add, state: str) -> None:
+    """ds_to_universal's folder: each trainable parameter whole in zero/<name>/<state>.pt (layout.py)."""
+    folder = ckpt.layout.tag_dir / L.UNIVERSAL_DIR
+    for name, shape in ckpt.trainable.items():
+        if "/" in name or "\\" in name or name in (".", ".."):  # a recorded name must not lead out of zero/
+            raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: parameter name {name!r} is not a folder name")
+        path = folder / name / L.UNIVERSAL_STATE_FILES[state]
+        if not path.is_file():
+            raise InconsistentCheckpointError(f"{path}: missing - the universal checkpoint holds no {state} for {name!r}")
+        obj = TorchFile(path).obj
+        ref = obj.get(L.UNIVERSAL_PARAM_KEY) if isinstance(obj, dict) else obj
+        if not isinstance(ref, TensorRef) or ref.numel != math.prod(shape):
+            held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else f"a {type(ref).__name__}"
+            raise InconsistentCheckpointError(f"{path}: holds {held}, parameter {name!r} of shape {list(shape)} "
+                                              f"needs {math.prod(shape)} elements")
+        add(name, shape, ref.dtype, "param", ref_pieces(ref), "F32")
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:

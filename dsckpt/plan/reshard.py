@@ -92,6 +92,10 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
     if type(world_size) is not int or not 1 <= world_size <= limit("MAX_WORLD_SIZE"):
         raise ConfigError(f"--world-size {world_size!r}: a checkpoint is split over 1 to "
                           f"{limit('MAX_WORLD_SIZE'):,} data-parallel ranks")
+    if ckpt.universal:
+        raise UnsupportedCheckpointError(f"{where}: a universal checkpoint (ds_to_universal's output) is not split by "
+                                         "world size", hint="DeepSpeed loads it at any world size with "
+                                         "checkpoint.load_universal; dsckpt consolidate reads it")
     if ckpt.zero_stage == 0:
         raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
                                          "at any world size as it is", hint="use it directly")

@@ -31,6 +31,13 @@ PIPELINE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 # their optimizer state in expp_rank_R_... files.
 EXPERT_FILE_RE = re.compile(r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
 
+# ds_to_universal's output: the rank model-states files as they were, no optimizer-states files, and
+# zero/<parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt - each the whole parameter (flat at stage 3;
+# a bare tensor or {"param": tensor, "cat_dim": ...}), trainable parameters only at stage 3.
+UNIVERSAL_DIR = "zero"
+UNIVERSAL_PARAM_KEY = "param"
+UNIVERSAL_STATE_FILES = {"fp32": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
+
 # --- keys of the model-states file ------------------------------------------------------------
 MODULE = "module"  # state dict: full at stage 0-2, buffers + empty placeholders at stage 3
 BUFFER_NAMES = "buffer_names"  # persistent buffers, in module order

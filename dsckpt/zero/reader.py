@@ -53,6 +53,7 @@ class Checkpoint:
     # stage 3: parameters `module` names (as empty placeholders) that no shape list records, so no
     # rank file holds their values - frozen ones of a DeepSpeed that did not save frozen parameters
     unsaved: tuple[str, ...] = ()
+    universal: bool = False  # ds_to_universal's layout: trainable parameters in zero/<name>/*.pt, no optim files
 
     @property
     def module(self) -> dict[str, Any]:
@@ -110,7 +111,8 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     where = lay.model_files[0].path
     world = _count(head.get(L.DP_WORLD_SIZE), where, L.DP_WORLD_SIZE)
     mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
-    stage = _zero_stage(lay, optim_files)
+    universal = not lay.optim_files and (lay.tag_dir / L.UNIVERSAL_DIR).is_dir()
+    stage = _recorded_stage(head, lay) if universal else _zero_stage(lay, optim_files)
     if mp > 1 or any(f.mp_rank for f in lay.all_files) or lay.pipeline_files:
         problems.append(Problem(UnsupportedCheckpointError,
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
@@ -120,7 +122,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                                 f"{lay.tag_dir}: mixture-of-experts checkpoint ({len(lay.expert_files)} expert files, "
                                 f"e.g. {lay.expert_files[0].name}) - not supported yet; the experts' weights are not "
                                 f"in '{L.MODULE}'"))
-    _check_ranks(lay, stage, world, problems)
+    _check_ranks(lay, stage, world, problems, optimizer=not universal)
     _check_same_run(model_files, optim_files, world, problems)
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
@@ -147,7 +149,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       ds_version=head.get(L.DS_VERSION), precision=precision,
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
-                      client_state=client, problems=problems, unsaved=unsaved)
+                      client_state=client, problems=problems, unsaved=unsaved, universal=universal)
 
 
 def _count(value: Any, path, key: str) -> int:
@@ -216,7 +218,9 @@ def _raise(problem: Problem):
 
 def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
     if not optim_files:
-        return 0
+        # stage 0 - or a ZeRO-3 save whose optimizer files are gone: its model states hold no weights, so it
+        # counts as stage 3 and the missing files are reported (it was read as stage 0: empty tensors out)
+        return 3 if any(f.dp_rank is not None for f in lay.model_files) else 0
     osd = optim_files[0].obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(optim_files[0].obj, dict) else None
     if not isinstance(osd, dict) or L.ZERO_STAGE not in osd:
         raise UnsupportedCheckpointError(f"{lay.optim_files[0].path}: no '{L.ZERO_STAGE}' in the optimizer state")
@@ -226,10 +230,20 @@ def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
     return stage
 
 
-def _check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem]) -> None:
+def _recorded_stage(head: dict, lay: L.Layout) -> int:
+    """The ZeRO stage a universal checkpoint's run used: its file names, else its recorded config."""
+    if any(f.dp_rank is not None for f in lay.model_files):
+        return 3
+    config = head.get(L.DS_CONFIG)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return stage if stage in (1, 2) else 0
+
+
+def _check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem], optimizer: bool = True) -> None:
     """Missing and extra rank files; a run of many is one problem (a world size of 10**7 is not 10**7 lines)."""
     expected = range(world)
-    groups = [("optimizer", lay.optim_files)] if stage else []
+    groups = [("optimizer", lay.optim_files)] if stage and optimizer else []
     if stage == 3:
         groups.append(("model", lay.model_files))
     for kind, files in groups:
