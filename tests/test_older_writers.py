@@ -92,3 +92,20 @@ def test_stage3_frozen_shapes_without_fragments_refused(fixture_copy, tmp_path):
     proc = run_cli("consolidate", str(ckpt), str(tmp_path / "out.safetensors"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "frozen_param_fragments" in proc.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_save_without_frozen_parameters(stage, tmp_path):
+    """``save_checkpoint(exclude_frozen_parameters=True)``: frozen names leave ``module`` and no frozen shapes
+    are recorded. Nothing is reported missing; the output is every other tensor, equal to the live one."""
+    import json
+
+    from conftest import run_job, skip_beyond_devices
+
+    skip_beyond_devices(2)
+    report = tmp_path / "report.json"
+    run_job("exclude_frozen.py", 2, stage, tmp_path / "ckpt", report)
+    r = json.loads(report.read_text())
+    assert r["frozen"] and not set(r["frozen"]) & set(r["saved"])
+    assert set(r["saved"]) | set(r["frozen"]) | set(TIED) == set(r["live"])
+    assert r["unequal"] == []
