@@ -32,6 +32,7 @@ from dsckpt.zero.reader import open_checkpoint
 torch = pytest.importorskip("torch")
 
 STAGES = (1, 2, 3)
+OFFLOAD = ("2o", "3o")  # the offload presets (optimizer on the CPU; at stage 3 the parameters too), fp32
 PRECISIONS = ("32", "bf16", "16")
 MOVES = ((2, 3), (2, 1), (3, 2))  # larger, down to one rank, smaller
 STEPS = 3
@@ -48,7 +49,7 @@ CONTINUATION_TOLERANCE = {"32": {"loss": 1e-5, "master": 1e-5},
 
 
 def _combos() -> list[str]:
-    return [f"{s}:{p}" for p in PRECISIONS if p in _capabilities() for s in STAGES]
+    return [f"{s}:{p}" for p in PRECISIONS if p in _capabilities() for s in STAGES] + [f"{s}:32" for s in OFFLOAD]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,8 @@ def _equal(a: dict, b: dict) -> list[str]:
     return [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
 
 
-MATRIX = [pytest.param(n, m, s, p, id=f"z{s}-{p}-{n}to{m}") for n, m in MOVES for s in STAGES for p in PRECISIONS]
+MATRIX = [pytest.param(n, m, s, p, id=f"z{s}-{p}-{n}to{m}") for n, m in MOVES for s in STAGES for p in PRECISIONS] + \
+    [pytest.param(n, m, s, "32", id=f"z{s}ffload-32-{n}to{m}") for n, m in MOVES for s in OFFLOAD]
 
 
 @pytest.mark.parametrize("n, m, stage, precision", MATRIX)

@@ -34,10 +34,13 @@ STEPS_AFTER = int(os.environ.get("RESHARD_STEPS_AFTER", "3"))  # bench/reshard_c
 CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t": torch.arange(5)}}
 
 
-def build(stage: int, precision: str):
+def build(stage: str, precision: str):
+    """``stage``: "1".."3", or "2o" / "3o" for the offload presets (optimizer on the CPU; stage 3 parameters too)."""
     from dsckpt.runtime.train import load_factory
 
-    config = TrainOptions(stage=stage, precision=precision, lr=3e-3).deepspeed_config()
+    offload = stage.endswith("o")
+    config = TrainOptions(stage=int(stage.rstrip("o")), precision=precision, lr=3e-3, offload_optimizer=offload,
+                          offload_parameters=offload and stage.startswith("3")).deepspeed_config()
     if "fp16" in config and config["fp16"].get("enabled"):
         config["fp16"]["initial_scale_power"] = 8  # 2**16 would skip the first steps on overflow
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
@@ -127,7 +130,7 @@ def main(mode: str, root: str, combos: str, steps: str) -> None:
     for combo in combos.split(","):
         stage, precision = combo.split(":")
         folder = Path(root) / f"z{stage}_{precision}"
-        runtime = build(int(stage), precision)
+        runtime = build(stage, precision)
         engine = runtime.engine
         if mode == "train":
             for i in range(steps):
