@@ -78,6 +78,19 @@ def test_tag_choice_errors(fixture_copy):
         discover(root / "missing")
 
 
+def test_a_folder_of_checkpoints_names_them(tmp_path):
+    """HF Trainer's output_dir holds checkpoint-N folders, each a checkpoint root: say so, and which to pass."""
+    for step in (10, 9):
+        shutil.copytree(FIXTURES / "z2_ws2_fp32", tmp_path / "out" / f"checkpoint-{step}")
+    (tmp_path / "out" / "runs").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"out: no DeepSpeed checkpoint found .*; it holds checkpoints "
+                                                      r"in checkpoint-9, checkpoint-10$") as info:
+        discover(tmp_path / "out")
+    assert info.value.hint == f"pass one of them, e.g. {tmp_path / 'out' / 'checkpoint-10'} (the last in natural order)"
+    proc = run_cli("consolidate", tmp_path / "out", tmp_path / "m.safetensors")
+    assert proc.returncode == 2 and "checkpoint-10 (the last in natural order)" in proc.stderr
+
+
 def test_latest_naming_missing_tag_is_a_problem(fixture_copy):
     root = fixture_copy("z2_ws1_fp16")
     shutil.copytree(root / "step3", root / "step4")

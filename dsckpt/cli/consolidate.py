@@ -57,11 +57,10 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
 
     from ..convert import consolidate as run
 
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json,
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
-            bar.total = total
-            bar.refresh()
+            bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,

@@ -39,11 +39,10 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, no_fsync
 
     from ..resharder import reshard as run
 
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet or as_json,
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet or as_json, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:
-            bar.total = total
-            bar.refresh()
+            bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
         result = run(checkpoint, out_dir, world_size, tag=tag, force=force, fsync=not no_fsync,
                      progress=bar.update, progress_total=announce)

@@ -155,6 +155,17 @@ def _is_tag_dir(path: Path) -> bool:
         return False
 
 
+def checkpoints_below(folder: Path) -> list[str]:
+    """Sub-folders that are checkpoint roots (HF Trainer's output_dir/checkpoint-500/global_step500/...), sorted
+    naturally - for a hint when ``folder`` itself is none."""
+    try:
+        entries = [e for _, e in zip(range(1000), os.scandir(folder))]  # an error path: a bounded look
+        found = [e.name for e in entries if e.is_dir() and not e.name.startswith(".") and list_tags(Path(e.path))]
+    except OSError:
+        return []
+    return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
+
+
 def list_tags(root: Path) -> list[str]:
     """Sub-folders of ``root`` that hold DeepSpeed rank files, sorted naturally."""
     # hidden folders are dsckpt's in-progress saves (.<tag>.dsckpt-partial), not tags
@@ -228,7 +239,11 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         elif not tags:
             if latest is not None:
                 raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
-            raise CheckpointNotFoundError(f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)")
+            nested = checkpoints_below(root)
+            raise CheckpointNotFoundError(
+                f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)"
+                + (f"; it holds checkpoints in {', '.join(nested[:5])}{' ...' if len(nested) > 5 else ''}" if nested else ""),
+                hint=f"pass one of them, e.g. {root / nested[-1]} (the last in natural order)" if nested else None)
         else:
             raise TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
                            hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
