@@ -1,4 +1,5 @@
-"""Checkpoints from DeepSpeed versions that recorded less: real fixtures with the newer keys taken out.
+"""Checkpoints from DeepSpeed versions that recorded less (real fixtures with the newer keys taken out), and
+from save options and training set-ups the fixtures do not use (real runs).
 
 DeepSpeed added ``shared_params``, ``frozen_param_shapes`` / ``frozen_param_fragments`` (model states)
 and ``param_slice_mappings`` (ZeRO-1/2 optimizer states) over time; older writers left them out. The
@@ -87,25 +88,55 @@ def test_stage3_frozen_shapes_without_fragments_refused(fixture_copy, tmp_path):
     ckpt = drop_keys(fixture_copy("z3_ws2_fp32"), model_keys={L.FROZEN_PARAM_FRAGMENTS})
     with pytest.raises(InconsistentCheckpointError,
                        match=r"frozen 'blocks\.0\.norm1\.weight' \(shape \[16\]\) has no 'frozen_param_fragments' "
-                             r"entry and 'module' holds 0 elements for it"):
+                             r"entry and module holding 0 elements for it"):
         consolidate(ckpt, tmp_path / "out.safetensors")
     proc = run_cli("consolidate", str(ckpt), str(tmp_path / "out.safetensors"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "frozen_param_fragments" in proc.stderr
     assert not (tmp_path / "out.safetensors").exists()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_save_without_frozen_parameters(stage, tmp_path):
-    """``save_checkpoint(exclude_frozen_parameters=True)``: frozen names leave ``module`` and no frozen shapes
-    are recorded. Nothing is reported missing; the output is every other tensor, equal to the live one."""
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def other_setups(request, tmp_path_factory):
+    """One real 2-rank run per stage (tests/jobs/orphan_params.py): a plain save and an exclude_frozen one."""
     import json
 
     from conftest import run_job, skip_beyond_devices
 
     skip_beyond_devices(2)
-    report = tmp_path / "report.json"
-    run_job("exclude_frozen.py", 2, stage, tmp_path / "ckpt", report)
-    r = json.loads(report.read_text())
-    assert r["frozen"] and not set(r["frozen"]) & set(r["saved"])
-    assert set(r["saved"]) | set(r["frozen"]) | set(TIED) == set(r["live"])
-    assert r["unequal"] == []
+    root = tmp_path_factory.mktemp(f"setups_z{request.param}")
+    run_job("orphan_params.py", 2, request.param, root / "ckpt", root / "report.json")
+    return request.param, root, json.loads((root / "report.json").read_text())
+
+
+def test_parameters_left_out_of_the_optimizer(other_setups):
+    """``requires_grad`` parameters in no optimizer param group are in neither shape list. ZeRO-2 keeps them
+    whole in ``module``: written, equal to the live ones (they were dropped when frozen ones existed too).
+    ZeRO-3 saves only a placeholder: refused by name."""
+    stage, root, r = other_setups
+    plain = r["plain"]
+    if stage == 2:
+        assert plain["error"] is None and set(plain["saved"]) | set(TIED) == set(r["live"]) and plain["unequal"] == []
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(root / "ckpt" / "plain"))
+        assert "norm.weight" not in theirs and "norm.bias" not in theirs  # the reference converter drops them
+    else:
+        assert plain["error"].startswith("UnsupportedCheckpointError")
+        assert "2 parameters have no saved values: norm.weight, norm.bias" in plain["error"]
+
+
+def test_deepspeed_save_without_frozen_parameters(other_setups):
+    """``save_checkpoint(exclude_frozen_parameters=True)``: frozen names leave ``module`` and no frozen shapes
+    are recorded. Nothing frozen is reported missing; the output is every other tensor, equal to the live one
+    (at ZeRO-3 the parameters outside the optimizer are still refused by name, as in the plain save)."""
+    stage, _, r = other_setups
+    saved = r["no_frozen"]
+    assert r["frozen"] and not set(r["frozen"]) & set(saved["saved"])
+    if stage == 2:
+        assert saved["error"] is None and saved["unequal"] == []
+        assert set(saved["saved"]) | set(r["frozen"]) | set(TIED) == set(r["live"])
+    else:
+        assert "2 parameters have no saved values: norm.weight, norm.bias" in saved["error"]
+        excluded = r["no_frozen_excluded"]  # --exclude-frozen: the rest, exactly
+        assert excluded["error"] is None and excluded["unequal"] == []
+        assert set(excluded["saved"]) | set(r["frozen"]) | {"norm.weight", "norm.bias"} | set(TIED) == set(r["live"])

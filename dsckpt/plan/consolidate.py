@@ -227,31 +227,27 @@ def _plan_frozen(ckpt: Checkpoint, add) -> None:
         raise UnsupportedCheckpointError(
             f"{where}: {len(ckpt.unsaved)} parameters have no saved values: {', '.join(ckpt.unsaved[:5])}{more} "
             f"('{L.MODULE}' holds empty placeholders, '{L.PARAM_SHAPES}' and '{L.FROZEN_PARAM_SHAPES}' do not list them)",
-            hint="frozen ZeRO-3 parameters of a DeepSpeed that did not record them; --exclude-frozen writes the rest")
-    fragments = ckpt.frozen_fragments
-    if not fragments:  # ZeRO-1 (and stage 2 without fragments): frozen weights are in `module`, whole
-        for name, shape in ckpt.frozen.items():
-            ref = ckpt.module.get(name)
-            if not isinstance(ref, TensorRef) or ref.numel != math.prod(shape):
-                held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "nothing"
-                raise InconsistentCheckpointError(
-                    f"{where}: frozen {name!r} (shape {list(shape)}) has no '{L.FROZEN_PARAM_FRAGMENTS}' entry and "
-                    f"'{L.MODULE}' holds {held} for it")
-            add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
-        return
+            hint="parameters in no optimizer param group, or frozen ones of a DeepSpeed that did not record them; "
+                 "--exclude-frozen writes the rest")
+    fragments = ckpt.frozen_fragments  # stage 2: rank 0's file holds each whole; stage 3: each rank its part
     for name, shape in ckpt.frozen.items():
         n = math.prod(shape)
-        if ckpt.zero_stage == 2:  # one full copy in rank 0's model states
-            ref = fragments[0][name]
-            if ref.numel != n:
-                raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: frozen {name!r} has {ref.numel} "
-                                                  f"elements, shape {list(shape)} needs {n}")
-            add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
+        if ckpt.zero_stage == 3 and fragments:
+            spans = stage3_group([n], ckpt.world_size).params[0]  # each rank's model states: its part
+            pieces = [p for span in spans for p in FlatSpace([fragments[span.rank][name]]).pieces(
+                0, span.count, f"{ckpt.model_files[span.rank].path}: frozen {name!r}")]
+            add(name, shape, fragments[0][name].dtype, "frozen", pieces, "F32")
             continue
-        spans = stage3_group([n], ckpt.world_size).params[0]  # each rank's model states: its part
-        pieces = [p for span in spans for p in FlatSpace([fragments[span.rank][name]]).pieces(
-            0, span.count, f"{ckpt.model_files[span.rank].path}: frozen {name!r}")]
-        add(name, shape, fragments[0][name].dtype, "frozen", pieces, "F32")
+        if ckpt.zero_stage == 2 and fragments and name in fragments[0]:
+            ref, source = fragments[0][name], L.FROZEN_PARAM_FRAGMENTS
+        else:  # ZeRO-1, parameters outside the optimizer, older writers: whole in `module`
+            ref, source = ckpt.module.get(name), (f"no '{L.FROZEN_PARAM_FRAGMENTS}' entry and {L.MODULE}"
+                                                  if fragments or ckpt.zero_stage == 3 else L.MODULE)
+        if not isinstance(ref, TensorRef) or ref.numel != n:
+            held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "nothing"
+            raise InconsistentCheckpointError(f"{where}: frozen {name!r} (shape {list(shape)}) has {source} "
+                                              f"holding {held} for it")
+        add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
 
 
 def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:

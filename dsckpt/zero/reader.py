@@ -132,9 +132,10 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     frozen = _shapes(head.get(L.FROZEN_PARAM_SHAPES) or {}, where, L.FROZEN_PARAM_SHAPES)
     if (stage == 0 and not shared) or L.SHARED_PARAMS not in head:
         shared = _aliases_by_storage(module, trainable | set(frozen), empty_too=stage == 3)
-    if not frozen and stage in (1, 2):  # ZeRO-1 keeps frozen params only in `module`
-        frozen = {n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in trainable
-                  and n not in buffer_names and n not in shared}
+    if stage in (1, 2):  # `module` holds every parameter whole: read from it the ones no shape list records -
+        # ZeRO-1's frozen ones, and parameters never given to the optimizer (requires_grad, in no param group)
+        frozen.update({n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in trainable
+                       and n not in buffer_names and n not in shared and n not in frozen})
     buffers = {n: module[n] for n in buffer_names if isinstance(module.get(n), TensorRef)}
     unsaved = tuple(n for n, t in module.items() if stage == 3 and isinstance(t, TensorRef) and n not in trainable
                     and n not in frozen and n not in buffers and n not in shared)
