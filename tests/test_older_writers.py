@@ -87,8 +87,8 @@ def test_stage3_frozen_shapes_without_fragments_refused(fixture_copy, tmp_path):
     zeros (this wrote wrong values before)."""
     ckpt = drop_keys(fixture_copy("z3_ws2_fp32"), model_keys={L.FROZEN_PARAM_FRAGMENTS})
     with pytest.raises(InconsistentCheckpointError,
-                       match=r"frozen 'blocks\.0\.norm1\.weight' \(shape \[16\]\) has no 'frozen_param_fragments' "
-                             r"entry and module holding 0 elements for it"):
+                       match=r"frozen 'blocks\.0\.norm1\.weight' \(shape \[16\]\): no 'frozen_param_fragments' "
+                             r"entry; 'module' holds 0 elements for it"):
         consolidate(ckpt, tmp_path / "out.safetensors")
     proc = run_cli("consolidate", str(ckpt), str(tmp_path / "out.safetensors"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "frozen_param_fragments" in proc.stderr

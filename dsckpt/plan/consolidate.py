@@ -238,15 +238,15 @@ def _plan_frozen(ckpt: Checkpoint, add) -> None:
                 0, span.count, f"{ckpt.model_files[span.rank].path}: frozen {name!r}")]
             add(name, shape, fragments[0][name].dtype, "frozen", pieces, "F32")
             continue
-        if ckpt.zero_stage == 2 and fragments and name in fragments[0]:
-            ref, source = fragments[0][name], L.FROZEN_PARAM_FRAGMENTS
-        else:  # ZeRO-1, parameters outside the optimizer, older writers: whole in `module`
-            ref, source = ckpt.module.get(name), (f"no '{L.FROZEN_PARAM_FRAGMENTS}' entry and {L.MODULE}"
-                                                  if fragments or ckpt.zero_stage == 3 else L.MODULE)
+        in_fragments = ckpt.zero_stage == 2 and fragments and name in fragments[0]
+        # else ZeRO-1, parameters outside the optimizer, older writers: whole in `module`
+        ref = fragments[0][name] if in_fragments else ckpt.module.get(name)
         if not isinstance(ref, TensorRef) or ref.numel != n:
             held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "nothing"
-            raise InconsistentCheckpointError(f"{where}: frozen {name!r} (shape {list(shape)}) has {source} "
-                                              f"holding {held} for it")
+            source = f"'{L.FROZEN_PARAM_FRAGMENTS}'" if in_fragments else f"'{L.MODULE}'"
+            gap = f"no '{L.FROZEN_PARAM_FRAGMENTS}' entry; " if not in_fragments and (fragments or ckpt.zero_stage == 3) else ""
+            raise InconsistentCheckpointError(f"{where}: frozen {name!r} (shape {list(shape)}): {gap}{source} holds "
+                                              f"{held} for it")
         add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
 
 

@@ -50,8 +50,8 @@ class Checkpoint:
     buffers: dict[str, TensorRef]
     client_state: dict[str, Any]
     problems: list[Problem] = field(default_factory=list)
-    # stage 3: parameters `module` names (as empty placeholders) that no shape list records, so no
-    # rank file holds their values - frozen ones of a DeepSpeed that did not save frozen parameters
+    # stage 3: parameters `module` names (as empty placeholders) that no shape list records, so no rank
+    # file holds their values - ones in no optimizer group, or frozen ones of a DeepSpeed that did not save them
     unsaved: tuple[str, ...] = ()
     universal: bool = False  # ds_to_universal's layout: trainable parameters in zero/<name>/*.pt, no optim files
 
