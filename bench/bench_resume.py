@@ -1,13 +1,16 @@
 """Per-rank memory of a full-weights load into ZeRO-3: dsckpt vs every-rank-loads-the-file.
 
-    python bench/bench_resume.py [--layers 12] [--nproc 4]
+    python bench/bench_resume.py [--layers 12] [--nproc 4] [--runs N] [--from-init] [--profile]
+                                 [--approaches dsckpt,dsckpt-heap,dsckpt-32,every-rank-loads,transformers]
 
 The file is a torch ``.pt`` state dict (as Lightning users have).
 B ("every rank loads", Lightning's approach): each rank ``torch.load``s the whole file, then
 per module ``GatheredParameters(..., modifier_rank=0)`` and rank 0 copies in.
 A (dsckpt): ``load_full_weights`` - only rank 0 opens the file, lazily, one module at a time.
 Each rank samples its RSS every 2 ms during the load; the figure is peak-during-load minus RSS
-before the load, so engine setup does not count.
+before the load, so engine setup does not count.  ``--profile`` adds rank 0's seconds per phase
+(``Phases``); ``dsckpt-heap`` / ``dsckpt-<MiB>`` run dsckpt under another glibc mmap threshold
+(docs/performance.md section 6: how the 1 MiB setting cost 15 %).
 """
 from __future__ import annotations
 
