@@ -129,8 +129,8 @@ def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
 
 
 def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
-    """Sub-groups are cut by parameter count (sub_group_size), not by world size: recover each one's
-    parameters from its partition size at N, then lay the same parameters out at M."""
+    """Recover each sub-group's parameters from its partition size at N, then lay the same parameters out
+    at M - valid only while DeepSpeed cuts the same sub-groups at M (``_check_sub_groups_kept``)."""
     names = list(ckpt.trainable)
     numels = [math.prod(ckpt.trainable[n]) for n in names]
     moves, i = [], 0
@@ -149,7 +149,56 @@ def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
     if i != len(names):
         raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
                                           f"{len(names)} trainable parameters")
+    _check_sub_groups_kept(ckpt, [m.names for m in moves], world_size)
     return moves
+
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+
+
+def stage3_sub_groups(groups: list[dict[str, tuple[int, ...]]], world_size: int, sub_group_size: int
+                      ) -> list[tuple[str, ...]]:
+    """DeepSpeed's ZeRO-3 cut (``_create_fp16_sub_groups``), per optimizer param group: parameters in order
+    until their *partition* sizes reach ``sub_group_size`` - so where it cuts depends on the world size."""
+    out = []
+    for shapes in groups:
+        parts = {n: math.ceil(math.prod(s) / world_size) for n, s in shapes.items()}
+        if sub_group_size >= sum(parts.values()):
+            out.append(tuple(shapes))
+            continue
+        current, size = [], 0
+        for name in shapes:
+            current.append(name)
+            size += parts[name]
+            if size >= sub_group_size or name == list(shapes)[-1]:
+                out.append(tuple(current))
+                current, size = [], 0
+    return out
+
+
+def _check_sub_groups_kept(ckpt: Checkpoint, source: list[tuple[str, ...]], world_size: int) -> None:
+    """Refuse a move that would regroup ZeRO-3 sub-groups (the optimizer's per-sub-group state would need
+    re-cutting, which this plan does not do); measured: DeepSpeed fails to load such a file."""
+    config = ckpt.model_files[0].obj.get(L.DS_CONFIG)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    size = zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero, dict) else DEFAULT_SUB_GROUP_SIZE
+    if not isinstance(size, (int, float)) or isinstance(size, bool) or size <= 0:
+        return  # not a size DeepSpeed would run with; the recovered groups stand
+    # ZeRO-3 records param_shapes per sub-group; the optimizer's own param groups list their sub-groups
+    torch_groups = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT][L.OPTIMIZER_STATE_DICT]["param_groups"]
+    groups = [{n: s for k in g["params"] for n, s in ckpt.param_groups[k].items()} for g in torch_groups]
+    at_n = stage3_sub_groups(groups, ckpt.world_size, int(size))
+    at_m = stage3_sub_groups(groups, world_size, int(size))
+    if at_n != source and len(source) > 1:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.optim_files[0].path}: {len(source)} ZeRO-3 sub-groups, not where DeepSpeed 0.19.8 cuts them "
+            f"(sub_group_size {int(size):,}: {len(at_n)}); not supported yet")
+    if at_m != at_n:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.layout.tag_dir}: ZeRO-3 sub-groups (sub_group_size {int(size):,}) fall differently at world size "
+            f"{world_size}: {len(at_n)} at {ckpt.world_size} ranks, {len(at_m)} at {world_size} (or other members); "
+            "not supported yet", hint="reshard to a world size that keeps them, or consolidate and resume with "
+                                      "--full-weights")
 
 
 # --- step 3: segments -----------------------------------------------------------------------------

@@ -35,12 +35,15 @@ CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t"
 
 
 def build(stage: str, precision: str):
-    """``stage``: "1".."3", or "2o" / "3o" for the offload presets (optimizer on the CPU; stage 3 parameters too)."""
+    """``stage``: "1".."3"; "2o" / "3o" for the offload presets (optimizer on the CPU; stage 3 parameters too);
+    "3s" for ZeRO-3 cut into sub-groups (each rank's fp32 partition saved as several flat tensors)."""
     from dsckpt.runtime.train import load_factory
 
     offload = stage.endswith("o")
-    config = TrainOptions(stage=int(stage.rstrip("o")), precision=precision, lr=3e-3, offload_optimizer=offload,
+    config = TrainOptions(stage=int(stage.rstrip("os")), precision=precision, lr=3e-3, offload_optimizer=offload,
                           offload_parameters=offload and stage.startswith("3")).deepspeed_config()
+    if stage == "3s":  # the odd model's ~5.8k trainable elements -> several sub-groups; no persistent params
+        config["zero_optimization"].update(sub_group_size=1500, stage3_param_persistence_threshold=10)
     if "fp16" in config and config["fp16"].get("enabled"):
         config["fp16"]["initial_scale_power"] = 8  # 2**16 would skip the first steps on overflow
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
