@@ -166,11 +166,11 @@ def stage3_sub_groups(groups: list[dict[str, tuple[int, ...]]], world_size: int,
         if sub_group_size >= sum(parts.values()):
             out.append(tuple(shapes))
             continue
-        current, size = [], 0
+        current, size, last = [], 0, next(reversed(shapes))
         for name in shapes:
             current.append(name)
             size += parts[name]
-            if size >= sub_group_size or name == list(shapes)[-1]:
+            if size >= sub_group_size or name == last:
                 out.append(tuple(current))
                 current, size = [], 0
     return out
