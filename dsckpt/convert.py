@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,6 +22,7 @@ from .errors import CorruptFileError, OutputError, VerificationError
 from .formats import metadata as M
 from .io.output import TEMP_MARK, check_output, staged
 from .plan.consolidate import Plan, TensorPlan, build_plan
+from .zero.layout import require_contained
 from .zero.reader import open_checkpoint
 from .formats.sidecar import sidecar_paths, write_sidecar
 from .formats.torchzip import check_storage_crcs
@@ -56,26 +58,31 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
-                form: str | None = None, config: str | os.PathLike | None = None,
+                form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
                 progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO checkpoint into ``out``; see the module docstring.
 
     ``form``: a registered format by name ("hf": a folder ``from_pretrained`` loads, with the config and
     tokenizer files found beside the checkpoint or ``config``); default: chosen by OUT's suffix.
+    ``trust``: follow symlinks that lead out of the checkpoint (refused by default: they would copy
+    files from elsewhere into the output).
     """
+    fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read
+    form = fmt.name
+    if config is not None and form != "hf":
+        raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
+                          f"this output is {form}", hint="add --hf, or leave --config out")
     ckpt = open_checkpoint(checkpoint, tag)
+    if not trust:
+        require_contained(ckpt.layout)
     plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
     out = Path(out)
-    fmt = by_name(form) if form else for_output(out)
-    form = fmt.name
     options = {"max_shard_bytes": parse_size(max_shard_size)}
     if form == "hf":
         from .formats.hf import find_companions, ties_embeddings
 
-        if out.suffix:
-            raise OutputError(f"{out}: --hf writes a folder; give a folder name without a suffix")
-        options["hf_companions"] = find_companions(ckpt.layout.root, config)  # no config: refused before writing
+        options["hf_companions"] = find_companions(ckpt.layout.root, config, trust)  # no config: refused now
         if not ties_embeddings(options["hf_companions"]):
             duplicate_tied = True  # the config unties the head: transformers wants both names stored
     lightning_notes: list[str] = []
@@ -92,6 +99,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                            for k, c in dropped.items()]
     inputs = [f.path for f in ckpt.layout.all_files]
     check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
+    replaced = replaced_weights(out) if fmt.directory else ()
     write_client = bool(client_state and ckpt.client_state) and form != "lightning"  # (lightning: inside OUT)
     for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
         check_output(path, inputs, force)
@@ -104,16 +112,43 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     notes = _notes(ckpt, plan, form, strip_prefixes) + tuple(lightning_notes)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=fmt.directory)
-        files = tuple(fmt.write(plan, tmp, options, progress))
+        names = fmt.write(plan, tmp, options, progress)
         if verify:
             verify_output(plan, tmp, fmt)  # before the rename: a failed check leaves nothing at OUT
+        stage.remove_on_commit(out / name for name in replaced if name not in names)
         if write_client:
             write_sidecar(ckpt.client_state, out, stage)
         else:  # (only with --force) a sidecar of the OUT being replaced would restore the wrong counters
             stage.remove_on_commit(p for p in sidecar_paths(out) if os.path.lexists(p))
-    sidecars = sidecar_paths(out) if write_client else None
-    return Result(out, form, len(plan.tensors), plan.nbytes, files, sidecars[0] if sidecars else None,
-                  True if verify else None, notes)
+    written = [out / name for name in names] if fmt.directory else [out]
+    sidecars = tuple(p for p in sidecar_paths(out) if p.exists()) if write_client else ()
+    return Result(out, form, len(plan.tensors), plan.nbytes, tuple(str(p) for p in written + list(sidecars)),
+                  sidecars[0] if sidecars else None, True if verify else None, notes)
+
+
+SHADOWING_WEIGHTS = ("model.safetensors",)  # from_pretrained reads this before any index: it would hide ours
+
+
+def replaced_weights(out: Path) -> tuple[str, ...]:
+    """In an existing folder OUT (``--force``): the shards its current index names, which the new output
+    replaces (anything else there stays).  Refuses a weights file that would be loaded instead of ours."""
+    if not out.is_dir():
+        return ()
+    for name in SHADOWING_WEIGHTS:
+        if (out / name).exists():
+            raise OutputError(f"{out}: holds {name}, which from_pretrained would load instead of the sharded "
+                              "weights written beside it; dsckpt does not delete files it did not write",
+                              hint=f"move {shlex.quote(str(out / name))} away, or write to another folder")
+    from .io.formats_builtin import INDEX_NAME
+    from .formats.safetensors_file import read_index
+
+    if not (out / INDEX_NAME).is_file():
+        return ()
+    try:
+        _, weight_map = read_index(out / INDEX_NAME)
+    except CorruptFileError:
+        return ()  # replaced by name; shards it might have named stay
+    return tuple(sorted({n for n in weight_map.values() if "/" not in n and (out / n).is_file()}))
 
 
 def _notes(ckpt, plan: Plan, form: str, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:

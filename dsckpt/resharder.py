@@ -4,21 +4,25 @@ data-parallel world size, optimizer state included; stock ``engine.load_checkpoi
 Steps:
 1. open the checkpoint (``zero.reader``) and build the plan (``plan.reshard``): no bytes read yet;
 2. check OUT_DIR (not an input, not inside the checkpoint, not existing unless ``force``);
-3. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
+3. keep what is written to allowed classes (``carry_only_allowed``): a client-state entry naming any other
+   class is left out with a note, anything else refused; links out of the checkpoint are refused
+   (``trust`` keeps both, loudly);
+4. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
    from ``pickle_writer``, its storages streamed in bounded chunks from the source byte ranges
    (unchanged tensors copied whole, partitions assembled from the ranks that held them);
-4. re-open the result with dsckpt's reader (complete, world size M), then rename it into place.
+5. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
+   existing OUT_DIR with ``force``: ``latest`` and the tag folder replaced, everything else kept).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .convert import write_errors
-from .errors import InconsistentCheckpointError
-from .formats.pickle_policy import TensorRef
+from .errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .formats.pickle_policy import TensorRef, foreign_classes
 from .formats.pickle_writer import StorageOut, dumps
 from .io.output import check_output, staged
 from .io.torch_writer import write_archive
@@ -39,27 +43,77 @@ class ReshardResult:
     stage: int
     source_world_size: int
     world_size: int
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # final paths
     nbytes: int
+    notes: tuple[str, ...] = ()
 
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
+            force: bool = False, fsync: bool = True, trust: bool = False,
+            progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ReshardResult:
-    """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` into ``out_dir``."""
+    """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` into ``out_dir``.
+
+    ``trust``: copy pickled objects of any class as recorded and follow links out of the checkpoint
+    (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).
+    """
     ckpt = open_checkpoint(checkpoint, tag)
+    if not trust:
+        L.require_contained(ckpt.layout)
     plan = build_reshard_plan(ckpt, world_size)
+    plan, notes = carry_only_allowed(plan, trust)
     out = Path(out_dir)
     check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
-    total = sum(s.nbytes for f in plan.files for s in dumps(f.tree)[1])
+    total = sum(s.nbytes for f in plan.files for s in _pickle(f)[1])  # every tree is writable before a byte moves
     if progress_total:
         progress_total(total)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=True)
         write_plan(plan, tmp, progress)
         _check_written(tmp, plan)
-    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size,
-                         tuple(f"{plan.tag}/{f.name}" for f in plan.files) + (L.LATEST_FILE,), total)
+    files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
+    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes)
+
+
+def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardPlan, tuple[str, ...]]:
+    """The plan with every client-state entry that names a class beyond DeepSpeed's own (and plain data,
+    tensors) left out, and notes saying which.  Such a class in DeepSpeed's own entries or an optimizer
+    file is refused: leaving it out would break the checkpoint.  ``trust``: everything kept, one warning."""
+    dropped: dict[str, set[str]] = {}
+    files = []
+    for f in plan.files:
+        tree = f.tree
+        if isinstance(tree, dict):
+            kept = type(tree)()
+            for key, value in tree.items():
+                found = foreign_classes(value)
+                if found and not trust:
+                    if key in L.DEEPSPEED_KEYS or f.name.endswith(L.OPTIM_STATES_SUFFIX):
+                        raise UnsafeCheckpointError(
+                            f"{f.template}: entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
+                            "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT)
+                    dropped.setdefault(str(key), set()).update(found)
+                    continue
+                kept[key] = value
+            f = replace(f, tree=kept)
+        files.append(f)
+    if trust:
+        found = sorted({c for f in plan.files for c in foreign_classes(f.tree)})
+        notes = (f"--trust-checkpoint: objects of {', '.join(found[:5])} copied as recorded; DeepSpeed's "
+                 "load_checkpoint of OUT_DIR runs their pickle code",) if found else ()
+        return plan, notes
+    notes = tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c)[:3])}, whose "
+                  "pickles would run code when DeepSpeed loads OUT_DIR (--trust-checkpoint keeps it)"
+                  for k, c in sorted(dropped.items()))
+    return replace(plan, files=tuple(files)), notes
+
+
+def _pickle(f) -> tuple[bytes, list]:
+    """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's."""
+    try:
+        return dumps(f.tree)
+    except ValueError as exc:
+        raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
 
 
 def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | None = None) -> None:

@@ -247,7 +247,7 @@ def test_cli_json_and_inspect_report_the_new_world_size(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert (result["stage"], result["source_world_size"], result["world_size"]) == (3, 3, 2)
-    assert "latest" in result["files"] and len(result["files"]) == 2 + 2 + 1
+    assert str(tmp_path / "ws2" / "latest") in result["files"] and len(result["files"]) == 2 + 2 + 1
     report = json.loads(run_cli("inspect", tmp_path / "ws2", "--json").stdout)
     assert report["world_size"] == 2 and report["zero_stage"] == 3
 
@@ -273,8 +273,9 @@ def test_refusals_name_the_problem(tmp_path, fixture_copy):
     assert "a ZeRO-0 checkpoint is not partitioned" in proc.stderr
 
 
-def test_foreign_client_classes_are_carried_not_run(tmp_path, fixture_copy):
-    """A client object of a class dsckpt does not know is written back as recorded - never built."""
+def test_foreign_client_classes_are_left_out_or_carried_on_trust_never_run(tmp_path, fixture_copy):
+    """A client object of a class dsckpt does not know is left out (with a note) - or, with trust, written
+    back as recorded - never built."""
     from dsckpt.formats.pickle_policy import opaque_type
     from forge import rewrite_tree
 
@@ -282,12 +283,16 @@ def test_foreign_client_classes_are_carried_not_run(tmp_path, fixture_copy):
     marker = tmp_path / "pwned"
     payload = opaque_type("os", "system")(f"touch {marker}")  # recorded as `os.system("touch ...")`
     rewrite_tree(next(ckpt_dir.glob("*/mp_rank_00_model_states.pt")), lambda tree: {**tree, "payload": payload})
-    reshard(ckpt_dir, tmp_path / "ws3", 3, fsync=False)
-    written = TorchFile(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt").obj["payload"]
+    result = reshard(ckpt_dir, tmp_path / "ws3", 3, fsync=False)
+    assert "payload" not in TorchFile(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt").obj
+    assert result.notes and "'payload' left out: it holds objects of os.system" in result.notes[0]
+    result = reshard(ckpt_dir, tmp_path / "trusted", 3, fsync=False, trust=True)
+    written = TorchFile(tmp_path / "trusted" / "step3" / "mp_rank_00_model_states.pt").obj["payload"]
     assert written.class_path == "os.system" and written.args == (f"touch {marker}",) and written.via == "reduce"
+    assert "--trust-checkpoint" in result.notes[0]
     assert not marker.exists()
     with pytest.raises(Exception, match="os.system"):  # stock weights-only loading refuses it, as the input's
-        torch.load(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt", weights_only=True)
+        torch.load(tmp_path / "trusted" / "step3" / "mp_rank_00_model_states.pt", weights_only=True)
     assert not marker.exists()
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsafeCheckpointError
+from ..zero.layout import TRUST_HINT
 from ..limits import limit
 
 CONFIG = "config.json"  # required: from_pretrained builds the model from it
@@ -33,15 +34,25 @@ class Companions:
     others: tuple[Path, ...]  # generation config and tokenizer files, copied as they are
 
 
-def find_companions(root: Path, config: Path | None = None) -> Companions:
-    """The config (``config`` if given, else ``root/config.json``) and the other files beside it."""
-    chosen = Path(config) if config else Path(root) / CONFIG
+def find_companions(root: Path, config: Path | None = None, trust: bool = False) -> Companions:
+    """The config (``config`` if given, else ``root/config.json``) and the other files beside it.
+
+    A companion that is a symlink out of ``root`` is refused unless ``trust``: a checkpoint whose
+    ``tokenizer.json -> /etc/passwd`` would otherwise put that file in an export made to be published.
+    """
+    root = Path(root)
+    chosen = Path(config) if config else root / CONFIG
     if not chosen.is_file():
         where = f"--config {config}: no such file" if config else f"{root}: holds no {CONFIG}"
         raise ConfigError(f"{where}; a Hugging Face folder needs the model's config",
                           hint="pass --config PATH/config.json (the one the model was built from)")
+    others = tuple(root / n for n in (GENERATION_CONFIG, *TOKENIZER_FILES) if (root / n).is_file())
+    if not trust:
+        for path in (() if config else (chosen,)) + others:
+            if path.is_symlink() and root.resolve() not in path.resolve().parents:
+                raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; "
+                                            "not copied into the export", hint=TRUST_HINT)
     read_json(chosen)  # a broken config fails now, before any weight is written
-    others = tuple(Path(root) / n for n in (GENERATION_CONFIG, *TOKENIZER_FILES) if (Path(root) / n).is_file())
     return Companions(chosen, others)
 
 

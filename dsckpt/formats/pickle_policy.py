@@ -189,6 +189,24 @@ def opaque_class_paths(obj: Any) -> set[str]:
     return found
 
 
+# The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
+# stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.
+# Together with plain containers and torch's tensors, sizes, dtypes and devices (never ``Opaque``)
+# they are all that dsckpt reads into DeepSpeed's loader or writes into a file.
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def foreign_classes(obj: Any) -> set[str]:
+    """Class paths in a parsed pickle beyond DeepSpeed's own: loading them with full pickle semantics
+    (DeepSpeed's loader, a torch.load without weights_only) would import and call them."""
+    return opaque_class_paths(obj) - set(DEEPSPEED_CLASSES)
+
+
 def opaque_int(value: Any) -> Any:
     """The int inside an enum placeholder (DeepSpeed's ZeroStageEnum(3)) or the value itself."""
     if isinstance(value, Opaque) and len(value.args) == 1 and isinstance(value.args[0], int):

@@ -12,6 +12,8 @@ back with ``fmt.read``) and renames.
 from __future__ import annotations
 
 import math
+import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +59,7 @@ class Format:
     directory: bool  # OUT is a folder
     write: Callable[..., list[str]]  # (plan, temp path, options: dict, progress) -> file names
     read: Callable[[Path], Listing]
+    accepts: tuple[str, ...] = ()  # further suffixes allowed when chosen by name (a Lightning .ckpt is a torch file)
 
 
 FORMATS: dict[str, Format] = {}
@@ -67,16 +70,44 @@ def register(fmt: Format) -> Format:
     return fmt
 
 
-def for_output(out: Path) -> Format:
-    """The format OUT's name asks for: a known suffix, or no suffix (or an existing folder) for a folder format."""
+def names_a_folder(out: str | Path) -> bool:
+    """OUT written with a trailing slash (``model.safetensors/``) is a folder whatever its suffix."""
+    return str(out).endswith(("/", os.sep))
+
+
+def file_suffix(out: str | Path) -> str:
+    """OUT's suffix when it is one a file format claims (any case), else "" (``Qwen2.5-0.5B``: a folder)."""
+    suffix = Path(out).suffix.lower()
     _load()
-    for fmt in FORMATS.values():
-        if out.suffix in fmt.suffixes and not fmt.directory:
-            return fmt
-    if out.suffix == "" or out.is_dir():
+    return suffix if any(suffix in f.suffixes + f.accepts for f in FORMATS.values() if not f.directory) else ""
+
+
+def for_output(out: str | Path, form: str | None = None) -> Format:
+    """The format for OUT: ``form`` when given (checked against OUT's name), else what the name says.
+
+    A known file suffix (any case) picks its format; anything else - no suffix, a suffix no format
+    claims (``gpt2-v1.5``), a trailing slash - is a folder.  A name that contradicts ``form``
+    (``lt.safetensors`` with ``lightning``, ``model.pt`` with a folder format) is refused: the file
+    would lie about what it holds.
+    """
+    _load()
+    suffix = "" if names_a_folder(out) else file_suffix(out)
+    if form is None:
+        if suffix:
+            return next(f for f in FORMATS.values() if not f.directory and suffix in f.suffixes)
         return next(f for f in FORMATS.values() if f.directory)
-    known = sorted(s for f in FORMATS.values() for s in f.suffixes if s)
-    raise OutputError(f"{out}: unknown output type; use {', '.join(known)}, or a folder name")
+    fmt = by_name(form)
+    if fmt.directory and suffix:
+        raise OutputError(f"{out}: ends in {suffix}, a file suffix, but {fmt.name} writes a folder",
+                          hint="name the folder without a file suffix (or end it with /)")
+    if not fmt.directory and names_a_folder(out):
+        raise OutputError(f"{out}: names a folder, but {fmt.name} writes one file")
+    if not fmt.directory and suffix and suffix not in fmt.suffixes + fmt.accepts:
+        owner = next(f.name for f in FORMATS.values() if suffix in f.suffixes)
+        raise OutputError(f"{out}: ends in {suffix}, the suffix of {owner} files, but --format {fmt.name} "
+                          f"writes {'/'.join(fmt.suffixes + fmt.accepts)}",
+                          hint=f"name it {shlex.quote(str(Path(out).with_suffix(fmt.suffixes[0])))}" if fmt.suffixes else None)
+    return fmt
 
 
 def by_name(name: str) -> Format:
@@ -96,7 +127,7 @@ def for_input(path: Path) -> Format | None:
         return FORMATS["sharded"]
     if path.name.endswith(("_model_states.pt", "_optim_states.pt")):
         return None  # a DeepSpeed rank file
-    return next((f for f in FORMATS.values() if not f.directory and path.suffix in f.suffixes), None)
+    return next((f for f in FORMATS.values() if not f.directory and path.suffix.lower() in f.suffixes), None)
 
 
 def _load() -> None:

@@ -27,7 +27,7 @@ def _read_safetensors(path: Path) -> Listing:
 def _write_sharded(plan, folder: Path, options: dict, progress) -> list[str]:
     from .writer import write_sharded
 
-    return write_sharded(plan, folder, options["max_shard_bytes"], progress)
+    return write_sharded(plan, folder, options["max_shard_bytes"], progress) + [INDEX_NAME]
 
 
 def _write_hf(plan, folder: Path, options: dict, progress) -> list[str]:
@@ -115,5 +115,5 @@ def _read_torch(path: Path) -> Listing:
 register(Format("safetensors", (".safetensors",), False, _write_safetensors, _read_safetensors))
 register(Format("torch", (".pt", ".pth", ".bin"), False, _write_torch, _read_torch))
 register(Format("sharded", ("",), True, _write_sharded, _read_sharded))
-register(Format("hf", (), True, _write_hf, _read_sharded))
-register(Format("lightning", (".ckpt",), False, _write_lightning, _read_torch))  # chosen by name (consolidate --hf), never by suffix
+register(Format("hf", (), True, _write_hf, _read_sharded))  # chosen by name (consolidate --hf), never by suffix
+register(Format("lightning", (".ckpt",), False, _write_lightning, _read_torch, accepts=(".pt", ".pth")))

@@ -4,6 +4,10 @@ An interrupted or failed write leaves nothing at OUT: data goes to ``.<name>.dsc
 in OUT's own folder and is renamed into place only when complete; OUT and its sidecars are staged
 together (``staged``) and published together.  Temp files of processes that no
 longer run are removed by the next run for the same OUT.
+
+A folder output that already exists (``--force``) is never removed: each entry dsckpt wrote is moved
+into it by name, replacing only entries of the same name, and everything else there stays (a model
+repo's ``.git/``, ``README.md``, other checkpoint tags), as ``save_pretrained`` writes beside them.
 """
 from __future__ import annotations
 
@@ -90,6 +94,34 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+PUBLISHED_LAST = ("latest",)  # names that point at the rest (DeepSpeed's `latest`; indexes: by suffix below)
+
+
+def _publish_order(name: str) -> tuple[bool, str]:
+    return name in PUBLISHED_LAST or name.endswith(".index.json"), name
+
+
+def _replace_entry(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; a folder over a folder is swapped (the old one kept until the new one is in)."""
+    if src.is_dir() and dst.is_dir() and not dst.is_symlink():
+        old = _temp_name(dst)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        _remove(old)
+    elif dst.is_dir() and not dst.is_symlink():
+        raise OSError(f"{dst}: is a folder where dsckpt writes a file; nothing there was changed")
+    else:
+        os.replace(src, dst)
+
+
+def _merge_into(tmp: Path, final: Path) -> None:
+    """Publish the staged folder ``tmp`` into the existing folder ``final`` entry by entry; entries that
+    point at others (``latest``, ``*.index.json``) last, so a reader never sees them name a missing file."""
+    for name in sorted(os.listdir(tmp), key=_publish_order):
+        _replace_entry(tmp / name, final / name)
+    os.rmdir(tmp)
+
+
 def fsync_path(path: Path, *, files: bool = True) -> None:
     """Flush a file, or a folder's entries (and, with ``files``, each file in it), to stable storage."""
     if files and path.is_dir() and not path.is_symlink():
@@ -107,8 +139,9 @@ class Staging:
     """Outputs written to temp paths beside their destinations and published together.
 
     ``temp_for(final)`` hands out a temp path; on success every temp is flushed (with ``fsync``),
-    ``remove_on_commit`` paths are deleted, and each temp is renamed to its destination, the first
-    one staged last (OUT after its sidecars); then the folders are flushed.  On any error every
+    each temp is renamed to its destination (a folder into an existing one: merged), the first
+    one staged last (OUT after its sidecars), ``remove_on_commit`` paths are deleted; then the
+    folders are flushed.  On any error every
     temp is deleted and nothing at a destination changes.
     """
 
@@ -132,19 +165,18 @@ class Staging:
         if self.fsync:
             for tmp, _, _ in self._items:
                 fsync_path(tmp)
-        for path in self._stale:
-            _remove(path)
         for tmp, final, directory in reversed(self._items):
-            if directory and final.is_dir():
-                old = _temp_name(final)
-                os.replace(final, old)  # a directory cannot be replaced in one step; keep the old one until then
-                os.replace(tmp, final)
-                _remove(old)
+            if directory and final.is_dir() and not final.is_symlink():
+                _merge_into(tmp, final)
             else:
                 os.replace(tmp, final)
+        for path in self._stale:  # after: what replaces them is in place first
+            _remove(path)
         if self.fsync:
-            for parent in {final.parent if str(final.parent) else Path(".") for _, final, _ in self._items}:
-                fsync_path(parent, files=False)
+            folders = {final.parent if str(final.parent) else Path(".") for _, final, _ in self._items}
+            folders |= {final for _, final, directory in self._items if directory}  # merged entries live there
+            for folder in folders:
+                fsync_path(folder, files=False)
 
     def _abort(self) -> None:
         for tmp, _, _ in self._items:

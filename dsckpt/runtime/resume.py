@@ -109,9 +109,9 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     try:
         if eng.rank() == 0:
             if keep_optimizer:
-                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, fsync=False)
+                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, fsync=False, trust=trust)
             else:
-                consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False)
+                consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False, trust=trust)
         if eng.world_size() > 1:
             dist.barrier()
         if keep_optimizer:

@@ -16,25 +16,11 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_policy import opaque_class_paths
+from ..formats.pickle_policy import DEEPSPEED_CLASSES, foreign_classes
 
-# The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
-# stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.
-DEEPSPEED_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
 TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickles may then run code)"
-
-
-def foreign_classes(obj: Any) -> set[str]:
-    """Class paths in a parsed pickle (dsckpt's reader) that are not DeepSpeed's own."""
-    return opaque_class_paths(obj) - set(DEEPSPEED_CLASSES)
 
 
 def check_checkpoint_classes(ckpt) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +201,36 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+def links_outside(layout: Layout) -> list[str]:
+    """The tag folder or rank files that are symlinks resolving outside the checkpoint root.
+
+    Reading through them is fine for a look (``inspect`` notes it); copying what they point at into
+    an output is not, unless the user trusts the checkpoint: a downloaded checkpoint whose
+    ``global_step5 -> /home/me/other_run`` would export someone else's files.
+    """
+    root = layout.root.resolve()
+    found = []
+    for path in (layout.tag_dir, *(f.path for f in layout.all_files)):
+        if path.is_symlink() or path == layout.tag_dir:
+            target = path.resolve()
+            if not _inside(target, root):
+                found.append(f"{path} -> {target}")
+    return found
+
+
+TRUST_HINT = "if you trust whoever wrote the checkpoint, pass --trust-checkpoint (trust=True in the API)"
+
+
+def require_contained(layout: Layout) -> None:
+    """Writers' rule: copy nothing into an output through a link that leads out of the checkpoint."""
+    outside = links_outside(layout)
+    if outside:
+        from ..errors import UnsafeCheckpointError
+
+        raise UnsafeCheckpointError(f"{outside[0]}: a symlink leading outside the checkpoint {layout.root}; "
+                                    "its files are not copied into an output", hint=TRUST_HINT)
+
+
 def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     """Resolve a user's path to one tag's files.
 
@@ -243,7 +274,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
             raise CheckpointNotFoundError(
                 f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)"
                 + (f"; it holds checkpoints in {', '.join(nested[:5])}{' ...' if len(nested) > 5 else ''}" if nested else ""),
-                hint=f"pass one of them, e.g. {root / nested[-1]} (the last in natural order)" if nested else None)
+                hint=f"pass one of them, e.g. {shlex.quote(str(root / nested[-1]))} (the last in natural order)" if nested else None)
         else:
             raise TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
                            hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
