@@ -42,6 +42,10 @@ BY_TORCH_NAME: dict[str, str] = {n: d.name for d in _TABLE for n in d.torch_name
 BY_LABEL: dict[str, str] = {**{d.label: d.name for d in _TABLE}, **BY_TORCH_NAME, **{d.name: d.name for d in _TABLE}}
 # training precision (DeepSpeed config / Lightning / dsckpt --precision) <-> parameter dtype
 PRECISION_DTYPE = {"32": "F32", "16": "F16", "bf16": "BF16"}
+# One vocabulary for --precision and --dtype: every spelling -> the label errors and output use.
+PRECISION_WORDS = {"32": "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                   "16": "fp16", "fp16": "fp16", "float16": "fp16"}
+TRAINING_PRECISION = {"fp32": "32", "bf16": "bf16", "fp16": "16"}  # label -> DeepSpeed/Lightning's spelling
 
 
 def canonical(name: str) -> str:

@@ -51,9 +51,12 @@ def fixture_copy(tmp_path):
 def trained_z3(tmp_path_factory):
     """One real 2-rank ZeRO-3 run of the demo model, consolidated: shared by the resume tests."""
     root = tmp_path_factory.mktemp("z3run")
+    (root / "ckpt").mkdir()
+    (root / "ckpt" / "README.md").write_text("kept\n")  # a file dsckpt did not write: the save goes beside it
     proc = run_cli("train", "--stage", "3", "--nproc", fit_ranks(2), "--steps", "6", "--save-dir", root / "ckpt")
     assert proc.returncode == 0, proc.stderr[-4000:]
     (root / "train.out").write_text(proc.stdout)
+    (root / "train.err").write_text(proc.stderr)
     proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root

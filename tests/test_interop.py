@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 
 import pytest
@@ -36,9 +37,10 @@ def test_hf_trainer_checkpoint_loads_with_from_pretrained(hf_run, tmp_path):
 
     proc = run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = json.loads(proc.stdout)["files"]
+    files = json.loads(proc.stdout)["files"]  # final paths, each of which exists
+    assert all(Path(f).is_file() for f in files)
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors.index.json"} <= set(files)
+            "model.safetensors.index.json"} <= {Path(f).name for f in files}
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
@@ -81,7 +83,10 @@ def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
     report = json.loads(run_cli("inspect", hf_run / "checkpoint-3", "--json").stdout)
     state = report["trainer_state"]
     assert state["global_step"] == 3 and state["epoch"] > 0 and isinstance(state["last_loss"], float)
-    assert "trainer state     global step 3" in run_cli("inspect", hf_run / "checkpoint-3").stdout
+    human = run_cli("inspect", hf_run / "checkpoint-3").stdout
+    assert "trainer state     global step 3" in human
+    assert f"last logged loss {state['last_loss']:.4g}    (trainer_state.json)" in human  # as people read it
+    assert ("client state" in human) == bool(report["client_state"])  # an empty section is left out
     assert run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "-q").returncode == 0
     folder = json.loads(run_cli("inspect", tmp_path / "hf", "--json").stdout)
     assert folder["hf_config"]["model_type"] == "llama" and "tokenizer.json" in folder["hf_files"]
@@ -124,6 +129,9 @@ def test_lightning_export_loads_in_lightning(lightning_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["form"] == "lightning"
     raw = torch.load(out, weights_only=True)  # no class beyond torch's safe ones
+    shown = json.loads(run_cli("inspect", out, "--json").stdout)["lightning"]
+    assert (shown["epoch"], shown["global_step"], shown["hyper_parameters"]) == (raw["epoch"], 2, ["lr", "note"])
+    assert "hparams       lr, note" in run_cli("inspect", out).stdout
     assert raw["hyper_parameters"] == {"lr": 2e-3, "note": "from-lightning"} and raw["global_step"] == 2
     assert all(not k.startswith("_forward_module.") for k in raw["state_dict"])
     model = LitOdd.load_from_checkpoint(out)

@@ -127,6 +127,20 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def _short(value: Any) -> Any:
+    """A logged float as people read it (HF logs losses like 2.3015000000000003)."""
+    return f"{value:.4g}" if isinstance(value, float) else value
+
+
+def table(rows: list[tuple[str, ...]], widths: tuple[int, ...]) -> list[str]:
+    """Indented columns at least ``widths`` wide, widened to the longest cell so a long tensor name never
+    runs into the next column (two spaces between columns; a width of 0: the last, free column)."""
+    if not rows:
+        return []
+    cols = [max(w, *(len(r[i]) + 2 for r in rows)) if w else 0 for i, w in enumerate(widths)]
+    return ["  " + "".join(cell.ljust(w) if w else cell for cell, w in zip(r, cols)).rstrip() for r in rows]
+
+
 def render(s: dict[str, Any]) -> str:
     if s["kind"] != "deepspeed":
         from .inspect_file import render_file
@@ -141,24 +155,26 @@ def render(s: dict[str, Any]) -> str:
                       f"ds_version: {s['ds_version']}    global steps: {s['global_steps']}")
     p, f = s["parameters"], s["frozen"]
     row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")
-    row("frozen", f"{f['count']} tensors, {f['numel']:,} elements")
-    row("tied", ", ".join(f"{a} -> {b}" for a, b in s["tied"].items()) or "none")
-    row("buffers", ", ".join(f"{n} ({b['dtype']})" for n, b in s["buffers"].items()) or "none")
+    if f["count"]:  # empty sections are left out (the JSON keeps every key)
+        row("frozen", f"{f['count']} tensors, {f['numel']:,} elements")
+    if s["tied"]:
+        row("tied", ", ".join(f"{a} -> {b}" for a, b in s["tied"].items()))
+    if s["buffers"]:
+        row("buffers", ", ".join(f"{n} ({b['dtype']})" for n, b in s["buffers"].items()))
     lines.append("largest tensors")
-    for t in s["largest"]:
-        lines.append(f"  {t['name']:<40}{str(t['shape']):<20}{t['numel']:>14,}")
+    lines += table([(t["name"], str(t["shape"]), f"{t['numel']:>14,}") for t in s["largest"]], (40, 20, 14))
     if s.get("trainer_state"):
         t = s["trainer_state"]
-        row("trainer state", t.get("error") or f"global step {t['global_step']}    epoch {t['epoch']}    "
-                                               f"last logged loss {t['last_loss']}    (trainer_state.json)")
-    lines.append("client state")
-    for k, d in s["client_state"].items():
-        detail = d.get("value", d.get("len", d.get("class", d.get("shape", ""))))
-        lines.append(f"  {k:<32}{d['type']:<10}{detail}")
+        loss = t["last_loss"]
+        row("trainer state", t.get("error") or f"global step {t['global_step']}    epoch {_short(t['epoch'])}    "
+                                               f"last logged loss {_short(loss)}    (trainer_state.json)")
+    if s["client_state"]:
+        lines.append("client state")
+        lines += table([(k, d["type"], str(d.get("value", d.get("len", d.get("class", d.get("shape", ""))))))
+                        for k, d in s["client_state"].items()], (32, 10, 0))
     lines.append("rank files")
-    for f in s["files"]:
-        rank = "-" if f["rank"] is None else f["rank"]
-        lines.append(f"  {Path(f['path']).name:<52}{f['kind']:<7}rank {rank!s:<4}{human_bytes(f['size']):>12}")
+    lines += table([(Path(f["path"]).name, f["kind"], f"rank {'-' if f['rank'] is None else f['rank']!s:<4}",
+                     f"{human_bytes(f['size']):>12}") for f in s["files"]], (52, 7, 9, 12))
     e = s["estimates"]
     row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
     row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming "
@@ -166,9 +182,9 @@ def render(s: dict[str, Any]) -> str:
                            "328M parameters, docs/performance.md")
     if "tensors" in s:
         lines.append("tensors")
-        for t in s["tensors"]:
-            where = t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])
-            lines.append(f"  {t['name']:<40}{str(t['shape']):<16}{str(t['dtype']):<6}{t['kind']:<8}{where}")
+        lines += table([(t["name"], str(t["shape"]), str(t["dtype"]), t["kind"],
+                         t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])) for t in s["tensors"]],
+                       (40, 16, 6, 8, 0))
     if s.get("notes"):
         lines.append("notes")
         lines += [f"  - {m}" for m in s["notes"]]

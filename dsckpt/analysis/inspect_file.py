@@ -12,6 +12,7 @@ from ..errors import DsckptError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
 from ..io.formats import for_input
+from .inspect import table
 
 
 KINDS = {"safetensors": "safetensors", "sharded": "safetensors-sharded", "torch": "torch", "lightning": "lightning",
@@ -44,9 +45,24 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
             problems.append(str(exc))
         summary["hf_files"] = sorted(p.name for p in folder.iterdir()
                                      if p.name in (hf.GENERATION_CONFIG, *hf.TOKENIZER_FILES))
+    if fmt.name in ("torch", "lightning") and not problems and LIGHTNING_MARKERS & set(map(str, listing.extra)):
+        summary["lightning"] = lightning_summary(listing.extra)
     if with_tensors:
         summary["tensors"] = [{"name": n, "dtype": d, "shape": s} for n, d, s in rows]
     return summary
+
+
+LIGHTNING_MARKERS = {"pytorch-lightning_version", "loops", "hyper_parameters"}  # keys only Lightning writes
+
+
+def lightning_summary(extra: dict) -> dict[str, Any]:
+    """What a Lightning checkpoint says beside its weights: where training stands and what it was built with."""
+    hparams = extra.get("hyper_parameters")
+    plain = lambda v: v if isinstance(v, (int, float, str, type(None))) else None
+    return {"epoch": plain(extra.get("epoch")), "global_step": plain(extra.get("global_step")),
+            "version": plain(extra.get("pytorch-lightning_version")),
+            "hyper_parameters": sorted(map(str, hparams)) if isinstance(hparams, dict) else [],
+            "keys": sorted(map(str, extra))}
 
 
 def render_file(s: dict[str, Any]) -> str:
@@ -56,10 +72,13 @@ def render_file(s: dict[str, Any]) -> str:
     if "hf_config" in s:
         lines.append(f"{'hf config':<14}" + ", ".join(f"{k}: {v}" for k, v in s["hf_config"].items()))
         lines.append(f"{'hf files':<14}" + (", ".join(s["hf_files"]) or "-"))
+    if "lightning" in s:
+        lt = s["lightning"]
+        lines.append(f"{'lightning':<14}epoch {lt['epoch']}    global step {lt['global_step']}    version {lt['version']}")
+        lines.append(f"{'hparams':<14}" + (", ".join(lt["hyper_parameters"]) or "-"))
     for k, v in s["metadata"].items():
         lines.append(f"  {k}: {v if len(str(v)) < 80 else str(v)[:77] + '...'}")
-    for t in s.get("tensors", []):
-        lines.append(f"  {t['name']:<44}{t['dtype']:<6}{t['shape']}")
+    lines += table([(t["name"], t["dtype"], str(t["shape"])) for t in s.get("tensors", [])], (44, 6, 0))
     if s["problems"]:
         lines.append("PROBLEMS")
         lines += [f"  - {m}" for m in s["problems"]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
 from ..io.formats import for_input
@@ -22,6 +22,9 @@ def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
     fmt = for_input(p) if not (p.is_dir() and any(p.glob("*/*_states.pt"))) else None
     if fmt is not None:
+        if optimizer:
+            raise UnsupportedCheckpointError(f"{p}: a consolidated file holds weights only; --optimizer reads Adam's "
+                                             "moments from a ZeRO-1/2/3 checkpoint", hint="drop --optimizer, or pass the checkpoint folder")
         listing = fmt.read(p)
         out = [Source(t.name, "tensor", t.dtype, t.shape, ((t.path, t.offset, t.span_bytes),))
                for t in listing.tensors if t.stride is None]
@@ -35,7 +38,11 @@ def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -
 
     ckpt = open_checkpoint(p, tag)
     out = _plan_sources(build_plan(ckpt), prefix="")
-    if optimizer and ckpt.zero_stage:
+    if optimizer and not ckpt.zero_stage:
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint keeps its optimizer inside the "
+                                         "model states as DeepSpeed's own record; --optimizer reads ZeRO-1/2/3 partitions",
+                                         hint="drop --optimizer")
+    if optimizer:
         for state in ("exp_avg", "exp_avg_sq"):
             out += [Source(f"{state}/{s.name}", state, s.dtype, s.shape, s.pieces)
                     for s in _plan_sources(build_plan(ckpt, state=state), prefix="") if s.kind == "param"]

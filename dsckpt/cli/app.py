@@ -1,13 +1,17 @@
 """The `dsckpt` command group and ``main()``, the one place errors become one line and an exit code.
 
 ``main()`` turns a ``DsckptError`` into ``dsckpt: error: <message>`` plus ``hint: <advice>`` and exit 2
-(usage errors the same way); ``DSCKPT_DEBUG=1`` keeps the traceback.  Inside a rank started by
-``--nproc`` the error goes to the launcher instead, which prints it once for all ranks.
+(usage errors the same way); with ``--json`` stdout also gets one ``{"schema", "error", "hint", "exit"}``
+document, so a script reads every outcome the same way.  ``DSCKPT_DEBUG=1`` keeps the traceback.
+Ctrl-C is ``Aborted.`` and exit 130.  Inside a rank started by ``--nproc`` the error goes to the
+launcher instead, which prints it once for all ranks.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
+from typing import Any
 
 import click
 
@@ -16,9 +20,27 @@ from ..errors import DsckptError
 
 EXIT_PROBLEMS = 1  # inspect found problems
 EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+JSON_SCHEMA = 1  # version of every --json document (docs/cli.md); bump on an incompatible change
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def json_document(**fields: Any) -> str:
+    """One --json document: ``schema`` first, then the command's fields."""
+    return json.dumps({"schema": JSON_SCHEMA, **fields})
+
+
+class _Group(click.Group):
+    """Lists every command with its whole first docstring line (click cuts them at ~45 characters)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, (cmd.help or "").split("\n")[0].strip()) for name, cmd in sorted(self.commands.items())
+                if not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="dsckpt")
 def cli() -> None:
     """Inspect, consolidate, reshard and resume DeepSpeed ZeRO checkpoints.
@@ -30,6 +52,7 @@ def cli() -> None:
       dsckpt consolidate runs/demo model.safetensors
       dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
       dsckpt resume --full-weights model.safetensors --nproc 2 --steps 5
+    Every command takes --help; --json prints one JSON document (docs/cli.md).
     """
 
 
@@ -62,19 +85,29 @@ def world_size_for(nproc: int) -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "LOCAL_RANK" in os.environ else nproc
 
 
-def main() -> None:
+def _fail(message: str, hint: str | None, code: int, as_json: bool) -> None:
+    click.echo(f"dsckpt: error: {message}" + (f"\nhint: {hint}" if hint else ""), err=True)
+    if as_json:
+        click.echo(json_document(error=message, hint=hint, exit=code))
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in args and "--" not in args[:args.index("--json")]
+    args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
+        cli.main(args, prog_name="dsckpt", standalone_mode=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        if in_launched_rank():  # quiet: the launcher says it once.  No interpreter teardown: gloo's threads
+            os._exit(EXIT_INTERRUPTED)  # would print "terminate called without an active exception"
         click.echo("Aborted.", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.UsageError as exc:
         hint = f"see `{exc.ctx.command_path} --help`" if exc.ctx else "see `dsckpt --help`"
-        click.echo(f"dsckpt: error: {exc.format_message()}\nhint: {hint}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(exc.format_message(), hint, exc.exit_code, as_json)
     except click.ClickException as exc:
-        click.echo(f"dsckpt: error: {exc.format_message()}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(exc.format_message(), None, exc.exit_code, as_json)
     except DsckptError as exc:
         if os.environ.get("DSCKPT_DEBUG") == "1":
             raise
@@ -82,9 +115,6 @@ def main() -> None:
 
         if in_launched_rank() and report_rank_error(str(exc), exc.hint):
             sys.exit(EXIT_ERROR)  # the launcher prints it once for all ranks
-        click.echo(f"dsckpt: error: {exc}", err=True)
-        if exc.hint:
-            click.echo(f"hint: {exc.hint}", err=True)
-        sys.exit(EXIT_ERROR)
+        _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
     except BrokenPipeError:
         sys.exit(1)

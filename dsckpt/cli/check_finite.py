@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .app import cli
+from .app import cli, json_document
 
 EXIT_NON_FINITE = 3
 
@@ -25,15 +25,13 @@ def check_finite(path: str, tag: str | None, optimizer: bool, as_json: bool) -> 
       dsckpt check-finite runs/demo --optimizer --tag step1000
     Works on checkpoint folders and consolidated files; exit 2 on unreadable input.
     """
-    import json
-
     from ..analysis.sources import sources
     from ..analysis.stats import compute_stats
 
     stats = compute_stats(sources(path, tag, optimizer))
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
-        click.echo(json.dumps({"path": str(path), "finite": not bad, "tensors": len(stats), "offending": bad}))
+        click.echo(json_document(path=str(path), finite=not bad, tensors=len(stats), offending=bad))
     elif bad:
         click.echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
         for b in bad:

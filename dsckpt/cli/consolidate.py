@@ -5,40 +5,45 @@ import sys
 
 import click
 
-from .app import cli
+from .app import cli, json_document
+from .options import TRUST_HELP, Precision
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out", type=click.Path())
 @click.option("--tag", default=None, help="Tag to consolidate (default: what `latest` names).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-              help="Cast floating-point tensors (default: fp32 masters, buffers as stored).")
+@click.option("--dtype", type=Precision(), default=None,
+              help="Cast floating-point tensors (default: fp32 masters, buffers as stored; 32/bfloat16/16... work too).")
 @click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")
 @click.option("--duplicate-tied", is_flag=True, help="safetensors: write a copy of a tied weight under each of its names.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
 @click.option("--format", "form", type=click.Choice(["safetensors", "torch", "sharded", "lightning"]), default=None,
-              help="Output format when OUT's name does not say it (default: by suffix; .ckpt is lightning).")
+              help="Output format (default: by OUT's suffix, any case; .ckpt is lightning; no known suffix: a folder). "
+                   "A suffix that says another format is refused.")
 @click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
               "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="With --hf: the model's config.json, when CHECKPOINT has none beside it.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT; into an existing folder only the files dsckpt "
+              "writes are replaced, everything else there stays.")
+@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, form, hf, config, force, verify, no_fsync, quiet, as_json) -> None:
+                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, no_fsync, quiet,
+                as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
     OUT decides the format:
       model.safetensors           safetensors (tied weights once, aliases in __metadata__)
       model.pt | .pth | .bin      torch state dict (loads with weights_only=True)
-      model_dir/                  sharded safetensors + model.safetensors.index.json
+      model_dir/  Qwen2.5-0.5B    sharded safetensors + model.safetensors.index.json (no known suffix: a folder)
       model_dir/ --hf             the same + config.json, generation config, tokenizer: from_pretrained loads it
       model.ckpt                  Lightning checkpoint: the client state + state_dict (--format lightning)
     \b
@@ -51,12 +56,14 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
-    import json
-
     from tqdm import tqdm
 
     from ..convert import consolidate as run
 
+    if hf and form:
+        raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
+    if config and not hf:
+        raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
@@ -65,14 +72,14 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     form="hf" if hf else form, config=config, progress=bar.update, progress_total=announce)
+                     form="hf" if hf else form, config=config, trust=trust_checkpoint, progress=bar.update,
+                     progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json.dumps({"out": str(result.out), "form": result.form, "tensors": result.tensors,
-                               "bytes": result.nbytes, "files": list(result.files),
-                               "client_state": str(result.sidecar) if result.sidecar else None,
-                               "verified": result.verified, "notes": list(result.notes)}))
+        click.echo(json_document(out=str(result.out), form=result.form, tensors=result.tensors, bytes=result.nbytes,
+                                 files=list(result.files), client_state=str(result.sidecar) if result.sidecar else None,
+                                 verified=result.verified, notes=list(result.notes)))
     else:
         click.echo(f"wrote {result.out} ({result.form}, {result.tensors} tensors, {result.nbytes:,} bytes)"
                    + (f"; client state: {result.sidecar}" if result.sidecar else "")

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .app import EXIT_PROBLEMS, cli
+from .app import EXIT_PROBLEMS, cli, json_document
 
 
 @cli.command()
@@ -15,7 +15,7 @@ from .app import EXIT_PROBLEMS, cli
 @click.option("--tag-b", default=None, help="Tag of B (default: what `latest` names).")
 @click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (0 with --rtol 0: bitwise).")
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance, as torch.allclose.")
-@click.option("--optimizer", is_flag=True, help="Compare Adam's moments too (two checkpoints).")
+@click.option("--optimizer", is_flag=True, help="Compare Adam's moments too (two ZeRO-1/2/3 checkpoints).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="A PNG of the relative change per tensor, by layer (needs dsckpt[plot]).")
@@ -30,8 +30,6 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
       dsckpt diff runs/a runs/b --atol 1e-6 --json
     Exit 0 when identical (bitwise, or within --atol/--rtol), 1 when not, 2 on errors.
     """
-    import json
-
     from ..analysis.diff import diff as compare
     from ..analysis.report import render_diff
     from ..analysis.sources import sources
@@ -44,6 +42,6 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
 
         bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
                  title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
-    click.echo(json.dumps({"a": str(a), "b": str(b), **report.record()}) if as_json else render_diff(report))
+    click.echo(json_document(a=str(a), b=str(b), **report.record()) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

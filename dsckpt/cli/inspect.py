@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .app import EXIT_PROBLEMS, cli
+from .app import EXIT_PROBLEMS, cli, json_document
 
 
 @cli.command()
@@ -15,7 +15,7 @@ from .app import EXIT_PROBLEMS, cli
 @click.option("--tensors", is_flag=True, help="List every tensor and the rank files that hold it.")
 @click.option("--stats", is_flag=True, help="Read the values: per tensor min, max, mean, std, L2 norm, NaN/Inf, zeros.")
 @click.option("--optimizer", is_flag=True, help="With --stats: Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
-@click.option("--top", default=20, show_default=True, help="With --stats: tensors listed by norm.")
+@click.option("--top", type=click.IntRange(min=1), default=None, help="With --stats: tensors listed by norm [default: 20].")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="With --stats: a PNG of the norm per tensor, by layer (needs dsckpt[plot]).")
 def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int,
@@ -37,6 +37,12 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
 
     from ..analysis.inspect import render, summarize
 
+    needs_stats = [flag for flag, given in (("--optimizer", optimizer), ("--top", top is not None), ("--plot", plot))
+                   if given]
+    if needs_stats and not stats:
+        raise click.UsageError(f"{', '.join(needs_stats)} work on the values: add --stats")
+    if stats and tensors:
+        raise click.UsageError("--tensors lists names and files; --stats lists values: give one of them")
     if stats:
         from ..analysis.report import render_stats
         from ..analysis.sources import sources
@@ -50,8 +56,8 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
 
             bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
                      title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
-        click.echo(json.dumps({"path": str(path), "stats": [s.record() for s in records]}) if as_json
-                   else render_stats(records, top))
+        click.echo(json_document(path=str(path), stats=[s.record() for s in records]) if as_json
+                   else render_stats(records, top or 20))
         return
 
     summary = summarize(path, tag, tensors)

@@ -1,26 +1,57 @@
-"""Options shared by the runtime commands (train, resume): the Lightning strategy's knobs."""
+"""Options shared by the commands: the precision vocabulary, and the runtime's (train, resume) knobs."""
 from __future__ import annotations
 
 import click
 
+from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 
-def training_options(fn):
+TRUST_HELP = ("Trust whoever wrote CHECKPOINT: copy pickled objects of any class as recorded and follow symlinks "
+              "out of it (default: such client-state entries are left out with a note, such links refused).")
+
+
+class Precision(click.ParamType):
+    """fp32 / bf16 / fp16 under any of their usual spellings (32, float32, bfloat16, 16, float16), for
+    --precision and --dtype alike; ``training`` gives DeepSpeed's spelling ("32", "bf16", "16")."""
+
+    name = "precision"
+
+    def __init__(self, training: bool = False):
+        self.training = training
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[fp32|bf16|fp16]"
+
+    def convert(self, value, param, ctx):
+        word = PRECISION_WORDS.get(str(value).lower())
+        if word is None:
+            self.fail(f"{value!r} is not a precision; use fp32 (or 32, float32), bf16 (bfloat16) or fp16 (16, float16)",
+                      param, ctx)
+        return TRAINING_PRECISION[word] if self.training else word
+
+
+def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
+    if fn is None:
+        return lambda f: training_options(f, steps_help=steps_help)
     opts = [
         click.option("--model", default=None, metavar="PKG.MODULE:FACTORY", help="Model factory (default: built-in tiny causal LM)."),
         click.option("--preset", default=None, help="deepspeed, deepspeed_stage_1, ..._2, ..._2_offload, ..._3, ..._3_offload, ..._3_offload_nvme (default: deepspeed_stage_3 unless --stage or --config is given)."),
         click.option("--stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage (overrides the preset's; default: the preset's)."),
         click.option("--config", "config", default=None, type=click.Path(dir_okay=False), help="DeepSpeed JSON config (else $DSCKPT_DEEPSPEED_CONFIG)."),
-        click.option("--precision", type=click.Choice(["32", "bf16", "16"]), default="32", show_default=True),
-        click.option("--steps", type=int, default=20, show_default=True),
+        click.option("--precision", type=Precision(training=True), default="fp32", show_default=True,
+                     help="Training precision (32, bf16, 16 and their other names work too)."),
+        click.option("--steps", type=click.IntRange(min=0), default=20, show_default=True, help=steps_help),
         click.option("--save-dir", type=click.Path(file_okay=False), default=None, help="Where to save checkpoints (default: nowhere; nothing is saved)."),
-        click.option("--save-every", type=int, default=0, help="Save every N steps (0: once at the end)."),
-        click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks, started through torch.distributed.run."),
+        click.option("--save-every", type=click.IntRange(min=0), default=0, help="Save every N steps (0: once at the end)."),
+        click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Local ranks, started through torch.distributed.run."),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--freeze", is_flag=True, help="Built-in model: freeze its first block."),
         click.option("--offload-optimizer/--no-offload-optimizer", default=None, help="ZeRO-Offload of optimizer state (default: the preset's)."),
         click.option("--offload-parameters/--no-offload-parameters", default=None, help="ZeRO-3 parameter offload (default: the preset's)."),
-        click.option("--gradient-accumulation-steps", type=int, default=None),
-        click.option("--gradient-clip-val", type=float, default=None, help="Clip by global norm (DeepSpeed's only mode)."),
+        click.option("--gradient-accumulation-steps", type=click.IntRange(min=1), default=None),
+        click.option("--gradient-clip-val", type=click.FloatRange(min=0), default=None,
+                     help="Clip by global norm (DeepSpeed's only mode)."),
+        click.option("--verbose", "-v", is_flag=True, help="Show DeepSpeed's own logs and build output."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document (logs go to stderr)."),
     ]
     for opt in reversed(opts):

@@ -5,27 +5,33 @@ import sys
 
 import click
 
-from .app import cli
+from .app import cli, json_document
+from .options import TRUST_HELP
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--world-size", "-w", "world_size", type=int, required=True,
+@click.option("--world-size", "-w", "world_size", type=click.IntRange(min=1), required=True,
               help="Data-parallel ranks the resumed job will run on.")
 @click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
+              "replaced, everything else there stays.")
+@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, no_fsync, quiet, as_json) -> None:
+def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, trust_checkpoint, no_fsync, quiet,
+            as_json) -> None:
     """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks.
 
     OUT_DIR is a native DeepSpeed checkpoint (`latest` + one tag): a plain
     `engine.load_checkpoint(OUT_DIR)` at the new world size restores weights, fp32 masters, Adam
     moments and steps, loss scaler, LR scheduler and client state.  Only the partitions move;
     every other entry is copied as it was (ranks beyond the old world size take the last old
-    rank's client state).  No pickle code runs; OUT_DIR appears only when complete.
+    rank's client state).  No pickle code runs, and none is carried: a client-state entry holding
+    objects of classes beyond DeepSpeed's own is left out with a note (--trust-checkpoint keeps it).
+    OUT_DIR appears only when complete.
 
     \b
     Examples:
@@ -33,8 +39,6 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, no_fsync
       dsckpt reshard runs/demo runs/demo_ws1 -w 1 --tag step20 --json
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5     (the same, then training on)
     """
-    import json
-
     from tqdm import tqdm
 
     from ..resharder import reshard as run
@@ -45,11 +49,13 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, no_fsync
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
         result = run(checkpoint, out_dir, world_size, tag=tag, force=force, fsync=not no_fsync,
-                     progress=bar.update, progress_total=announce)
+                     trust=trust_checkpoint, progress=bar.update, progress_total=announce)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json.dumps({"out": str(result.out), "tag": result.tag, "stage": result.stage,
-                               "source_world_size": result.source_world_size, "world_size": result.world_size,
-                               "files": list(result.files), "bytes": result.nbytes}))
+        click.echo(json_document(out=str(result.out), tag=result.tag, stage=result.stage,
+                                 source_world_size=result.source_world_size, world_size=result.world_size,
+                                 files=list(result.files), bytes=result.nbytes, notes=list(result.notes)))
     else:
         click.echo(f"wrote {result.out} (ZeRO-{result.stage}, tag {result.tag}, world size "
                    f"{result.source_world_size} -> {result.world_size}, {len(result.files)} files, "

@@ -24,7 +24,7 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--trust-checkpoint", is_flag=True,
               help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
                    "Default: refuse classes beyond DeepSpeed's own.")
-@training_options
+@training_options(steps_help="Steps to train after the restored position (additional, not a target step).")
 def resume(nproc: int, **kwargs) -> None:
     """Carry on training from a sharded checkpoint or a full-weights file.
 
@@ -43,6 +43,7 @@ def resume(nproc: int, **kwargs) -> None:
 
     if not in_launched_rank():
         commands.preflight_resume(world_size_for(nproc), **kwargs)
-    if launch.should_launch(nproc):
-        sys.exit(launch.launch(nproc))
-    commands.run_resume(**kwargs)
+    with commands.interruptible(kwargs.get("save_dir")):
+        if launch.should_launch(nproc):
+            sys.exit(launch.launch(nproc))
+        commands.run_resume(**kwargs)

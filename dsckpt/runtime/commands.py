@@ -7,8 +7,9 @@ precisions, input files, world sizes) so a mistake costs no DeepSpeed start-up a
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+import shlex
 import os
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,17 @@ from . import console
 NO_CLIENT_STATE = "none"  # --client-state none: restore nothing
 
 
-def quiet_deepspeed() -> None:
+def quiet_deepspeed(verbose: bool = False) -> None:
+    import sys
     import warnings
 
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_logger = logging.getLogger("DeepSpeed")
+    for handler in ds_logger.handlers:  # DeepSpeed logs to stdout, which carries results only
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
+    if verbose:
+        return
+    ds_logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes inside DeepSpeed
     # nccl: DeepSpeed's barriers name no device_id; harmless, printed at every barrier on a GPU
     warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
@@ -54,18 +62,62 @@ def _check_precision(opts) -> None:
         require_supported(precision_of(opts.deepspeed_config()))
 
 
-def preflight_train(world_size: int, *, saves: bool = True, **kwargs) -> None:
+def preflight_train(world_size: int, *, saves: bool = True, verbose: bool = False, **kwargs) -> None:
     opts = _options(kwargs)
     opts.deepspeed_config()  # a bad config or preset fails here
     _check_precision(opts)
     if opts.save_every and not opts.save_dir:
         raise ConfigError("--save-every needs --save-dir")
     if saves and not opts.save_dir:
-        console.info("note: no --save-dir given: this run trains and saves nothing")
+        console.note("no --save-dir given: this run trains and saves nothing")
+    if saves and opts.save_dir:
+        require_writable_folder(Path(opts.save_dir))
+
+
+def require_writable_folder(folder: Path) -> None:
+    """Create ``folder`` if needed and prove a file can be written there (made and removed), before any
+    rank spends minutes training for a save that would fail."""
+    from ..errors import OutputError
+
+    probe = folder / f".dsckpt-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"{folder}: cannot save checkpoints there ({exc.strerror or exc})",
+                          hint="choose a --save-dir this user can write to") from None
+
+
+@contextlib.contextmanager
+def interruptible(save_dir: str | None):
+    """Ctrl-C (or a launcher's SIGINT/SIGTERM) in a run: partial saves removed, ``KeyboardInterrupt`` for
+    ``main()`` to report once as ``Aborted.``, exit 130."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        yield
+    except (KeyboardInterrupt, SignalException):
+        if int(os.environ.get("RANK", "0")) == 0:
+            remove_partial_saves(save_dir)
+        raise KeyboardInterrupt from None
+
+
+def remove_partial_saves(save_dir: str | None) -> None:
+    """After an interrupted run: the hidden folders of saves that never completed (the published tags and
+    `latest` are untouched: a save becomes visible only by a rename once every rank is done)."""
+    import shutil
+
+    from .engine import PARTIAL_SUFFIX
+
+    if save_dir and os.path.isdir(save_dir):
+        for entry in os.scandir(save_dir):
+            if entry.name.startswith(".") and entry.name.endswith(PARTIAL_SUFFIX) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strict, strip_prefix, check,
-                     reshard, trust_checkpoint, as_json, **kwargs) -> None:
+                     reshard, trust_checkpoint, as_json, verbose=False, **kwargs) -> None:
     if bool(checkpoint) == bool(full_weights):
         raise ConfigError("give either CKPT_DIR or --full-weights FILE, not both or neither")
     if check and not full_weights:
@@ -96,26 +148,36 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
                 f"world size {world_size}; DeepSpeed cannot reshard it",
-                hint=f"add --reshard, or run `dsckpt consolidate {checkpoint} model.safetensors`, then "
+                hint=f"add --reshard, or run `dsckpt consolidate {shlex.quote(str(checkpoint))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")
     preflight_train(world_size, saves=not check, **kwargs)
 
 
-def run_train(as_json: bool = False, **kwargs) -> None:
+def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:
     from . import engine as eng
     from .train import Trainer
 
-    console.claim_stdout()
-    quiet_deepspeed()
+    console.claim_stdout(verbose)
+    quiet_deepspeed(verbose)
     trainer = Trainer(_options(kwargs))
     losses = trainer.fit(trainer.opts.steps)
     summary = {"steps": len(losses), "stage": trainer.runtime.stage, "world_size": eng.world_size(),
                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                "save_dir": trainer.opts.save_dir}
-    console.result(json.dumps(summary) if as_json else
-                   f"trained {len(losses)} steps (stage {summary['stage']}, world size {summary['world_size']}): "
+    console.result(_json(summary) if as_json else
+                   f"trained {_steps(len(losses))} (stage {summary['stage']}, world size {summary['world_size']}): "
                    f"loss {_fmt(losses)}" + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     eng.shutdown(exit_process=True)
+
+
+def _json(doc: dict[str, Any]) -> str:
+    from ..cli.app import json_document
+
+    return json_document(**doc)
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def _fmt(losses: list[float]) -> str:
@@ -123,13 +185,13 @@ def _fmt(losses: list[float]) -> str:
 
 
 def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, trust_checkpoint,
-               as_json, **kwargs) -> None:
+               as_json, verbose: bool = False, **kwargs) -> None:
     from . import engine as eng
     from .resume import check_against_file, resume_full_weights, resume_sharded
     from .train import Trainer
 
-    console.claim_stdout()
-    quiet_deepspeed()
+    console.claim_stdout(verbose)
+    quiet_deepspeed(verbose)
     if checkpoint:
         from ..zero.reader import open_checkpoint
 
@@ -144,7 +206,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                                   trust=trust_checkpoint)
     if check:
         report = check_against_file(trainer, full_weights, restored, tuple(strip_prefix))
-        console.result(json.dumps(report) if as_json else
+        console.result(_json(report) if as_json else
                        f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
@@ -156,7 +218,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                "last_loss": losses[-1] if losses else None, "save_dir": trainer.opts.save_dir,
                "client_state_keys_restored": restored.restored if restored else [],
                "client_state_keys_left_alone": restored.left_alone if restored else []}
-    console.result(json.dumps(summary) if as_json else
-                   f"resumed training: steps {start} -> {trainer.global_step}, loss {_fmt(losses)}"
+    console.result(_json(summary) if as_json else
+                   f"resumed training: steps {start} -> {trainer.global_step} ({_steps(len(losses))}), loss {_fmt(losses)}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     eng.shutdown(exit_process=True)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 from ..errors import ConfigError
 
 CONFIG_ENV_VAR = "DSCKPT_DEEPSPEED_CONFIG"
@@ -207,11 +208,11 @@ def _preset(name: str) -> str:
 
 def _check_precision(precision: str, stage: int) -> None:
     if precision not in PRESETS_PRECISION_ALIASES:
-        raise ConfigError(f"ZeRO stage {stage} does not support precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"ZeRO stage {stage} does not support precision {precision!r}; use fp32, bf16 or fp16")
 
 
-PRESETS_PRECISION_ALIASES = {"32": "32", "16": "16", "bf16": "bf16", "32-true": "32", "16-mixed": "16",
-                             "bf16-mixed": "bf16", "fp32": "32", "fp16": "16"}
+PRESETS_PRECISION_ALIASES = {"32-true": "32", "16-mixed": "16", "bf16-mixed": "bf16",  # Lightning's spellings
+                             **{w: TRAINING_PRECISION[label] for w, label in PRECISION_WORDS.items()}}
 
 
 def _apply_precision(config: dict[str, Any], precision: str, *, loss_scale: float = 0, initial_scale_power: int = 16,

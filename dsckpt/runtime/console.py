@@ -1,8 +1,8 @@
 """Output discipline for the runtime's commands, whatever the number of ranks.
 
-* stdout carries results only: ``claim_stdout()`` moves file descriptor 1 to stderr for the rest of
-  the process, so DeepSpeed's logger (which writes to stdout), JIT build notes and any library
-  ``print`` land on stderr; ``result()`` writes to the saved real stdout (rank 0 only).
+* stdout carries results only: ``claim_stdout()`` moves file descriptor 1 away for the rest of the
+  process (to stderr with ``--verbose``, else to /dev/null), so JIT build notes and any library
+  ``print`` never mix with results; ``result()`` writes to the saved real stdout (rank 0 only).
 * errors are reported once: a rank started by ``launch`` writes its typed error to
   ``$DSCKPT_ERROR_DIR/rank<N>.json`` and exits 2 quietly; the launcher prints each distinct error
   once and exits 2, as a single-process run does.
@@ -18,14 +18,22 @@ ERROR_DIR_ENV = "DSCKPT_ERROR_DIR"
 _result_fd: int | None = None
 
 
-def claim_stdout() -> None:
-    """From now on fd 1 is stderr; results go to the original stdout through ``result``."""
+def claim_stdout(verbose: bool = False) -> None:
+    """From now on fd 1 is stderr (``verbose``) or /dev/null; results go to the original stdout through
+    ``result``.  What libraries ``print`` - DeepSpeed's "deepspeed_shm_comm_op built successfully" once per
+    rank, JIT build output - is chatter unless asked for; DeepSpeed's logger is moved to stderr
+    (``quiet_deepspeed``), so its warnings still show."""
     global _result_fd
     if _result_fd is not None:
         return
     sys.stdout.flush()
     _result_fd = os.dup(1)
-    os.dup2(2, 1)
+    if verbose:
+        os.dup2(2, 1)
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
 
 
 def _rank() -> int:
@@ -48,6 +56,11 @@ def info(text: str) -> None:
     """A note for the user (rank 0 only), on stderr."""
     if _rank() == 0:
         print(text, file=sys.stderr, flush=True)
+
+
+def note(text: str) -> None:
+    """``note: <text>`` on stderr (rank 0 only): the one channel for notes, as the file commands print them."""
+    info(f"note: {text}")
 
 
 def report_rank_error(message: str, hint: str | None) -> bool:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import socket
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -193,9 +193,11 @@ class Runtime:
             publish_tag(Path(save_dir), partial, tag)
         _barrier()
         if self.stage == 3 and world_size() > 1 and rank() == 0 and not self._warned_sharded:
+            from .console import note
+
             self._warned_sharded = True
-            warnings.warn(f"{save_dir}/{tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "
-                          f"`dsckpt consolidate {save_dir} model.safetensors` makes one file of it", stacklevel=2)
+            note(f"{Path(save_dir) / tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "
+                 f"`dsckpt consolidate {shlex.quote(str(save_dir))} model.safetensors` makes one file of it")
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
@@ -216,7 +218,7 @@ class Runtime:
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
                 f"world size {world_size()}; DeepSpeed cannot reshard it",
-                hint=f"run `dsckpt consolidate {load_dir} model.safetensors`, then "
+                hint=f"run `dsckpt consolidate {shlex.quote(str(load_dir))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")
         path, client = self.engine.load_checkpoint(
             str(load_dir), tag=ckpt.layout.tag, load_optimizer_states=load_optimizer,

@@ -41,8 +41,9 @@ def launch(nproc: int, argv: list[str] | None = None, script: str | None = None)
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     quiet_accelerator_choice()
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, once
+    for name in list(logging.root.manager.loggerDict):  # failures (and Ctrl-C) are reported below, once;
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # (elastic sets levels per module logger)
     # "--" ends torchrun's own options: our flags (e.g. --nproc) must not be prefix-matched by it
     target = ["--", script] if script else ["--module", "--", "dsckpt"]
     args = ["--standalone", f"--nproc_per_node={nproc}", *target, *argv]

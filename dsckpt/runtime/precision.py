@@ -40,7 +40,7 @@ def require_supported(precision: str, accelerator: Any = None) -> None:
         raise UnsupportedPrecisionError(
             f"precision {LABELS.get(precision, precision)} is not supported on this machine's {name} device "
             f"(it supports: {', '.join(LABELS[p] for p in supported)})",
-            hint="choose --precision " + " or ".join(p for p in supported))
+            hint="choose --precision " + " or ".join(LABELS[p] for p in supported))
 
 
 def _device_name() -> str:

@@ -136,7 +136,11 @@ class Trainer:
         from tqdm import tqdm
 
         losses = []
-        bar = tqdm(range(steps), desc="train", disable=not progress or eng.rank() != 0, leave=False)
+        import sys
+
+        # a bar only on a terminal: piped to a log, its \r frames are noise (the result line says it all)
+        bar = tqdm(range(steps), desc="train", disable=not progress or eng.rank() != 0 or not sys.stderr.isatty(),
+                   leave=False)
         for _ in bar:
             losses.append(self.step())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

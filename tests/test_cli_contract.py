@@ -1,0 +1,293 @@
+"""The command-line contract (issue 22): outputs never destroy what dsckpt did not write, nothing it
+writes carries pickle code, names mean what they say, --json tells the truth, options are validated,
+interrupts and unwritable places end cleanly, and the defaults are quiet.
+
+Real fixtures and real runs throughout; hostile inputs are planted with tests/forge.py.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURES, PYTHONPATH, ROOT, run_cli
+from forge import Call, save_forged
+from test_hostile import clean_error, copy_fixture
+
+SMALL = ("--model", "dsckpt.runtime.demo_model:build_small_model")
+
+
+def foreign_repo(path: Path) -> dict[str, bytes]:
+    """A clone of a model repo: files dsckpt did not write, which must survive any --force."""
+    (path / ".git").mkdir(parents=True)
+    files = {".git/HEAD": b"ref: refs/heads/main\n", "README.md": b"# my model\n", "LICENSE": b"MIT\n"}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return files
+
+
+def still_there(path: Path, files: dict[str, bytes]) -> bool:
+    return all((path / name).read_bytes() == data for name, data in files.items())
+
+
+# -- data loss ----------------------------------------------------------------------------------
+def test_force_into_a_model_repo_replaces_only_what_dsckpt_writes(tmp_path):
+    ckpt = copy_fixture(tmp_path, "z2_ws2_fp32")
+    (ckpt / "config.json").write_text('{"model_type": "custom", "tie_word_embeddings": true}')
+    repo = tmp_path / "myrepo"
+    files = foreign_repo(repo)
+    clean_error(run_cli("consolidate", ckpt, repo, "--hf"), "already exists", "--force")
+    assert sorted(os.listdir(repo)) == [".git", "LICENSE", "README.md"]
+
+    proc = run_cli("consolidate", ckpt, repo, "--hf", "--force", "--max-shard-size", "8KB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads(proc.stdout)["files"]
+    assert still_there(repo, files) and len([f for f in first if "-of-" in f]) > 1
+
+    # again with one shard: the shards the old index named go (they were the output), nothing else does
+    proc = run_cli("consolidate", ckpt, repo, "--hf", "--force", "--json")
+    assert proc.returncode == 0, proc.stderr
+    second = json.loads(proc.stdout)["files"]
+    assert still_there(repo, files) and all(Path(f).exists() for f in second)
+    assert not any(Path(f).exists() for f in first if f not in second)
+    assert sorted(os.listdir(repo)) == sorted([".git", "LICENSE", "README.md"] + [Path(f).name for f in second
+                                                                                   if Path(f).parent == repo])
+
+    # a weights file from_pretrained would read instead of ours is named, never deleted
+    (repo / "model.safetensors").write_bytes(b"someone else's")
+    clean_error(run_cli("consolidate", ckpt, repo, "--hf", "--force"), "model.safetensors",
+                "which from_pretrained would load instead")
+    assert (repo / "model.safetensors").read_bytes() == b"someone else's" and still_there(repo, files)
+
+
+def test_reshard_force_keeps_other_tags_and_files(tmp_path):
+    out = tmp_path / "moved"
+    files = foreign_repo(out)
+    shutil.copytree(FIXTURES / "z1_ws2_fp32" / "step3", out / "older_tag")
+    proc = run_cli("reshard", FIXTURES / "z2_ws2_fp32", out, "-w", "3", "--force", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert still_there(out, files) and (out / "older_tag").is_dir()
+    assert all(Path(f).is_file() for f in json.loads(proc.stdout)["files"])
+    report = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert report["world_size"] == 3 and report["tag"] == "step3" and report["problems"] == []
+
+
+# -- nothing written carries pickle code ----------------------------------------------------------
+def _plant(root: Path, pattern: str, key: str, value) -> None:
+    path = next((root / "step3").glob(pattern))
+    obj = torch.load(path, weights_only=False)  # our own trusted fixture
+    obj[key] = value
+    save_forged(obj, path)
+
+
+def test_resharded_hostile_checkpoint_runs_no_code_when_deepspeed_loads_it(tmp_path):
+    marker = tmp_path / "pwned"
+    root = copy_fixture(tmp_path, "z2_ws2_fp32")
+    _plant(root, "mp_rank_00_model_states.pt", "evil", Call(os.system, f"touch {marker}"))
+    proc = run_cli("reshard", root, tmp_path / "out", "-w", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "client-state entry 'evil' left out: it holds objects of posix.system" in proc.stderr
+    assert json.loads(proc.stdout)["notes"]
+    for path in sorted((tmp_path / "out" / "step3").glob("*.pt")):
+        obj = torch.load(path, weights_only=False)  # what DeepSpeed's TorchCheckpointEngine.load does
+        assert "evil" not in obj
+    assert not marker.exists()
+    kept = torch.load(tmp_path / "out" / "step3" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert kept["global_step"] == 3 and "rng" in kept  # the rest of the client state is carried
+
+    # --trust-checkpoint keeps it as recorded, and says so
+    proc = run_cli("reshard", root, tmp_path / "trusted", "-w", "3", "--trust-checkpoint")
+    assert proc.returncode == 0 and "--trust-checkpoint: objects of posix.system copied as recorded" in proc.stderr
+    assert not marker.exists()  # dsckpt itself still ran nothing
+
+    # a foreign class inside an optimizer file cannot be left out: refused by name
+    _plant(root, "zero_pp_rank_0_*optim_states.pt", "custom", Call(os.system, f"touch {marker}"))
+    clean_error(run_cli("reshard", root, tmp_path / "refused", "-w", "3"), "optim_states.pt", "posix.system",
+                "--trust-checkpoint")
+    assert not (tmp_path / "refused").exists() and not marker.exists()
+
+
+def test_reshard_of_an_unwritable_integer_is_a_typed_error(tmp_path):
+    root = copy_fixture(tmp_path, "z3_ws2_fp32")
+    _plant(root, "zero_pp_rank_0_*model_states.pt", "huge", 1 << 16609)  # torch.save writes it (LONG4); torch's
+    # weights_only loader reads only LONG1 (255 bytes), so writing it back would make an unloadable file
+    clean_error(run_cli("reshard", root, tmp_path / "out", "-w", "3"), "16610 bits", "model_states.pt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_links_out_of_the_checkpoint_are_not_copied_into_outputs(tmp_path):
+    root = copy_fixture(tmp_path, "z3_ws2_fp32")
+    shutil.move(root / "step3", tmp_path / "elsewhere")
+    (root / "step3").symlink_to(tmp_path / "elsewhere")
+    for args in (("consolidate", root, tmp_path / "m.safetensors"), ("reshard", root, tmp_path / "r", "-w", "3")):
+        clean_error(run_cli(*args), "a symlink leading outside the checkpoint", "--trust-checkpoint")
+        assert run_cli(*args, "--trust-checkpoint", "-q").returncode == 0
+    assert "followed" in run_cli("inspect", root).stdout  # a look is fine: nothing is copied
+
+    hf = copy_fixture(tmp_path, "z2_ws2_fp32")
+    (hf / "config.json").write_text('{"model_type": "custom"}')
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for publishing")
+    (hf / "tokenizer.json").symlink_to(secret)
+    clean_error(run_cli("consolidate", hf, tmp_path / "export", "--hf"), "tokenizer.json", "outside the checkpoint")
+    assert not (tmp_path / "export").exists()
+
+
+# -- names --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("out,args,fragment", [
+    ("lt.safetensors", ("--format", "lightning"), "the suffix of safetensors files"),
+    ("m.ckpt", ("--format", "torch"), "the suffix of lightning files"),
+    ("m.pt", ("--format", "safetensors"), "the suffix of torch files"),
+    ("m.safetensors", ("--format", "sharded"), "a file suffix, but sharded writes a folder"),
+    ("m.bin", ("--hf",), "a file suffix, but hf writes a folder"),
+])
+def test_a_suffix_that_contradicts_the_format_is_refused(tmp_path, out, args, fragment):
+    clean_error(run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / out, *args), fragment)
+    assert os.listdir(tmp_path) == []
+
+
+def test_names_people_use(tmp_path):
+    ckpt = copy_fixture(tmp_path, "z2_ws2_fp32")
+    (ckpt / "config.json").write_text('{"model_type": "custom"}')
+    for name, args, form in (("Qwen2.5-0.5B-sft", ("--hf",), "hf"), ("gpt2-v1.5", ("--format", "sharded"), "sharded"),
+                             ("plain-v2.0", (), "sharded"), ("model.SAFETENSORS", (), "safetensors"),
+                             ("weights.PT", (), "torch"), ("lt.pt", ("--format", "lightning"), "lightning")):
+        proc = run_cli("consolidate", ckpt, tmp_path / name, *args, "--json")
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert json.loads(proc.stdout)["form"] == form, name
+        assert (tmp_path / name).is_dir() == (form in ("hf", "sharded"))
+    proc = run_cli("consolidate", ckpt, f"{tmp_path / 'looks.safetensors'}/", "--json")  # a trailing slash: a folder
+    assert proc.returncode == 0 and json.loads(proc.stdout)["form"] == "sharded"
+    assert json.loads(run_cli("inspect", tmp_path / "model.SAFETENSORS", "--json").stdout)["kind"] == "safetensors"
+
+
+# -- --json -------------------------------------------------------------------------------------
+def test_every_json_document_has_a_schema_and_true_paths(tmp_path):
+    src = FIXTURES / "z2_ws2_fp32"
+    docs = {}
+    for name, args in {"consolidate": ("consolidate", src, tmp_path / "m.safetensors"),
+                       "sharded": ("consolidate", src, tmp_path / "sharded", "--max-shard-size", "8KB"),
+                       "reshard": ("reshard", src, tmp_path / "ws3", "-w", "3"),
+                       "inspect": ("inspect", src), "stats": ("inspect", src, "--stats"),
+                       "diff": ("diff", src, tmp_path / "m.safetensors"), "check-finite": ("check-finite", src)}.items():
+        proc = run_cli(*args, "--json")
+        assert proc.returncode == 0, (name, proc.stderr)
+        docs[name] = json.loads(proc.stdout)
+        assert docs[name]["schema"] == 1, name
+    for name in ("consolidate", "sharded", "reshard"):
+        assert all(Path(f).is_file() and ".dsckpt-tmp-" not in f for f in docs[name]["files"]), name
+    assert str(tmp_path / "sharded" / "model.safetensors.index.json") in docs["sharded"]["files"]
+    assert str(tmp_path / "m.safetensors.client_state.json") in docs["consolidate"]["files"]
+
+    proc = run_cli("consolidate", tmp_path / "missing", tmp_path / "x.safetensors", "--json")
+    assert proc.returncode == 2 and "dsckpt: error:" in proc.stderr
+    assert json.loads(proc.stdout) == {"schema": 1, "error": f"{tmp_path / 'missing'}: no such file or directory",
+                                       "hint": None, "exit": 2}
+    usage = json.loads(run_cli("reshard", src, "--json").stdout)
+    assert usage["exit"] == 2 and "OUT_DIR" in usage["error"] and usage["hint"]
+
+
+# -- validated options ----------------------------------------------------------------------------
+@pytest.mark.parametrize("args,fragment", [
+    (("train", "--nproc", "0"), "--nproc"),
+    (("train", "--steps", "-3"), "--steps"),
+    (("train", "--precision", "fp8"), "'fp8' is not a precision; use fp32 (or 32, float32), bf16 (bfloat16) or fp16"),
+    (("inspect", FIXTURES / "z2_ws2_fp32", "--plot", "x.png"), "--plot work on the values: add --stats"),
+    (("inspect", FIXTURES / "z2_ws2_fp32", "--top", "3"), "--top work on the values"),
+    (("inspect", FIXTURES / "z2_ws2_fp32", "--optimizer"), "--optimizer work on the values"),
+    (("consolidate", FIXTURES / "z2_ws2_fp32", "m.safetensors", "--config", "c.json"), "--config is the model config"),
+    (("consolidate", FIXTURES / "z2_ws2_fp32", "m.safetensors", "--dtype", "int8"), "'int8' is not a precision"),
+    (("reshard", FIXTURES / "z2_ws2_fp32", "out", "-w", "0"), "--world-size"),
+    (("check-finite", FIXTURES / "z0_ws1_fp32", "--optimizer"), "ZeRO-0 checkpoint"),
+])
+def test_options_are_validated(args, fragment):
+    clean_error(run_cli(*args), fragment)
+
+
+def test_optimizer_against_a_weights_file_is_refused_and_precisions_have_one_vocabulary(tmp_path):
+    src = FIXTURES / "z2_ws2_fp32"
+    assert run_cli("consolidate", src, tmp_path / "m.safetensors", "-q").returncode == 0
+    clean_error(run_cli("diff", src, tmp_path / "m.safetensors", "--optimizer"), "holds weights only")
+    for word, dtype in (("bfloat16", "BF16"), ("16", "F16"), ("float32", "F32")):
+        proc = run_cli("consolidate", src, tmp_path / f"{word}.safetensors", "--dtype", word, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(run_cli("inspect", tmp_path / f"{word}.safetensors", "--json").stdout)["dtypes"].get(dtype)
+
+
+# -- unwritable and interrupted runs ---------------------------------------------------------------
+def test_unwritable_save_dir_is_refused_before_any_rank_starts(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    started = time.monotonic()
+    proc = run_cli("train", "--nproc", "2", "--steps", "1", *SMALL, "--save-dir", blocker / "ckpt")
+    clean_error(proc, f"{blocker / 'ckpt'}: cannot save checkpoints there")
+    assert "trained" not in proc.stdout and time.monotonic() - started < 60
+
+
+def test_ctrl_c_during_a_two_rank_train(tmp_path):
+    save = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "train", "--stage", "3", "--nproc", "2", *SMALL,
+                             "--steps", "1000000", "--save-every", "2", "--save-dir", str(save)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH})
+    try:
+        deadline = time.monotonic() + 180
+        while not (save / "latest").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.5)  # mid-run, saves under way
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.count("Aborted.") == 1 and "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    assert "\r" not in err and out == ""
+    assert not [p for p in os.listdir(save) if "dsckpt-partial" in p]
+    report = json.loads(run_cli("inspect", save, "--json").stdout)  # the last published checkpoint is whole
+    assert report["problems"] == [] and report["tag"] == (save / "latest").read_text()
+    assert run_cli("consolidate", save, tmp_path / "m.safetensors", "-q").returncode == 0
+
+
+# -- quiet by default, and the small things ----------------------------------------------------------
+def test_a_training_run_is_quiet_and_writes_beside_foreign_files(trained_z3):
+    err = (trained_z3 / "train.err").read_text()
+    assert "UserWarning" not in err and "built successfully" not in err and "\r" not in err, err
+    assert err.count("note: ") == 1 and "is a ZeRO-3 checkpoint sharded over 2 ranks" in err
+    assert (trained_z3 / "ckpt" / "README.md").read_text() == "kept\n"
+    assert "trained 6 steps" in (trained_z3 / "train.out").read_text()
+
+
+def test_help_and_small_things(tmp_path):
+    bare = run_cli()
+    assert bare.returncode == 0 and "Commands:" in bare.stdout and "error" not in bare.stderr
+    top = run_cli("--help").stdout
+    assert "Train a model with DeepSpeed and save sharded checkpoints with client state." in " ".join(top.split())
+    assert "additional, not a target step" in " ".join(run_cli("resume", "--help").stdout.split())
+
+    spaced = tmp_path / "my runs"
+    spaced.mkdir()
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", spaced / "checkpoint-3")
+    proc = run_cli("inspect", spaced)
+    assert f"'{spaced / 'checkpoint-3'}'" in proc.stderr  # a hint to copy and paste
+
+    long_name = "model.layers.0.self_attn.rotary_embedding.inv_freq_with_a_really_long_suffix"
+    from safetensors.torch import save_file
+
+    save_file({long_name: torch.zeros(3), "b": torch.zeros(2, 2)}, tmp_path / "long.safetensors")
+    row = next(line for line in run_cli("inspect", tmp_path / "long.safetensors", "--tensors").stdout.splitlines()
+               if long_name in line)
+    assert f"{long_name}  F32" in row
+
+
+def test_shell_completion_works():
+    proc = subprocess.run([sys.executable, "-m", "dsckpt"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "_DSCKPT_COMPLETE": "bash_source", "PYTHONPATH": PYTHONPATH})
+    assert proc.returncode == 0 and "_dsckpt_completion" in proc.stdout
+    assert "_DSCKPT_COMPLETE=bash_source dsckpt" in (ROOT / "README.md").read_text()
