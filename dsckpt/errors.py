@@ -6,6 +6,11 @@ and keeps its traceback.  ``DSCKPT_DEBUG=1`` shows the traceback for dsckpt erro
 from __future__ import annotations
 
 
+class Interrupted(Exception):
+    """Ctrl-C (or a launcher's SIGINT/SIGTERM) ended a run: exit 130.  Not a KeyboardInterrupt, which click
+    would answer with a stray newline on stderr in every process."""
+
+
 class DsckptError(Exception):
     """Base class of every error dsckpt raises on purpose."""
 

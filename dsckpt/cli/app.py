@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from .._version import __version__
-from ..errors import DsckptError
+from ..errors import DsckptError, Interrupted
 
 EXIT_PROBLEMS = 1  # inspect found problems
 EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt, Interrupted):
         if in_launched_rank():  # quiet: the launcher says it once.  No interpreter teardown: gloo's threads
             os._exit(EXIT_INTERRUPTED)  # would print "terminate called without an active exception"
         click.echo("Aborted.", err=True)

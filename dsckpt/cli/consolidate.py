@@ -64,7 +64,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=quiet or as_json, delay=0.5,
+    bar_off = quiet or as_json or not sys.stderr.isatty()  # piped to a log, a bar's \r frames are noise
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar

@@ -43,7 +43,8 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, trust_ch
 
     from ..resharder import reshard as run
 
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet or as_json, delay=0.5,
+    bar_off = quiet or as_json or not sys.stderr.isatty()  # piped to a log, a bar's \r frames are noise
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar

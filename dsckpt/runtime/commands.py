@@ -91,16 +91,18 @@ def require_writable_folder(folder: Path) -> None:
 
 @contextlib.contextmanager
 def interruptible(save_dir: str | None):
-    """Ctrl-C (or a launcher's SIGINT/SIGTERM) in a run: partial saves removed, ``KeyboardInterrupt`` for
+    """Ctrl-C (or a launcher's SIGINT/SIGTERM) in a run: partial saves removed, ``Interrupted`` for
     ``main()`` to report once as ``Aborted.``, exit 130."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ..errors import Interrupted
 
     try:
         yield
     except (KeyboardInterrupt, SignalException):
         if int(os.environ.get("RANK", "0")) == 0:
             remove_partial_saves(save_dir)
-        raise KeyboardInterrupt from None
+        raise Interrupted from None
 
 
 def remove_partial_saves(save_dir: str | None) -> None:
