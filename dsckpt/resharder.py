@@ -64,12 +64,12 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     plan, notes = carry_only_allowed(plan, trust)
     out = Path(out_dir)
     check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
-    total = sum(s.nbytes for f in plan.files for s in _pickle(f)[1])  # every tree is writable before a byte moves
+    total = sum(s.nbytes for f in plan.files for s in _pickle(f, trust)[1])  # every tree writable before a byte moves
     if progress_total:
         progress_total(total)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=True)
-        write_plan(plan, tmp, progress)
+        write_plan(plan, tmp, progress, trust)
         _check_written(tmp, plan)
     files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
     return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes)
@@ -108,21 +108,22 @@ def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardP
     return replace(plan, files=tuple(files)), notes
 
 
-def _pickle(f) -> tuple[bytes, list]:
+def _pickle(f, trust: bool) -> tuple[bytes, list]:
     """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's."""
     try:
-        return dumps(f.tree)
+        return dumps(f.tree, allow_foreign=trust)
     except ValueError as exc:
         raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
 
 
-def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | None = None) -> None:
+def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | None = None,
+               allow_foreign: bool = False) -> None:
     """The plan's files under ``root/<tag>/`` and ``root/latest`` (root must exist)."""
     tag_dir = root / plan.tag
     tag_dir.mkdir()
     with SourceFiles() as src, _Prefetcher(src) as prefetch:
         for f in plan.files:
-            write_archive(tag_dir / f.name, f.tree, prefetch.chunks, progress)
+            write_archive(tag_dir / f.name, f.tree, prefetch.chunks, progress, allow_foreign)
     (root / L.LATEST_FILE).write_text(plan.tag)
 
 

@@ -113,6 +113,18 @@ def test_resharded_hostile_checkpoint_runs_no_code_when_deepspeed_loads_it(tmp_p
     assert not (tmp_path / "refused").exists() and not marker.exists()
 
 
+def test_the_pickle_writer_itself_refuses_foreign_classes(tmp_path):
+    """Under every writer's own filtering, the one pickle writer refuses what would run code when loaded."""
+    from dsckpt.formats.pickle_policy import opaque_type
+    from dsckpt.formats.pickle_writer import dumps
+
+    scaler = opaque_type("deepspeed.runtime.fp16.loss_scaler", "LossScaler")(1.0)
+    assert dumps({"scaler": scaler})[0]  # DeepSpeed's own records are written
+    with pytest.raises(ValueError, match="an object of posix.system would be written"):
+        dumps({"x": [opaque_type("posix", "system")("id")]})
+    assert dumps({"x": opaque_type("posix", "system")("id")}, allow_foreign=True)[0]
+
+
 def test_reshard_of_an_unwritable_integer_is_a_typed_error(tmp_path):
     root = copy_fixture(tmp_path, "z3_ws2_fp32")
     _plant(root, "zero_pp_rank_0_*model_states.pt", "huge", 1 << 16609)  # torch.save writes it (LONG4); torch's

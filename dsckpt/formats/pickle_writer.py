@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import DTYPES, ITEMSIZE
-from .pickle_policy import Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
+from .pickle_policy import DEEPSPEED_CLASSES, Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
 
 
 @dataclass(frozen=True, eq=False)  # identity matters: one NewTensor named twice is one shared storage
@@ -57,16 +57,21 @@ class StorageOut:
         return self.numel * ITEMSIZE[self.dtype]
 
 
-def dumps(obj: Any) -> tuple[bytes, list[StorageOut]]:
-    """The pickle bytes of ``obj`` and the storages it names, in key order."""
-    writer = _Writer()
+def dumps(obj: Any, allow_foreign: bool = False) -> tuple[bytes, list[StorageOut]]:
+    """The pickle bytes of ``obj`` and the storages it names, in key order.
+
+    An ``Opaque`` record of a class beyond DeepSpeed's own is refused (``ValueError``) unless
+    ``allow_foreign``: the last guard, under every writer's own filtering, against writing a pickle
+    that runs code when loaded without ``weights_only``."""
+    writer = _Writer(allow_foreign)
     writer.save(obj)
     writer.out += b"."  # STOP
     return bytes(writer.out), writer.storages
 
 
 class _Writer:
-    def __init__(self):
+    def __init__(self, allow_foreign: bool = False):
+        self.allow_foreign = allow_foreign
         self.out = bytearray(b"\x80\x02")  # PROTO 2
         self.storages: list[StorageOut] = []
         self._keys: dict[Any, str] = {}
@@ -157,6 +162,8 @@ class _Writer:
             raise TypeError(f"cannot write a {type(obj).__name__} into a torch pickle")
 
     def opaque(self, obj: Opaque) -> None:
+        if not self.allow_foreign and obj.class_path not in DEEPSPEED_CLASSES:
+            raise ValueError(f"an object of {obj.class_path} would be written (its pickle runs code when loaded)")
         self.global_(*type(obj).pickle_global)
         self.save(tuple(obj.args))
         self.out += b"\x81" if obj.via == "newobj" else b"R"  # NEWOBJ: cls.__new__(cls, *args) | REDUCE: cls(*args)

@@ -39,9 +39,10 @@ def _aligned(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
 
 
 def write_archive(path: Path, obj: Any, chunks: Callable[[StorageOut], Iterable[bytes]],
-                  progress: Callable[[int], None] | None = None) -> list[StorageOut]:
-    """Write ``obj`` to ``path`` as torch.save would; returns the storages written."""
-    pickle_bytes, storages = dumps(obj)
+                  progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
+    """Write ``obj`` to ``path`` as torch.save would; returns the storages written (``allow_foreign``:
+    see ``pickle_writer.dumps``)."""
+    pickle_bytes, storages = dumps(obj, allow_foreign)
     folder = Path(path).name.split(".")[0] or "archive"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
