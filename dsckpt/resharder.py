@@ -10,18 +10,23 @@ Steps:
 4. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
    from ``pickle_writer``, its storages streamed in bounded chunks from the source byte ranges
    (unchanged tensors copied whole, partitions assembled from the ranks that held them);
-5. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
-   existing OUT_DIR with ``force``: ``latest`` and the tag folder replaced, everything else kept).
+5. copy the files beside the tag (``formats.companions``: a trainer's state, per-rank RNG files renumbered
+   for M ranks, configs and tokenizers; pickles of foreign classes left out with a note);
+6. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
+   existing OUT_DIR with ``force``: ``latest``, the tag folder and the copied files replaced, everything
+   else kept).
 """
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .convert import write_errors
 from .errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .formats.companions import plan_companions
 from .formats.pickle_policy import TensorRef, foreign_classes
 from .formats.pickle_writer import StorageOut, dumps
 from .io.output import check_output, staged
@@ -62,6 +67,9 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         L.require_contained(ckpt.layout)
     plan = build_reshard_plan(ckpt, world_size)
     plan, notes = carry_only_allowed(plan, trust)
+    companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
+                                                  world_size, trust)
+    notes += tuple(companion_notes)
     out = Path(out_dir)
     check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
     total = sum(s.nbytes for f in plan.files for s in _pickle(f, trust)[1])  # every tree writable before a byte moves
@@ -70,8 +78,12 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=True)
         write_plan(plan, tmp, progress, trust)
+        for copy in companions:  # the trainer's files beside the tag (trainer_state.json, rng_state_{r}.pth, ...)
+            (tmp / copy.name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(copy.source, tmp / copy.name)
         _check_written(tmp, plan)
     files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
+    files += tuple(str(out / copy.name) for copy in companions)
     return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes)
 
 

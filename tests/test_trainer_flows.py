@@ -1,0 +1,83 @@
+"""The trainers' own resume at another world size (issue 23), proven with the trainers themselves.
+
+HF Trainer: Transformers' ``Trainer`` with a DeepSpeed config trains on 2 CPU ranks and saves
+``checkpoint-2`` (and goes on to step 4: the uninterrupted run); ``dsckpt reshard checkpoint-2 OUT -w 3``;
+the Trainer on 3 ranks resumes with ``train(resume_from_checkpoint=OUT)``.  It must start at step 2, repeat
+the uninterrupted run's learning rates exactly and its losses to reduction-order noise, and the state it
+loaded (saved by the engine itself before the first step) must equal the original's bit for bit, read
+by DeepSpeed's own ``ds_to_universal`` on both sides.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, run_job, skip_beyond_devices, skip_unless_supported
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SAVE_AT, MAX_STEPS = 2, 4
+
+
+def universal(tag_dir: Path, out: Path) -> Path:
+    """DeepSpeed's own reading of a checkpoint: ``ds_to_universal`` writes zero/<param>/<state>.pt."""
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(tag_dir), "--output_folder", str(out), "--inject_missing_state"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "zero"
+
+
+def universal_differences(a: Path, b: Path) -> list[str]:
+    names = sorted(p.name for p in a.iterdir() if p.is_dir())
+    assert names == sorted(p.name for p in b.iterdir() if p.is_dir())
+    differences = []
+    for name in names:
+        for state in sorted(p.name for p in (a / name).glob("*.pt")):
+            x, y = (torch.load(side / name / state, weights_only=True) for side in (a, b))
+            if isinstance(x, dict):  # {"param": tensor, "cat_dim": ...} (0.19.8 writes this for fp32/moments)
+                x, y, same = x["param"], y["param"], {k: v for k, v in x.items() if k != "param"} == {
+                    k: v for k, v in y.items() if k != "param"}
+            else:
+                same = True
+            if not (same and x.dtype == y.dtype and torch.equal(x, y)):
+                differences.append(f"{name}/{state}")
+    return differences
+
+
+@pytest.mark.parametrize("stage,precision", [(s, p) for p in ("32", "bf16") for s in (1, 2, 3)])
+def test_hf_trainer_resumes_a_resharded_checkpoint(stage, precision, tmp_path):
+    if precision == "bf16":
+        skip_unless_supported("bf16")
+    skip_beyond_devices(3)
+    ref, moved, resumed = tmp_path / "ref", tmp_path / "moved", tmp_path / "resumed"
+    run_job("hf_resume.py", 2, ref, stage, precision, MAX_STEPS, SAVE_AT)
+    proc = run_cli("reshard", ref / f"checkpoint-{SAVE_AT}", moved, "-w", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    notes = json.loads(proc.stdout)["notes"]
+    assert any("rng_state_{rank}.pth: ranks 2 <- 0" in n for n in notes)  # the new rank's RNG file, said so
+    assert any(n.startswith("training_args.bin left out") for n in notes)  # it pickles accelerate's classes
+    for name in ("trainer_state.json", "scheduler.pt", "config.json", "tokenizer.json", "rng_state_0.pth",
+                 "rng_state_1.pth", "rng_state_2.pth"):
+        assert (moved / name).is_file(), name
+    assert json.loads((moved / "trainer_state.json").read_text())["global_step"] == SAVE_AT
+
+    run_job("hf_resume.py", 3, resumed, stage, precision, MAX_STEPS, SAVE_AT, moved)
+    before, after = (json.loads((d / "log.json").read_text()) for d in (ref, resumed))
+    assert after["start_step"] == SAVE_AT and after["world_size"] == 3
+    steps = lambda log: {e["step"]: e for e in log["history"] if "loss" in e}
+    tol = 1e-5 if precision == "32" else 2e-2
+    for step in range(SAVE_AT + 1, MAX_STEPS + 1):
+        a, b = steps(before)[step], steps(after)[step]
+        assert a["learning_rate"] == b["learning_rate"], step
+        assert abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]), (step, a["loss"], b["loss"])
+
+    original = universal(ref / f"checkpoint-{SAVE_AT}" / f"global_step{SAVE_AT}", tmp_path / "u_original")
+    loaded = universal(resumed / "as_loaded" / "as_loaded", tmp_path / "u_loaded")
+    assert universal_differences(original, loaded) == []  # fp32 masters, exp_avg, exp_avg_sq, step
