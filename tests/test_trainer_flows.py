@@ -6,6 +6,9 @@ the Trainer on 3 ranks resumes with ``train(resume_from_checkpoint=OUT)``.  It m
 the uninterrupted run's learning rates exactly and its losses to reduction-order noise, and the state it
 loaded (saved by the engine itself before the first step) must equal the original's bit for bit, read
 by DeepSpeed's own ``ds_to_universal`` on both sides.
+
+Accelerate: ``accelerator.save_state`` with a DeepSpeed plugin on 2 ranks, ``dsckpt reshard`` of that folder,
+``accelerator.load_state`` on 3 ranks: the same three checks.
 """
 from __future__ import annotations
 
@@ -81,3 +84,31 @@ def test_hf_trainer_resumes_a_resharded_checkpoint(stage, precision, tmp_path):
     original = universal(ref / f"checkpoint-{SAVE_AT}" / f"global_step{SAVE_AT}", tmp_path / "u_original")
     loaded = universal(resumed / "as_loaded" / "as_loaded", tmp_path / "u_loaded")
     assert universal_differences(original, loaded) == []  # fp32 masters, exp_avg, exp_avg_sq, step
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_load_state_resumes_a_resharded_save_state(stage, tmp_path):
+    """Accelerate's ``save_state`` folder (tag ``pytorch_model``, ``random_states_*.pkl``, ``scheduler.bin``) is
+    inspected, consolidated and resharded as it is; ``accelerator.load_state`` at 3 ranks resumes from it."""
+    skip_beyond_devices(3)
+    ref, moved, resumed = tmp_path / "ref", tmp_path / "moved", tmp_path / "resumed"
+    run_job("accelerate_resume.py", 2, ref, stage, 5, 3)
+    state = ref / "state"
+    report = json.loads(run_cli("inspect", state, "--json").stdout)
+    assert (report["tag"], report["zero_stage"], report["world_size"], report["problems"]) == ("pytorch_model", stage, 2, [])
+    assert run_cli("consolidate", state, tmp_path / "m.safetensors", "-q").returncode == 0
+    assert run_cli("diff", state, tmp_path / "m.safetensors").returncode == 0
+    proc = run_cli("reshard", state, moved, "-w", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert {"scheduler.bin", "random_states_0.pkl", "random_states_1.pkl", "random_states_2.pkl"} <= {
+        p.name for p in moved.iterdir()}
+
+    run_job("accelerate_resume.py", 3, resumed, stage, 5, 3, moved)
+    before, after = (json.loads((d / "log.json").read_text())["log"] for d in (ref, resumed))
+    assert [e["step"] for e in after] == [4, 5]
+    for a, b in zip(before[3:], after):
+        assert a["lr"] == b["lr"] and abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    assert run_cli("diff", state, resumed / "as_loaded", "--optimizer").returncode == 0  # masters and moments
+    original = universal(state / "pytorch_model", tmp_path / "u_original")
+    loaded = universal(resumed / "as_loaded" / "as_loaded", tmp_path / "u_loaded")
+    assert universal_differences(original, loaded) == []
