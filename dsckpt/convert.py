@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CorruptFileError, OutputError, VerificationError
-from .formats import metadata as M
+from .formats import metadata as M, peft
 from .io.output import TEMP_MARK, check_output, staged
 from .plan.consolidate import Plan, TensorPlan, build_plan
 from .zero.layout import require_contained
@@ -36,7 +36,7 @@ DEFAULT_SHARD = "5GB"
 @dataclass(frozen=True)
 class Result:
     out: Path
-    form: str  # "safetensors" | "torch" | "sharded"
+    form: str  # a registered format's name: "safetensors", "torch", "sharded", "hf", "peft", "lightning"
     tensors: int
     nbytes: int
     files: tuple[str, ...]
@@ -76,9 +76,18 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     ckpt = open_checkpoint(checkpoint, tag)
     if not trust:
         require_contained(ckpt.layout)
+    adapter = form == "hf" and config is None and peft.adapter_config(ckpt.layout.root)
+    if adapter:  # a PEFT run: the adapter is the model to export (its base weights were never saved)
+        fmt, form, exclude_frozen = by_name("peft"), "peft", True
     plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, strip_prefixes=tuple(strip_prefixes))
     out = Path(out)
     options = {"max_shard_bytes": parse_size(max_shard_size)}
+    if adapter:
+        from .formats.hf import find_companions
+
+        plan = peft.adapter_plan(plan, ckpt.layout.root)
+        options["adapter_config"] = adapter
+        options["hf_companions"] = find_companions(ckpt.layout.root, adapter, trust)  # the tokenizer files
     if form == "hf":
         from .formats.hf import find_companions, ties_embeddings
 

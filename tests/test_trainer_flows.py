@@ -112,3 +112,30 @@ def test_accelerate_load_state_resumes_a_resharded_save_state(stage, tmp_path):
     original = universal(state / "pytorch_model", tmp_path / "u_original")
     loaded = universal(resumed / "as_loaded" / "as_loaded", tmp_path / "u_loaded")
     assert universal_differences(original, loaded) == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
+    """HF Trainer + LoRA + DeepSpeed saves the adapter's shards (exclude_frozen_parameters) with
+    adapter_config.json beside them: consolidate --hf writes what PeftModel.from_pretrained loads."""
+    peft = pytest.importorskip("peft")
+    sys.path.insert(0, str(Path(__file__).parent / "jobs"))
+    from hf_trainer import model_config
+    from transformers import LlamaForCausalLM
+
+    run = tmp_path / "run"
+    run_job("hf_peft.py", 2, run, stage)
+    ckpt = run / "checkpoint-3"
+    (ckpt / "adapter_model.safetensors").unlink()  # the Trainer's own copy: dsckpt's must stand alone
+    proc = run_cli("consolidate", ckpt, tmp_path / "adapter", "--hf", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["form"] == "peft"
+    torch.manual_seed(11)
+    base = LlamaForCausalLM(model_config())  # the frozen base: the same initialisation the run started from
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    live = torch.load(run / "live.pt", weights_only=True)
+    loaded = peft.get_peft_model_state_dict(model)
+    assert loaded.keys() == live["adapter"].keys() and all(torch.equal(loaded[k], live["adapter"][k]) for k in loaded)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=live["probe"]).logits.float(), live["logits"])

@@ -41,6 +41,26 @@ def _write_hf(plan, folder: Path, options: dict, progress) -> list[str]:
                                                    dtypes.pop() if len(dtypes) == 1 else "F32")
 
 
+def _write_peft(plan, folder: Path, options: dict, progress) -> list[str]:
+    """A folder ``PeftModel.from_pretrained`` loads: adapter_model.safetensors + adapter_config.json (+ tokenizer)."""
+    import shutil
+
+    from ..formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from .writer import write_safetensors
+
+    write_safetensors(list(plan.tensors), folder / ADAPTER_WEIGHTS, plan.metadata, progress)
+    shutil.copyfile(options["adapter_config"], folder / ADAPTER_CONFIG)
+    for path in options["hf_companions"].others:
+        shutil.copyfile(path, folder / path.name)
+    return [ADAPTER_WEIGHTS, ADAPTER_CONFIG] + [p.name for p in options["hf_companions"].others]
+
+
+def _read_peft(path: Path) -> Listing:
+    from ..formats.peft import ADAPTER_WEIGHTS
+
+    return _read_safetensors(path / ADAPTER_WEIGHTS if path.is_dir() else path)
+
+
 def _read_sharded(path: Path) -> Listing:
     index = path if path.is_file() else next(path.glob("*.index.json"), None)
     if index is None:
@@ -116,4 +136,5 @@ register(Format("safetensors", (".safetensors",), False, _write_safetensors, _re
 register(Format("torch", (".pt", ".pth", ".bin"), False, _write_torch, _read_torch))
 register(Format("sharded", ("",), True, _write_sharded, _read_sharded))
 register(Format("hf", (), True, _write_hf, _read_sharded))  # chosen by name (consolidate --hf), never by suffix
+register(Format("peft", (), True, _write_peft, _read_peft))  # --hf when adapter_config.json is beside the checkpoint
 register(Format("lightning", (".ckpt",), False, _write_lightning, _read_torch, accepts=(".pt", ".pth")))

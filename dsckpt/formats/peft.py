@@ -1,0 +1,45 @@
+"""PEFT adapters: what ``PeftModel.from_pretrained(base, folder)`` reads.
+
+A PEFT run's ``checkpoint-N`` (HF Trainer + LoRA under DeepSpeed) holds the engine's shards - saved with
+``exclude_frozen_parameters=True``, so only the adapter's tensors, under the wrapped model's names
+(``base_model.model.….q_proj.lora_A.default.weight``) - and ``adapter_config.json`` beside them.
+``consolidate --hf`` then writes the folder PEFT's ``save_pretrained`` would: ``adapter_model.safetensors``
+with PEFT's names (the adapter name dropped, as ``get_peft_model_state_dict`` does) and the config.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..plan.consolidate import Plan, TensorPlan
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# `<module>.lora_A.<adapter>.weight`, `<module>.modules_to_save.<adapter>.weight`, ...: the adapter's own
+# tensors, with the adapter name as the segment after the tuner's (PEFT strips ".<adapter>" on save).
+ADAPTER_TENSOR = re.compile(r"\.(lora_[A-Za-z_]+|modules_to_save|lora_magnitude_vector)\.(?P<adapter>[^.]+)\.")
+
+
+def adapter_config(root: Path) -> Path | None:
+    path = Path(root) / ADAPTER_CONFIG
+    return path if path.is_file() else None
+
+
+def adapter_plan(plan: Plan, source: Path) -> Plan:
+    """The plan's adapter tensors under PEFT's saved names; anything else (base weights) is left out."""
+    tensors, adapters = [], set()
+    for t in plan.tensors:
+        match = ADAPTER_TENSOR.search(t.name)
+        if match:
+            adapters.add(match.group("adapter"))
+            name = t.name[:match.start("adapter") - 1] + t.name[match.end("adapter"):]
+            tensors.append(TensorPlan(name, t.shape, t.src_dtype, t.dtype, t.kind, t.pieces))
+    if not tensors:
+        raise ConfigError(f"{source}: has {ADAPTER_CONFIG} but the checkpoint holds no adapter tensors "
+                          "(names with lora_A/lora_B/modules_to_save)",
+                          hint="for the full model, pass --config PATH/config.json")
+    if len(adapters) > 1:
+        raise ConfigError(f"{source}: holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); "
+                          "PEFT's folder holds one")
+    return Plan(tuple(tensors), {}, dict(plan.metadata))
