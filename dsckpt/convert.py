@@ -89,9 +89,10 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         options["adapter_config"] = adapter
         options["hf_companions"] = find_companions(ckpt.layout.root, adapter, trust)  # the tokenizer files
     if form == "hf":
-        from .formats.hf import find_companions, ties_embeddings
+        from .formats.hf import check_config_fits, find_companions, ties_embeddings
 
         options["hf_companions"] = find_companions(ckpt.layout.root, config, trust)  # no config: refused now
+        check_config_fits(options["hf_companions"].config, {t.name: t.shape for t in plan.tensors}, plan.aliases)
         if not ties_embeddings(options["hf_companions"]):
             duplicate_tied = True  # the config unties the head: transformers wants both names stored
     lightning_notes: list[str] = []

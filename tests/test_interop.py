@@ -79,6 +79,24 @@ def test_hf_export_needs_a_config(tmp_path):
     assert "head.weight" in index["weight_map"]  # the config unties the head: both names stored
 
 
+def test_hf_export_refuses_a_config_of_another_model(hf_run, tmp_path):
+    """A config.json that does not describe the weights would give a folder from_pretrained loads with missing
+    keys: refused by name, nothing written (the Llama run of tests/jobs/hf_trainer.py)."""
+    ckpt = hf_run / "checkpoint-3"
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2,
+                                "n_embd": 36, "n_head": 3, "vocab_size": 97, "n_positions": 32}))
+    proc = run_cli("consolidate", ckpt, tmp_path / "wrong", "--hf", "--config", gpt2)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "(GPT2LMHeadModel): does not describe these weights" in proc.stderr and "missing, e.g. 'lm_head.weight'" not in proc.stderr
+    assert "missing" in proc.stderr and "unexpected" in proc.stderr and not (tmp_path / "wrong").exists()
+    deeper = json.loads((ckpt / "config.json").read_text())
+    deeper["num_hidden_layers"] = 3  # the right architecture, one layer too many
+    (tmp_path / "deeper.json").write_text(json.dumps(deeper))
+    proc = run_cli("consolidate", ckpt, tmp_path / "wrong", "--hf", "--config", tmp_path / "deeper.json")
+    assert proc.returncode == 2 and "missing, e.g. 'model.layers.2." in proc.stderr, proc.stderr
+
+
 def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
     report = json.loads(run_cli("inspect", hf_run / "checkpoint-3", "--json").stdout)
     state = report["trainer_state"]

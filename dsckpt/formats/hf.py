@@ -87,6 +87,73 @@ def write_companions(companions: Companions, folder: Path, weights_dtype: str) -
     return [CONFIG] + [p.name for p in companions.others]
 
 
+def check_config_fits(config_path: Path, names_shapes: dict[str, tuple[int, ...]], aliases: dict[str, str]) -> None:
+    """Refuse a config whose model does not match the weights (another architecture's ``config.json``):
+    ``from_pretrained`` would build it and report missing keys, or fail on shapes.
+
+    With transformers importable (it is wherever the export gets loaded), the model the config describes is
+    built on the meta device and its state dict compared name for name and shape for shape; tied names
+    may be absent.  Without it, the config's layer count and vocabulary are checked against the names.
+    """
+    config = read_json(config_path)
+    try:
+        expected, tied = _meta_state(config)
+    except ImportError:
+        expected, tied = None, set()
+    where = f"{config_path} ({', '.join(config.get('architectures') or [str(config.get('model_type'))])})"
+    if expected is None:
+        _check_counts(config, names_shapes, where)
+        return
+    present = set(names_shapes) | set(aliases)
+    missing = sorted(n for n in expected if n not in present and n not in tied)
+    unexpected = sorted(n for n in names_shapes if n not in expected)
+    shapes = sorted(n for n in names_shapes if n in expected and tuple(expected[n]) != tuple(names_shapes[n]))
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {k}, e.g. {v[0]!r}" for k, v in (("missing", missing), ("unexpected", unexpected),
+                                                            ("of another shape", shapes)) if v]
+        raise ConfigError(f"{where}: does not describe these weights ({'; '.join(parts)})",
+                          hint="pass the config.json the model was built from (--strip-prefix for a wrapper's prefix)")
+
+
+def _meta_state(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]] | None, set[str]]:
+    """Names and shapes of the model ``config`` describes, built on the meta device (no memory), and the
+    names that are tied to another; None when transformers does not know the architecture."""
+    import torch
+    import transformers
+
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        return None, set()
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    try:
+        cfg = transformers.AutoConfig.for_model(**kwargs)
+        with torch.device("meta"):
+            model = cls(cfg)
+    except Exception:  # an unusual config this transformers cannot build: fall back to the counts
+        return None, set()
+    seen, tied = {}, set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.setdefault(id(param), name)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, tied
+
+
+def _check_counts(config: dict[str, Any], names_shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    import re
+
+    layers = {int(m.group(1)) for n in names_shapes for m in [re.search(r"\.(?:layers|h|layer|blocks)\.(\d+)\.", n)] if m}
+    want = config.get("num_hidden_layers", config.get("n_layer"))
+    if isinstance(want, int) and layers and len(layers) != want:
+        raise ConfigError(f"{where}: says {want} layers, the weights hold {len(layers)}",
+                          hint="pass the config.json the model was built from")
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and not any(vocab in shape for shape in names_shapes.values()):
+        raise ConfigError(f"{where}: says a vocabulary of {vocab}, and no tensor of the weights has that size",
+                          hint="pass the config.json the model was built from")
+
+
 def trainer_summary(root: Path) -> dict[str, Any] | None:
     """``trainer_state.json``'s global step, epoch and last logged loss, if the folder has one."""
     path = Path(root) / TRAINER_STATE
