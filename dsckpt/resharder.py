@@ -34,7 +34,8 @@ from .io.torch_writer import write_archive
 from .io.positional import pread_exact
 from .io.writer import SourceFiles
 from .plan.consolidate import Piece
-from .plan.reshard import ReshardPlan, Zeros, build_reshard_plan
+from .plan.reshard import ReshardPlan, Zeros
+from .plan.restage import build_restage_plan
 from .zero import layout as L
 from .zero.reader import open_checkpoint
 
@@ -51,13 +52,15 @@ class ReshardResult:
     files: tuple[str, ...]  # final paths
     nbytes: int
     notes: tuple[str, ...] = ()
+    source_stage: int | None = None
 
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            force: bool = False, fsync: bool = True, trust: bool = False,
+            stage: int | None = None, force: bool = False, fsync: bool = True, trust: bool = False,
             progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ReshardResult:
-    """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` into ``out_dir``.
+    """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
+    its own: ``plan.restage``) into ``out_dir``.
 
     ``trust``: copy pickled objects of any class as recorded and follow links out of the checkpoint
     (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).
@@ -65,7 +68,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     ckpt = open_checkpoint(checkpoint, tag)
     if not trust:
         L.require_contained(ckpt.layout)
-    plan = build_reshard_plan(ckpt, world_size)
+    plan = build_restage_plan(ckpt, world_size, stage)
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
                                                   world_size, trust)
@@ -84,7 +87,8 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         _check_written(tmp, plan)
     files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
     files += tuple(str(out / copy.name) for copy in companions)
-    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes)
+    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes,
+                         ckpt.zero_stage)
 
 
 def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardPlan, tuple[str, ...]]:

@@ -206,6 +206,59 @@ def test_consolidated_result_of_the_resharded_equals_the_original(oracle):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# --- change of ZeRO stage (reshard --stage S): the same oracle, loaded into a ZeRO-S engine ----------------
+RESTAGE = [(1, 2), (2, 1), (1, 3), (2, 3)]  # 2 -> 3 ranks; 3 -> 1/2 is refused (test below)
+
+
+@pytest.fixture(scope="module")
+def restaged(oracle):
+    """The ws-2 runs of ``oracle`` resharded to 3 ranks at another stage, loaded by stock DeepSpeed there."""
+    combos = []
+    for old, new in RESTAGE:
+        for precision in ("32", "bf16"):
+            if precision not in _capabilities():
+                continue
+            folder = oracle[2] / f"z{old}_{precision}"
+            proc = run_cli("reshard", folder / "ckpt", folder / f"ws3_s{new}", "-w", 3, "--stage", new, "-q", "--no-fsync")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            combos.append(f"{old}>{new}:{precision}")
+    run_job("reshard_oracle.py", 3, "load", oracle[2], ",".join(combos), STEPS, timeout=400)
+    return oracle[2]
+
+
+@pytest.mark.parametrize("old, new", RESTAGE)
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_stock_deepspeed_at_another_stage_restores_every_state(restaged, old, new, precision):
+    if precision not in _capabilities():
+        pytest.skip(f"precision {precision!r} is not supported here")
+    folder = restaged / f"z{old}_{precision}"
+    before = torch.load(folder / "before.pt", weights_only=False)  # written by this test's own job
+    after = torch.load(folder / f"after_ws3_s{new}.pt", weights_only=False)
+    assert _equal(before["masters"], after["masters"]) == []  # safe_get_full_fp32_param, now at ZeRO-{new}
+    assert _equal(before["moments"], after["moments"]) == []  # exp_avg, exp_avg_sq
+    assert _equal(before["module"], after["module"]) == []  # 16-bit weights, frozen layer, buffers
+    for key in ("steps", "scheduler", "loss_scale", "global_steps", "skipped_steps", "global_samples", "hyperparams"):
+        assert after[key] == before[key], key
+    assert after["client"]["note"] == "resharded"
+    tol = CONTINUATION_TOLERANCE[precision]
+    for want, got in zip(before["after"]["losses"], after["after"]["losses"]):
+        assert abs(got - want) <= tol["loss"] * abs(want), (want, got)
+    ours, native = folder / f"ws3_s{new}" / f"step{STEPS}", folder / f"native_ws3_s{new}" / f"step{STEPS}"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(native))  # DeepSpeed's own save at ZeRO-{new}: same files
+    src = open_checkpoint(folder / "ckpt")
+    from dsckpt.plan.restage import build_restage_plan
+
+    planned = {f.name: f.tree for f in build_restage_plan(src, 3, new).files}
+    for name in sorted(os.listdir(ours)):
+        assert tree_differences(TorchFile(ours / name).obj, TorchFile(native / name).obj, name, planned[name]) == []
+
+
+def test_stage3_to_stage12_is_refused_with_the_way_round(tmp_path):
+    proc = run_cli("reshard", FIXTURES / "z3_ws2_fp32", tmp_path / "z2", "-w", 2, "--stage", 2)
+    assert proc.returncode == 2 and "ZeRO-3 -> ZeRO-2 is not supported" in proc.stderr and "--full-weights" in proc.stderr
+    assert not (tmp_path / "z2").exists()
+
+
 # --- without DeepSpeed: the committed fixtures ------------------------------------------------------
 RESHARDABLE = [n for n in sorted(os.listdir(FIXTURES)) if n[:2] in ("z1", "z2", "z3") and "cuda" not in n]
 

@@ -7,6 +7,9 @@ the uninterrupted run's learning rates exactly and its losses to reduction-order
 loaded (saved by the engine itself before the first step) must equal the original's bit for bit, read
 by DeepSpeed's own ``ds_to_universal`` on both sides.
 
+The same across a change of ZeRO stage: ``reshard --stage 3`` of a ZeRO-2 run, resumed by a Trainer whose
+DeepSpeed config says stage 3.
+
 Accelerate: ``accelerator.save_state`` with a DeepSpeed plugin on 2 ranks, ``dsckpt reshard`` of that folder,
 ``accelerator.load_state`` on 3 ranks: the same three checks.
 """
@@ -38,30 +41,34 @@ def universal(tag_dir: Path, out: Path) -> Path:
 
 
 def universal_differences(a: Path, b: Path) -> list[str]:
-    names = sorted(p.name for p in a.iterdir() if p.is_dir())
-    assert names == sorted(p.name for p in b.iterdir() if p.is_dir())
+    """Tensor by tensor, over the parameters both sides list.  One side may list a tied alias the other does
+    not (ds_to_universal writes ``lm_head.weight`` for a ZeRO-2 save, not for ZeRO-3): such an entry holds
+    the fp32 value only, no optimizer state."""
+    side_a, side_b = ({p.name for p in d.iterdir() if p.is_dir()} for d in (a, b))
+    for extra, where in ((side_a - side_b, a), (side_b - side_a, b)):
+        assert all(not (where / n / "exp_avg.pt").exists() for n in extra), extra
+    names = sorted(side_a & side_b)
+    assert len(names) >= len(side_a | side_b) - 2
     differences = []
     for name in names:
         for state in sorted(p.name for p in (a / name).glob("*.pt")):
-            x, y = (torch.load(side / name / state, weights_only=True) for side in (a, b))
-            if isinstance(x, dict):  # {"param": tensor, "cat_dim": ...} (0.19.8 writes this for fp32/moments)
-                x, y, same = x["param"], y["param"], {k: v for k, v in x.items() if k != "param"} == {
-                    k: v for k, v in y.items() if k != "param"}
-            else:
-                same = True
-            if not (same and x.dtype == y.dtype and torch.equal(x, y)):
+            # a tensor, or {"param": tensor, "cat_dim": 0} (0.19.8 writes this from ZeRO-1/2 saves, not ZeRO-3)
+            x, y = (v["param"] if isinstance(v, dict) else v
+                    for v in (torch.load(side / name / state, weights_only=True) for side in (a, b)))
+            if not (x.dtype == y.dtype and torch.equal(x, y)):
                 differences.append(f"{name}/{state}")
     return differences
 
 
-@pytest.mark.parametrize("stage,precision", [(s, p) for p in ("32", "bf16") for s in (1, 2, 3)])
-def test_hf_trainer_resumes_a_resharded_checkpoint(stage, precision, tmp_path):
+@pytest.mark.parametrize("stage,new_stage,precision", [(s, s, p) for p in ("32", "bf16") for s in (1, 2, 3)]
+                         + [(2, 3, "32"), (1, 2, "bf16")])  # and across a change of stage (reshard --stage)
+def test_hf_trainer_resumes_a_resharded_checkpoint(stage, new_stage, precision, tmp_path):
     if precision == "bf16":
         skip_unless_supported("bf16")
     skip_beyond_devices(3)
     ref, moved, resumed = tmp_path / "ref", tmp_path / "moved", tmp_path / "resumed"
     run_job("hf_resume.py", 2, ref, stage, precision, MAX_STEPS, SAVE_AT)
-    proc = run_cli("reshard", ref / f"checkpoint-{SAVE_AT}", moved, "-w", "3", "--json")
+    proc = run_cli("reshard", ref / f"checkpoint-{SAVE_AT}", moved, "-w", "3", "--stage", new_stage, "--json")
     assert proc.returncode == 0, proc.stderr
     notes = json.loads(proc.stdout)["notes"]
     assert any("rng_state_{rank}.pth: ranks 2 <- 0" in n for n in notes)  # the new rank's RNG file, said so
@@ -71,7 +78,8 @@ def test_hf_trainer_resumes_a_resharded_checkpoint(stage, precision, tmp_path):
         assert (moved / name).is_file(), name
     assert json.loads((moved / "trainer_state.json").read_text())["global_step"] == SAVE_AT
 
-    run_job("hf_resume.py", 3, resumed, stage, precision, MAX_STEPS, SAVE_AT, moved)
+    assert json.loads(proc.stdout)["stage"] == new_stage
+    run_job("hf_resume.py", 3, resumed, new_stage, precision, MAX_STEPS, SAVE_AT, moved)  # its config: the new stage
     before, after = (json.loads((d / "log.json").read_text()) for d in (ref, resumed))
     assert after["start_step"] == SAVE_AT and after["world_size"] == 3
     steps = lambda log: {e["step"]: e for e in log["history"] if "loss" in e}
@@ -100,8 +108,12 @@ def test_accelerate_load_state_resumes_a_resharded_save_state(stage, tmp_path):
     assert run_cli("diff", state, tmp_path / "m.safetensors").returncode == 0
     proc = run_cli("reshard", state, moved, "-w", "3", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert {"scheduler.bin", "random_states_0.pkl", "random_states_1.pkl", "random_states_2.pkl"} <= {
-        p.name for p in moved.iterdir()}
+    names = {p.name for p in moved.iterdir()}
+    assert "scheduler.bin" in names
+    # On CPU ranks Accelerate believes every rank is process 0: all of them write random_states_0.pkl at once,
+    # and now and then the file comes out a broken zip (seen here).  Carried for every rank, or named as left out:
+    assert {f"random_states_{r}.pkl" for r in range(3)} <= names or \
+        "random_states_0.pkl (one per rank) left out: not readable as a pickle" in proc.stderr, proc.stderr
 
     run_job("accelerate_resume.py", 3, resumed, stage, 5, 3, moved)
     before, after = (json.loads((d / "log.json").read_text())["log"] for d in (ref, resumed))

@@ -14,6 +14,8 @@ from .options import TRUST_HELP
 @click.argument("out_dir", type=click.Path())
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(min=1), required=True,
               help="Data-parallel ranks the resumed job will run on.")
+@click.option("--stage", type=click.IntRange(1, 3), default=None,
+              help="ZeRO stage of OUT_DIR (default: the checkpoint's): 1 <-> 2, and 1/2 -> 3.")
 @click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")
@@ -21,9 +23,9 @@ from .options import TRUST_HELP
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, trust_checkpoint, no_fsync, quiet,
+def reshard(checkpoint: str, out_dir: str, world_size: int, stage, tag, force, trust_checkpoint, no_fsync, quiet,
             as_json) -> None:
-    """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks.
+    """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks (and --stage).
 
     OUT_DIR is a native DeepSpeed checkpoint (`latest` + one tag): a plain
     `engine.load_checkpoint(OUT_DIR)` at the new world size restores weights, fp32 masters, Adam
@@ -37,6 +39,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, trust_ch
     Examples:
       dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
       dsckpt reshard runs/demo runs/demo_ws1 -w 1 --tag step20 --json
+      dsckpt reshard out/checkpoint-500 out/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5     (the same, then training on)
     """
     from tqdm import tqdm
@@ -49,15 +52,17 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, tag, force, trust_ch
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        result = run(checkpoint, out_dir, world_size, tag=tag, force=force, fsync=not no_fsync,
+        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, force=force, fsync=not no_fsync,
                      trust=trust_checkpoint, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json_document(out=str(result.out), tag=result.tag, stage=result.stage,
+        click.echo(json_document(out=str(result.out), tag=result.tag, source_stage=result.source_stage, stage=result.stage,
                                  source_world_size=result.source_world_size, world_size=result.world_size,
                                  files=list(result.files), bytes=result.nbytes, notes=list(result.notes)))
     else:
-        click.echo(f"wrote {result.out} (ZeRO-{result.stage}, tag {result.tag}, world size "
+        moved = f"ZeRO-{result.source_stage} -> ZeRO-{result.stage}" if result.source_stage != result.stage \
+            else f"ZeRO-{result.stage}"
+        click.echo(f"wrote {result.out} ({moved}, tag {result.tag}, world size "
                    f"{result.source_world_size} -> {result.world_size}, {len(result.files)} files, "
                    f"{result.nbytes:,} bytes)")

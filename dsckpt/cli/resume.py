@@ -19,8 +19,9 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
-@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size: rewrite it for this one first "
-              "(optimizer state kept; across ZeRO stages: its consolidated weights, optimizer fresh).")
+@click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size or (with --stage) ZeRO stage: rewrite "
+              "it for this run first (optimizer state kept for 1<->2 and 1/2->3; otherwise its consolidated weights, "
+              "optimizer fresh).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
                    "Default: refuse classes beyond DeepSpeed's own.")
@@ -34,6 +35,7 @@ def resume(nproc: int, **kwargs) -> None:
       dsckpt resume --full-weights model.safetensors --nproc 3 --stage 3 --steps 10 --save-dir runs/ws3
       dsckpt resume --full-weights model.safetensors --nproc 2 --check
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5
+      dsckpt resume runs/z2 --nproc 3 --reshard --stage 3 --steps 5      (ZeRO-2 -> ZeRO-3, optimizer kept)
     Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
     optimizer moments start fresh; the client state comes from the sidecar.  A sharded CHECKPOINT
     resumes at its own ZeRO stage unless --stage, --preset or --config say otherwise.

@@ -49,7 +49,7 @@ def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None
                         strip_prefixes: tuple[str, ...], skip_client: bool = False) -> Position | None:
     stats = load_full_weights(trainer.engine, weights, strict=strict, strip_prefixes=strip_prefixes)
     if eng.rank() == 0:
-        console.info("note: a full-weights file holds no optimizer moments: Adam state starts fresh")
+        console.note("a full-weights file holds no optimizer moments: Adam state starts fresh")
     found = None if skip_client or eng.rank() != 0 else read_client_state(Path(weights), client_state)
     client, source = broadcast_object(found) or (None, None)
     pos = trainer.restore(client) if client is not None else None
@@ -67,7 +67,7 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     from ..zero.reader import open_checkpoint
 
     ckpt = open_checkpoint(ckpt_dir, tag=tag)  # read once: metadata for every step below
-    if ckpt.world_size != eng.world_size():
+    if ckpt.world_size != eng.world_size() or (reshard and ckpt.zero_stage != trainer.runtime.stage):
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
             trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
         return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client, trust)
@@ -92,9 +92,9 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
                       skip_client: bool, trust: bool) -> Position | None:
     """Another world size, through one temp folder beside the checkpoint that rank 0 writes.
 
-    Same ZeRO stage (1-3): ``dsckpt reshard`` to this world size, then DeepSpeed's own load -
-    weights, fp32 masters, optimizer moments, scheduler and client state carry over.  Otherwise
-    (stage 0, or another stage than the checkpoint's): consolidated weights, the optimizer fresh.
+    What ``dsckpt reshard`` can move (same ZeRO stage 1-3, 1 <-> 2, 1/2 -> 3): reshard to this world size and
+    stage, then DeepSpeed's own load - weights, fp32 masters, optimizer moments, scheduler and client state
+    carry over.  Otherwise (stage 0, 3 -> 1/2): consolidated weights, the optimizer fresh.
     """
     import tempfile
 
@@ -102,26 +102,30 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     from ..resharder import reshard
     from ..zero.reader import open_checkpoint
 
-    keep_optimizer = ckpt.zero_stage in (1, 2, 3) and ckpt.zero_stage == trainer.runtime.stage
+    keep_optimizer = ckpt.zero_stage in (1, 2, 3) and (  # what reshard --stage can move (plan.restage)
+        ckpt.zero_stage == trainer.runtime.stage or (ckpt.zero_stage in (1, 2) and trainer.runtime.stage in (1, 2, 3)))
     beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(broadcast_object(str(tmp) if tmp else None))
     try:
         if eng.rank() == 0:
             if keep_optimizer:
-                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, fsync=False, trust=trust)
+                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, stage=trainer.runtime.stage, fsync=False,
+                        trust=trust)
             else:
                 consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False, trust=trust)
         if eng.world_size() > 1:
             dist.barrier()
         if keep_optimizer:
-            console.info(f"resharded ZeRO-{ckpt.zero_stage} from {ckpt.world_size} to {eng.world_size()} ranks: "
-                         "weights, optimizer state and client state carried over")
+            moved = f"ZeRO-{ckpt.zero_stage}" + (f" -> ZeRO-{trainer.runtime.stage}"
+                                                 if trainer.runtime.stage != ckpt.zero_stage else "")
+            console.note(f"resharded {moved} from {ckpt.world_size} to {eng.world_size()} ranks: weights, optimizer "
+                         "state and client state carried over")
             resharded = str(tmp / "ckpt")
             return _load_sharded(trainer, resharded, None, open_checkpoint(resharded), skip_client, trust,
                                  shown_as=ckpt_dir)
         why = "ZeRO-0" if ckpt.zero_stage == 0 else f"ZeRO-{ckpt.zero_stage} checkpoint, ZeRO-{trainer.runtime.stage} run"
-        console.info(f"resharding ({why}): weights loaded from a consolidated copy; optimizer moments start fresh")
+        console.note(f"resharding ({why}): weights loaded from a consolidated copy; optimizer moments start fresh")
         return resume_full_weights(trainer, str(tmp / "weights.safetensors"), None, strict, (), skip_client)
     finally:
         if eng.world_size() > 1:

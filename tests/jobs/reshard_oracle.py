@@ -7,6 +7,8 @@
   ``safe_get_full_fp32_param`` and Adam moments, the full state dict, the step counts, scheduler,
   loss scale and counters (ROOT/<combo>/before.pt), and take STEPS_AFTER more steps recording the
   losses and the masters after them (the uninterrupted run).
+A combo ``S>T:precision`` (load mode) is a change of stage: ROOT/zS_<precision>/ws<M>_sT, written by
+`dsckpt reshard --stage T`, loaded into a ZeRO-T engine; its records end in ``_sT``.
 ``load ROOT COMBOS STEPS`` (at world size M, after `dsckpt reshard ROOT/<combo>/ckpt ROOT/<combo>/ws<M>`):
   a fresh engine, stock ``engine.load_checkpoint`` (dsckpt's weights-only loader, DeepSpeed's four
   classes allowed), the same records (ROOT/<combo>/after_ws<M>.pt), DeepSpeed's own save of the
@@ -132,8 +134,10 @@ def main(mode: str, root: str, combos: str, steps: str) -> None:
     steps = int(steps)
     for combo in combos.split(","):
         stage, precision = combo.split(":")
+        stage, _, new_stage = stage.partition(">")  # "2>3": trained at ZeRO-2, resharded to and loaded at ZeRO-3
         folder = Path(root) / f"z{stage}_{precision}"
-        runtime = build(stage, precision)
+        suffix = f"_s{new_stage}" if new_stage else ""
+        runtime = build(new_stage or stage, precision)
         engine = runtime.engine
         if mode == "train":
             for i in range(steps):
@@ -145,14 +149,14 @@ def main(mode: str, root: str, combos: str, steps: str) -> None:
             if rank() == 0:
                 torch.save(before, folder / "before.pt")
         else:
-            client = runtime.load_checkpoint(folder / f"ws{world_size()}")
+            client = runtime.load_checkpoint(folder / f"ws{world_size()}{suffix}")
             loaded = record(engine)
             loaded["client"] = client
-            runtime.save_checkpoint(folder / f"native_ws{world_size()}", client, tag="step%d" % steps)
+            runtime.save_checkpoint(folder / f"native_ws{world_size()}{suffix}", client, tag="step%d" % steps)
             loaded["after"] = after_steps(engine, steps)
             loaded["world_size"] = world_size()
             if rank() == 0:
-                torch.save(loaded, folder / f"after_ws{world_size()}.pt")
+                torch.save(loaded, folder / f"after_ws{world_size()}{suffix}.pt")
         del runtime, engine
         gc.collect()
 

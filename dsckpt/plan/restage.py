@@ -1,0 +1,162 @@
+"""The reshard plan across ZeRO stages (``reshard --stage S``): users move from ZeRO-2 to ZeRO-3 when
+they scale up.  Pure bookkeeping, as ``plan.reshard``: per output file, the tree to pickle.
+
+* 1 <-> 2: the same files (DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` runs both and never reads back
+  the recorded stage): the plan at M with ``zero_stage`` and the config's stage rewritten.
+* 1/2 -> 3: the flat groups change layout - each parameter split on its own, padded to M
+  (``partitioning.stage3_group``) - so the files are built in stage 3's shape:
+  1. per param group, the source layout at N (stage 1/2, alignment paddings included) and the stage-3
+     layout at M, with one ZeRO-3 sub-group per param group (DeepSpeed's default ``sub_group_size`` of
+     1e9 elements; a group whose partition is larger would be cut, and is refused);
+  2. per rank, a model-states file: the source's client state and counters, buffers in full, every
+     parameter an empty placeholder, frozen parameters as their stage-3 partitions (read from the
+     16-bit ``module`` values), ``shared_params`` on rank 0 only;
+  3. per rank, an optimizer file: ``fp32_flat_groups`` and every per-element optimizer state (Adam's
+     moments) in the stage-3 layout, the torch optimizer's ``param_groups`` and scalar state, the
+     loss scaler, ``partition_count`` M.
+* 3 -> 1/2 is refused (it needs the 16-bit module rebuilt from the masters): consolidate and
+  ``resume --full-weights`` do that move, with a fresh optimizer.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+from ..errors import UnsupportedCheckpointError
+from ..formats.pickle_policy import Opaque, TensorRef, TorchSize
+from ..formats.pickle_writer import NewTensor
+from ..zero import layout as L
+from ..zero.partitioning import stage3_group
+from ..zero.reader import Checkpoint
+from .consolidate import FlatSpace
+from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, _check_reshardable, _copy,
+                      _new_tensor, _stage12_groups, _state_tensor, build_reshard_plan, partition_segments)
+
+
+def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = None) -> ReshardPlan:
+    """The plan for ``ckpt`` at data-parallel ``world_size`` and ZeRO ``stage`` (default: its own)."""
+    if stage is None or stage == ckpt.zero_stage:
+        return build_reshard_plan(ckpt, world_size)
+    where = ckpt.layout.tag_dir
+    if stage not in (1, 2, 3):
+        raise UnsupportedCheckpointError(f"--stage {stage}: reshard writes ZeRO stage 1, 2 or 3")
+    if ckpt.zero_stage in (1, 2) and stage in (1, 2):
+        plan = build_reshard_plan(ckpt, world_size)
+        files = tuple(replace(f, tree=_with_frozen_records(ckpt, _with_stage(f.tree, stage), stage)
+                              if f.name.endswith(L.MODEL_STATES_SUFFIX) else _with_stage(f.tree, stage))
+                      for f in plan.files)
+        return replace(plan, stage=stage, files=files)
+    if ckpt.zero_stage in (1, 2) and stage == 3:
+        return _to_stage3(ckpt, world_size)
+    raise UnsupportedCheckpointError(
+        f"{where}: ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported (stage 3 keeps no 16-bit weights to "
+        "rebuild the stage-1/2 module from)", hint="dsckpt consolidate, then dsckpt resume --full-weights at the "
+                                                   "new stage (the optimizer starts fresh)")
+
+
+def _with_stage(tree: Any, stage: int) -> Any:
+    """A file's tree with the recorded stage (optimizer ``zero_stage``, ``ds_config``) saying ``stage``."""
+    tree = _copy(tree)
+    osd = tree.get(L.OPTIMIZER_STATE_DICT)
+    if isinstance(osd, dict) and isinstance(osd.get(L.ZERO_STAGE), Opaque):
+        osd[L.ZERO_STAGE] = type(osd[L.ZERO_STAGE])(stage)  # ZeroStageEnum(stage), recorded as REDUCE
+    config = tree.get(L.DS_CONFIG)
+    if isinstance(config, dict) and isinstance(config.get("zero_optimization"), dict):
+        config["zero_optimization"]["stage"] = stage
+    return tree
+
+
+def _with_frozen_records(ckpt: Checkpoint, tree: Any, stage: int) -> Any:
+    """Stage 1 records frozen parameters in ``module`` only; stage 2 also as ``frozen_param_shapes`` and
+    ``frozen_param_fragments`` (the full values, the module's own tensors) - as DeepSpeed saves each."""
+    module = tree[L.MODULE]
+    frozen = [n for n in ckpt.frozen if isinstance(module.get(n), TensorRef)]
+    if stage == 1 or not frozen:
+        tree[L.FROZEN_PARAM_SHAPES] = tree[L.FROZEN_PARAM_FRAGMENTS] = None
+    else:
+        tree[L.FROZEN_PARAM_SHAPES] = OrderedDict((n, TorchSize(module[n].shape)) for n in frozen)
+        tree[L.FROZEN_PARAM_FRAGMENTS] = OrderedDict((n, module[n]) for n in frozen)
+    return tree
+
+
+# --- 1/2 -> 3 ------------------------------------------------------------------------------------
+def _to_stage3(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
+    ckpt.require_complete()
+    _check_reshardable(ckpt, world_size)
+    moves = [GroupMove(m.names, m.source, stage3_group([math.prod(ckpt.trainable[n]) for n in m.names], world_size))
+             for m in _stage12_groups(ckpt, world_size)]
+    for g, move in enumerate(moves):
+        if move.target.partition_numel > DEFAULT_SUB_GROUP_SIZE:
+            raise UnsupportedCheckpointError(
+                f"{ckpt.layout.tag_dir}: param group {g} would hold {move.target.partition_numel:,} elements per "
+                f"rank, more than one ZeRO-3 sub-group ({DEFAULT_SUB_GROUP_SIZE:,}); not supported yet")
+    files = [_stage3_model_file(ckpt, world_size, r) for r in range(world_size)]
+    files += [_stage3_optim_file(ckpt, moves, world_size, r) for r in range(world_size)]
+    return ReshardPlan(3, ckpt.world_size, world_size, ckpt.layout.tag, tuple(moves), tuple(files))
+
+
+def _placeholder(ref: TensorRef) -> NewTensor:
+    """What a ZeRO-3 save holds for a parameter in ``module``: an empty tensor of its dtype."""
+    return NewTensor(ref.dtype, (0,), (), ref.requires_grad, ref.storage.location)
+
+
+def _stage3_model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
+    source = ckpt.model_files[0]
+    tree = _with_stage(source.obj, 3)
+    module = tree[L.MODULE]
+    buffers = set(tree.get(L.BUFFER_NAMES) or ())
+    tree[L.MODULE] = type(module)((n, v if n in buffers or not isinstance(v, TensorRef) else _placeholder(v))
+                                  for n, v in module.items())
+    tree[L.FROZEN_PARAM_SHAPES] = OrderedDict((n, TorchSize(s)) for n, s in ckpt.frozen.items()) if ckpt.frozen \
+        else tree.get(L.FROZEN_PARAM_SHAPES)
+    tree[L.FROZEN_PARAM_FRAGMENTS] = OrderedDict(
+        (n, _frozen_partition(ckpt, module[n], n, world_size, rank)) for n in ckpt.frozen) if ckpt.frozen else None
+    if rank:
+        tree[L.SHARED_PARAMS] = {}  # DeepSpeed records the ties in rank 0's file only
+    tree[L.DP_WORLD_SIZE] = world_size
+    return OutputFile(f"zero_pp_rank_{rank}_mp_rank_00{L.MODEL_STATES_SUFFIX}", source.path, tree)
+
+
+def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: int, rank: int) -> NewTensor:
+    """Rank ``rank``'s stage-3 part of a frozen parameter, from its full 16-bit value in ``module``."""
+    n = math.prod(ckpt.frozen[name])
+    move = GroupMove((name,), stage3_group([n], 1), stage3_group([n], world_size))
+    where = f"{ckpt.layout.tag_dir}: frozen {name!r}"
+    return _new_tensor(full, move.target.partition_numel,
+                       partition_segments(move, rank, [FlatSpace([full])], move.target.partition_numel, where))
+
+
+def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank: int) -> OutputFile:
+    template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
+    osd = _copy(template.obj[L.OPTIMIZER_STATE_DICT])
+    torch_state = osd[L.BASE_OPTIMIZER_STATE]
+    flats, state = [], {}
+    for g, move in enumerate(moves):
+        where = f"{ckpt.layout.tag_dir}: group {g}"
+        length = move.target.partition_numel
+        spaces = [FlatSpace([rs.groups[g].fp32]) for rs in ckpt.optimizer_states]
+        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length,
+                                 partition_segments(move, rank, spaces, length, where)))
+        group_state = dict(torch_state.get("state", {}).get(g) or {})
+        for key, value in list(group_state.items()):
+            if isinstance(value, TensorRef) and value.numel > 1:  # per element (Adam's moments); scalars kept
+                per_rank = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
+                group_state[key] = _new_tensor(value, length, partition_segments(move, rank, per_rank, length,
+                                                                                 f"{where} {key}"))
+        if group_state:
+            state[g] = group_state
+    stage3 = {  # the keys and order of DeepSpeed 0.19.8's stage-3 optimizer state_dict
+        L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(3),
+        "loss_scaler": osd["loss_scaler"],
+        "dynamic_loss_scale": osd["dynamic_loss_scale"],
+        "overflow": osd["overflow"],
+        L.PARTITION_COUNT: world_size,
+        L.OPTIMIZER_STATE_DICT: {"state": state, "param_groups": torch_state["param_groups"]},
+        L.FP32_FLAT_GROUPS: flats,
+    }
+    tree = _with_stage(template.obj, 3)
+    tree[L.OPTIMIZER_STATE_DICT] = stage3
+    prefix = "bf16_" if template.path.name.startswith("bf16_") else ""
+    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", template.path, tree)
