@@ -151,3 +151,64 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=live["probe"]).logits.float(), live["logits"])
+
+
+# --- Lightning ------------------------------------------------------------------------------------------
+def _lightning_ds_run(tmp_path_factory):
+    pytest.importorskip("lightning")
+    from conftest import _capabilities
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    import lightning as L
+    from lit_model import LitOdd, batches
+
+    root = tmp_path_factory.mktemp("lightning_flow")
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.fit(LitOdd(lr=2e-3, note="flow"), batches())
+    trainer.save_checkpoint(root / "cpu.ckpt")  # Lightning's own dict: its DeepSpeedStrategy's client state
+    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 2, "32")
+    return root
+
+
+def test_lightning_client_state_survives_reshard(tmp_path_factory, tmp_path):
+    """Lightning's checkpoint dict (loops, callbacks, hyper-parameters, lr_schedulers, counters) is the client
+    state of its DeepSpeedStrategy folders; reshard carries every entry of it, unchanged, to every rank."""
+    from dsckpt.zero.reader import open_checkpoint
+    from test_reshard import tree_differences
+
+    root = _lightning_ds_run(tmp_path_factory)
+    proc = run_cli("reshard", root / "ds", tmp_path / "ws3", "-w", "3", "--stage", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert not [n for n in json.loads(proc.stdout)["notes"] if "left out" in n]
+    before, after = open_checkpoint(root / "ds").client_state, open_checkpoint(tmp_path / "ws3").client_state
+    assert {"loops", "callbacks", "hyper_parameters", "lr_schedulers", "global_step", "epoch"} <= set(after)
+    assert tree_differences(before, after, "client") == []
+
+
+@pytest.mark.gpu
+def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
+    """The real thing on a GPU: DeepSpeedStrategy(stage=2) fits 3 steps and saves; `dsckpt reshard --stage 3`;
+    DeepSpeedStrategy(stage=3) resumes it with fit(ckpt_path=) at step 3 and its next steps repeat those of
+    Lightning's own stage-2 resume of the original."""
+    pytest.importorskip("lightning")
+    if not torch.cuda.is_available():
+        pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
+    job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
+
+    def fit(out, stage, steps, ckpt=None):
+        proc = subprocess.run([sys.executable, job, str(out), str(stage), str(steps), *([str(ckpt)] if ckpt else [])],
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "log.json").read_text())
+
+    first = fit(tmp_path / "first", 2, 3)
+    assert first["end"] == 3
+    proc = run_cli("reshard", tmp_path / "first" / "ckpt", tmp_path / "z3", "-w", "1", "--stage", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    native = fit(tmp_path / "native", 2, 6, tmp_path / "first" / "ckpt")  # Lightning's own resume at stage 2
+    moved = fit(tmp_path / "moved", 3, 6, tmp_path / "z3")
+    assert native["start"] == moved["start"] == 3 and moved["end"] == 6
+    assert len(moved["losses"]) == len(native["losses"]) == 3
+    for a, b in zip(native["losses"], moved["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (native["losses"], moved["losses"])
