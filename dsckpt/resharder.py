@@ -28,12 +28,12 @@ from .convert import write_errors
 from .errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
 from .formats.companions import plan_companions
 from .formats.pickle_policy import TensorRef, foreign_classes
-from .formats.pickle_writer import StorageOut, dumps
+from .formats.pickle_writer import NewTensor, StorageOut, dumps
 from .io.output import check_output, staged
 from .io.torch_writer import write_archive
 from .io.positional import pread_exact
-from .io.writer import SourceFiles
-from .plan.consolidate import Piece
+from .io.writer import SourceFiles, iter_tensor_chunks
+from .plan.consolidate import Piece, TensorPlan
 from .plan.reshard import ReshardPlan, Zeros
 from .plan.restage import build_restage_plan
 from .zero import layout as L
@@ -183,6 +183,9 @@ class _Prefetcher:
         return view
 
     def chunks(self, storage: StorageOut) -> Iterator[memoryview]:
+        if isinstance(storage.source, NewTensor) and isinstance(storage.source.source, TensorPlan):
+            yield from iter_tensor_chunks(self.src, storage.source.source)  # a cast (ZeRO-3 -> 1/2: the 16-bit module)
+            return
         jobs = list(self._jobs(storage))
         if not jobs:
             return

@@ -15,7 +15,7 @@ from .options import TRUST_HELP
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(min=1), required=True,
               help="Data-parallel ranks the resumed job will run on.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
-              help="ZeRO stage of OUT_DIR (default: the checkpoint's): 1 <-> 2, and 1/2 -> 3.")
+              help="ZeRO stage of OUT_DIR (default: the checkpoint's); any of 1, 2, 3 from any of them.")
 @click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")

@@ -20,7 +20,7 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")
 @click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size or (with --stage) ZeRO stage: rewrite "
-              "it for this run first (optimizer state kept for 1<->2 and 1/2->3; otherwise its consolidated weights, "
+              "it for this run first (optimizer state kept between ZeRO stages 1-3; from ZeRO-0 its consolidated weights, "
               "optimizer fresh).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "

@@ -49,14 +49,14 @@ class Copy:
 def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, world_size: int,
                     trust: bool = False) -> tuple[list[Copy], list[str]]:
     """What to copy from ``root`` into a checkpoint for ``world_size`` ranks, and notes for the user."""
-    from ..zero.layout import LATEST_FILE, TRUST_HINT
+    from ..zero.layout import LATEST_FILE, TRUST_HINT, inside
 
     copies, notes, per_rank = [], [], {}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
         if entry.name in tags or entry.name == LATEST_FILE or entry.name.startswith("."):
             continue
-        if entry.is_symlink() and not trust and not _inside(path.resolve(), root):
+        if entry.is_symlink() and not trust and not inside(path.resolve(), root):
             raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; not copied",
                                         hint=TRUST_HINT)
         rank_file = _per_rank(entry.name)
@@ -147,8 +147,3 @@ def _pickle_classes(path: Path, zipped: bool) -> set[str]:
         from ..errors import CorruptFileError
 
         raise CorruptFileError(f"{path}: {type(exc).__name__}: {exc}"[:300]) from None
-
-
-def _inside(path: Path, root: Path) -> bool:
-    root = root.resolve()
-    return path == root or root in path.parents

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnsafeCheckpointError
-from ..zero.layout import TRUST_HINT
+from ..zero.layout import TRUST_HINT, inside
 from ..limits import limit
 
 CONFIG = "config.json"  # required: from_pretrained builds the model from it
@@ -49,7 +49,7 @@ def find_companions(root: Path, config: Path | None = None, trust: bool = False)
     others = tuple(root / n for n in (GENERATION_CONFIG, *TOKENIZER_FILES) if (root / n).is_file())
     if not trust:
         for path in (() if config else (chosen,)) + others:
-            if path.is_symlink() and root.resolve() not in path.resolve().parents:
+            if path.is_symlink() and not inside(path.resolve(), root):
                 raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; "
                                             "not copied into the export", hint=TRUST_HINT)
     read_json(chosen)  # a broken config fails now, before any weight is written

@@ -14,8 +14,10 @@ they scale up.  Pure bookkeeping, as ``plan.reshard``: per output file, the tree
   3. per rank, an optimizer file: ``fp32_flat_groups`` and every per-element optimizer state (Adam's
      moments) in the stage-3 layout, the torch optimizer's ``param_groups`` and scalar state, the
      loss scaler, ``partition_count`` M.
-* 3 -> 1/2 is refused (it needs the 16-bit module rebuilt from the masters): consolidate and
-  ``resume --full-weights`` do that move, with a fresh optimizer.
+* 3 -> 1/2: the flat groups laid out for stage 1/2 at M (no parameter alignment, DeepSpeed's default),
+  and the full 16-bit ``module`` stage 1/2 keeps rebuilt - trainable parameters as their fp32 masters cast
+  to the trained precision (what DeepSpeed's step leaves in the 16-bit copy), frozen ones gathered from
+  their stage-3 partitions; one sub-group per param group is required (else refused).
 """
 from __future__ import annotations
 
@@ -28,11 +30,12 @@ from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef, TorchSize
 from ..formats.pickle_writer import NewTensor
 from ..zero import layout as L
-from ..zero.partitioning import stage3_group
+from ..zero.partitioning import stage3_group, stage12_group, stage12_trimmed
 from ..zero.reader import Checkpoint
 from .consolidate import FlatSpace
 from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, _check_reshardable, _copy,
-                      _new_tensor, _stage12_groups, _state_tensor, build_reshard_plan, partition_segments)
+                      _new_tensor, _slice_mappings, _stage3_groups, _stage12_groups, _state_tensor, build_reshard_plan,
+                      partition_segments)
 
 
 def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = None) -> ReshardPlan:
@@ -50,10 +53,11 @@ def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
         return replace(plan, stage=stage, files=files)
     if ckpt.zero_stage in (1, 2) and stage == 3:
         return _to_stage3(ckpt, world_size)
-    raise UnsupportedCheckpointError(
-        f"{where}: ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported (stage 3 keeps no 16-bit weights to "
-        "rebuild the stage-1/2 module from)", hint="dsckpt consolidate, then dsckpt resume --full-weights at the "
-                                                   "new stage (the optimizer starts fresh)")
+    if ckpt.zero_stage == 3 and stage in (1, 2):
+        return _from_stage3(ckpt, world_size, stage)
+    raise UnsupportedCheckpointError(f"{where}: ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported",
+                                     hint="dsckpt consolidate, then dsckpt resume --full-weights at the new stage "
+                                          "(the optimizer starts fresh)")
 
 
 def _with_stage(tree: Any, stage: int) -> Any:
@@ -72,7 +76,7 @@ def _with_frozen_records(ckpt: Checkpoint, tree: Any, stage: int) -> Any:
     """Stage 1 records frozen parameters in ``module`` only; stage 2 also as ``frozen_param_shapes`` and
     ``frozen_param_fragments`` (the full values, the module's own tensors) - as DeepSpeed saves each."""
     module = tree[L.MODULE]
-    frozen = [n for n in ckpt.frozen if isinstance(module.get(n), TensorRef)]
+    frozen = [n for n in ckpt.frozen if isinstance(module.get(n), (TensorRef, NewTensor))]
     if stage == 1 or not frozen:
         tree[L.FROZEN_PARAM_SHAPES] = tree[L.FROZEN_PARAM_FRAGMENTS] = None
     else:
@@ -158,5 +162,84 @@ def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int
     }
     tree = _with_stage(template.obj, 3)
     tree[L.OPTIMIZER_STATE_DICT] = stage3
+    prefix = "bf16_" if template.path.name.startswith("bf16_") else ""
+    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", template.path, tree)
+
+
+# --- 3 -> 1/2 ------------------------------------------------------------------------------------
+def _from_stage3(ckpt: Checkpoint, world_size: int, stage: int) -> ReshardPlan:
+    """Stage 1/2 files from a stage-3 checkpoint: the flat groups laid out again (no parameter alignment:
+    DeepSpeed's default), and the full 16-bit ``module`` stage 1/2 keeps - each trainable parameter its fp32
+    master cast to the trained precision (what DeepSpeed's own step leaves in the 16-bit copy), frozen
+    parameters gathered from their stage-3 partitions, buffers as they are."""
+    ckpt.require_complete()
+    _check_reshardable(ckpt, world_size)
+    optimizer_groups = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT][L.OPTIMIZER_STATE_DICT]["param_groups"]
+    sub_groups = _stage3_groups(ckpt, ckpt.world_size)
+    if len(sub_groups) != len(optimizer_groups):
+        raise UnsupportedCheckpointError(
+            f"{ckpt.layout.tag_dir}: {len(sub_groups)} ZeRO-3 sub-groups for {len(optimizer_groups)} param groups "
+            "(a small sub_group_size); stage 1/2 keeps one flat group per param group - not supported yet")
+    moves = [GroupMove(m.names, m.source, stage12_group([math.prod(ckpt.trainable[n]) for n in m.names], world_size))
+             for m in sub_groups]
+    files = [_stage12_model_file(ckpt, world_size, stage)]
+    files += [_stage12_optim_file(ckpt, moves, world_size, stage, r) for r in range(world_size)]
+    return ReshardPlan(stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(moves), tuple(files))
+
+
+def _stage12_model_file(ckpt: Checkpoint, world_size: int, stage: int) -> OutputFile:
+    from .consolidate import build_plan
+
+    source = ckpt.model_files[0]  # rank 0's: it alone records shared_params
+    tree = _with_stage(source.obj, stage)
+    weights = build_plan(ckpt, ckpt.precision)  # masters cast to the trained precision; frozen as stored
+    full = {t.name: NewTensor(t.dtype, t.shape, t) for t in weights.tensors if t.kind != "buffer"}
+    for alias, target in weights.aliases.items():
+        full[alias] = full[target]  # tied names share one tensor, as in the module
+    module = tree[L.MODULE]
+    tree[L.MODULE] = type(module)((n, full.get(n, v)) for n, v in module.items())
+    tree[L.DP_WORLD_SIZE] = world_size
+    tree[L.FROZEN_PARAM_FRAGMENTS] = None  # stage 3's partitions; _with_frozen_records sets stage 2's
+    return OutputFile(f"mp_rank_00{L.MODEL_STATES_SUFFIX}", source.path, _with_frozen_records(ckpt, tree, stage))
+
+
+def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, stage: int,
+                        rank: int) -> OutputFile:
+    template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
+    osd = template.obj[L.OPTIMIZER_STATE_DICT]
+    torch_state = osd[L.OPTIMIZER_STATE_DICT]
+    flats, state = [], {}
+    for g, move in enumerate(moves):
+        where = f"{ckpt.layout.tag_dir}: group {g}"
+        length, trimmed = move.target.partition_numel, stage12_trimmed(move.target, rank)
+        spaces = [FlatSpace([rs.groups[g].fp32]) for rs in ckpt.optimizer_states]
+        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length - trimmed,
+                                 partition_segments(move, rank, spaces, length - trimmed, where)))
+        group_state = dict(_copy(torch_state.get("state", {}).get(g)) or {})
+        for key, value in list(group_state.items()):
+            if isinstance(value, TensorRef) and value.numel > 1:
+                per_rank = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
+                group_state[key] = _new_tensor(value, length, partition_segments(move, rank, per_rank, length,
+                                                                                 f"{where} {key}"))
+        if group_state:
+            state[g] = group_state
+    config = template.obj.get(L.DS_CONFIG)
+    clip = config.get("gradient_clipping", 0.0) if isinstance(config, dict) else 0.0
+    stage12 = {  # the keys and order of DeepSpeed 0.19.8's stage-1/2 optimizer state_dict
+        "loss_scaler": osd["loss_scaler"],
+        "dynamic_loss_scale": osd["dynamic_loss_scale"],
+        "overflow": osd["overflow"],
+        "clip_grad": clip,
+        L.BASE_OPTIMIZER_STATE: {"state": state, "param_groups": _copy(torch_state["param_groups"])},
+        L.SINGLE_PARTITION_OF_FP32_GROUPS: flats,
+        L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(stage),
+        L.GROUP_PADDINGS: [stage12_trimmed(m.target, rank) for m in moves],
+        "param_alignment_paddings": [[0] * len(m.names) for m in moves],  # alignment off: DeepSpeed's default
+        L.PARTITION_COUNT: [world_size] * len(moves),
+        L.DS_VERSION: template.obj.get(L.DS_VERSION),
+        L.PARAM_SLICE_MAPPINGS: [OrderedDict(_slice_mappings(m, rank, [])) for m in moves],
+    }
+    tree = _with_stage(template.obj, stage)
+    tree[L.OPTIMIZER_STATE_DICT] = stage12
     prefix = "bf16_" if template.path.name.startswith("bf16_") else ""
     return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", template.path, tree)

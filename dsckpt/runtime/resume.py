@@ -92,9 +92,9 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
                       skip_client: bool, trust: bool) -> Position | None:
     """Another world size, through one temp folder beside the checkpoint that rank 0 writes.
 
-    What ``dsckpt reshard`` can move (same ZeRO stage 1-3, 1 <-> 2, 1/2 -> 3): reshard to this world size and
-    stage, then DeepSpeed's own load - weights, fp32 masters, optimizer moments, scheduler and client state
-    carry over.  Otherwise (stage 0, 3 -> 1/2): consolidated weights, the optimizer fresh.
+    ZeRO 1-3 to ZeRO 1-3: ``dsckpt reshard`` to this world size and stage, then DeepSpeed's own load -
+    weights, fp32 masters, optimizer moments, scheduler and client state carry over.  From (or to) ZeRO-0:
+    consolidated weights, the optimizer fresh.
     """
     import tempfile
 
@@ -102,8 +102,7 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     from ..resharder import reshard
     from ..zero.reader import open_checkpoint
 
-    keep_optimizer = ckpt.zero_stage in (1, 2, 3) and (  # what reshard --stage can move (plan.restage)
-        ckpt.zero_stage == trainer.runtime.stage or (ckpt.zero_stage in (1, 2) and trainer.runtime.stage in (1, 2, 3)))
+    keep_optimizer = ckpt.zero_stage in (1, 2, 3) and trainer.runtime.stage in (1, 2, 3)  # reshard --stage: any
     beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(broadcast_object(str(tmp) if tmp else None))

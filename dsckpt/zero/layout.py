@@ -179,7 +179,7 @@ def read_latest(root: Path) -> str | None:
     latest = root / LATEST_FILE
     if not os.path.lexists(latest):
         return None
-    if latest.is_symlink() and not _inside(latest.resolve(), root):
+    if latest.is_symlink() and not inside(latest.resolve(), root):
         raise TagError(f"{latest}: is a symlink to {os.readlink(latest)!r}, outside the checkpoint; not read")
     kind = file_kind(latest)
     if kind is not None:
@@ -196,7 +196,8 @@ def read_latest(root: Path) -> str | None:
     return tag or None
 
 
-def _inside(path: Path, root: Path) -> bool:
+def inside(path: Path, root: Path) -> bool:
+    """``path`` (resolved) is ``root`` or below it: what may be read into an output without trust."""
     root = root.resolve()
     return path == root or root in path.parents
 
@@ -213,7 +214,7 @@ def links_outside(layout: Layout) -> list[str]:
     for path in (layout.tag_dir, *(f.path for f in layout.all_files)):
         if path.is_symlink() or path == layout.tag_dir:
             target = path.resolve()
-            if not _inside(target, root):
+            if not inside(target, root):
                 found.append(f"{path} -> {target}")
     return found
 
@@ -282,7 +283,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
     tag_dir = root / tag
     notes = []
-    if tag_dir.is_symlink() and not _inside(tag_dir.resolve(), root):
+    if tag_dir.is_symlink() and not inside(tag_dir.resolve(), root):
         notes.append(f"{tag_dir}: a symlink to {tag_dir.resolve()}, outside {root}; followed")
     model, optim, pipeline, experts = _scan_tag_dir(tag_dir, problems)
     if not model:
