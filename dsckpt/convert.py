@@ -109,7 +109,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                            for k, c in dropped.items()]
     inputs = [f.path for f in ckpt.layout.all_files]
     check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
-    replaced = replaced_weights(out) if fmt.directory else ()
+    replaced = replaced_weights(out) if fmt.directory and form != "peft" else ()  # (PEFT reads its own file name)
     write_client = bool(client_state and ckpt.client_state) and form != "lightning"  # (lightning: inside OUT)
     for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
         check_output(path, inputs, force)
