@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef, TorchSize
@@ -132,25 +132,34 @@ def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: 
                        partition_segments(move, rank, [FlatSpace([full])], move.target.partition_numel, where))
 
 
-def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank: int) -> OutputFile:
-    template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
-    osd = _copy(template.obj[L.OPTIMIZER_STATE_DICT])
-    torch_state = osd[L.BASE_OPTIMIZER_STATE]
+def _moved_partitions(ckpt: Checkpoint, moves: list[GroupMove], rank: int, torch_state: dict,
+                      trimmed: Callable[[GroupMove], int]) -> tuple[list[NewTensor], dict]:
+    """Target ``rank``'s fp32 flat partition per group (``trimmed(move)`` elements short: stage 1/2's last
+    rank) and the torch optimizer's state with every per-element tensor (Adam's moments) in the new layout;
+    scalars (Adam's step) kept."""
     flats, state = [], {}
     for g, move in enumerate(moves):
         where = f"{ckpt.layout.tag_dir}: group {g}"
         length = move.target.partition_numel
         spaces = [FlatSpace([rs.groups[g].fp32]) for rs in ckpt.optimizer_states]
-        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length,
-                                 partition_segments(move, rank, spaces, length, where)))
-        group_state = dict(torch_state.get("state", {}).get(g) or {})
+        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length - trimmed(move),
+                                 partition_segments(move, rank, spaces, length - trimmed(move), where)))
+        group_state = dict(_copy(torch_state.get("state", {}).get(g)) or {})
         for key, value in list(group_state.items()):
-            if isinstance(value, TensorRef) and value.numel > 1:  # per element (Adam's moments); scalars kept
+            if isinstance(value, TensorRef) and value.numel > 1:
                 per_rank = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
                 group_state[key] = _new_tensor(value, length, partition_segments(move, rank, per_rank, length,
                                                                                  f"{where} {key}"))
         if group_state:
             state[g] = group_state
+    return flats, state
+
+
+def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank: int) -> OutputFile:
+    template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
+    osd = _copy(template.obj[L.OPTIMIZER_STATE_DICT])
+    torch_state = osd[L.BASE_OPTIMIZER_STATE]
+    flats, state = _moved_partitions(ckpt, moves, rank, torch_state, lambda move: 0)
     stage3 = {  # the keys and order of DeepSpeed 0.19.8's stage-3 optimizer state_dict
         L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(3),
         "loss_scaler": osd["loss_scaler"],
@@ -208,21 +217,7 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
     template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
     osd = template.obj[L.OPTIMIZER_STATE_DICT]
     torch_state = osd[L.OPTIMIZER_STATE_DICT]
-    flats, state = [], {}
-    for g, move in enumerate(moves):
-        where = f"{ckpt.layout.tag_dir}: group {g}"
-        length, trimmed = move.target.partition_numel, stage12_trimmed(move.target, rank)
-        spaces = [FlatSpace([rs.groups[g].fp32]) for rs in ckpt.optimizer_states]
-        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length - trimmed,
-                                 partition_segments(move, rank, spaces, length - trimmed, where)))
-        group_state = dict(_copy(torch_state.get("state", {}).get(g)) or {})
-        for key, value in list(group_state.items()):
-            if isinstance(value, TensorRef) and value.numel > 1:
-                per_rank = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
-                group_state[key] = _new_tensor(value, length, partition_segments(move, rank, per_rank, length,
-                                                                                 f"{where} {key}"))
-        if group_state:
-            state[g] = group_state
+    flats, state = _moved_partitions(ckpt, moves, rank, torch_state, lambda move: stage12_trimmed(move.target, rank))
     config = template.obj.get(L.DS_CONFIG)
     clip = config.get("gradient_clipping", 0.0) if isinstance(config, dict) else 0.0
     stage12 = {  # the keys and order of DeepSpeed 0.19.8's stage-1/2 optimizer state_dict
