@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo_run
 
-.PHONY: setup demo test fixtures bench fuzz clean
+.PHONY: setup demo test test-fast fixtures bench fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The edit loop: every test that starts no DeepSpeed ranks (layers, formats, plans, hostile input, CLI contract).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not ranks"
 
 fixtures: setup
 	$(BIN)/python fixtures/make_fixtures.py

@@ -16,11 +16,10 @@ class DsckptError(Exception):
 
     hint: str | None = None  # advice for the user (CLI flags belong here, not in the message)
 
-    def __init__(self, message: str, hint: str | None = None, *, path: str | None = None):
+    def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         if hint is not None:
             self.hint = hint
-        self.path = path if path is not None else message.split(": ", 1)[0]  # the file or folder at fault
 
 
 class MissingExtraError(DsckptError):

@@ -108,3 +108,19 @@ def demo_counts(**model_kwargs) -> dict[str, int]:
     storages = {t.data_ptr() for t in state.values()}
     trainable = sum(1 for _, m in model.named_modules() for p in m.parameters(recurse=False) if p.requires_grad)
     return {"state_dict": len(state), "written": len(storages), "trainable_names": trainable}
+
+
+# --- `make test-fast`: the edit loop without process groups -----------------------------------------
+# Tests that start dsckpt's DeepSpeed runtime in a subprocess (a 2-rank job costs ~4-5 s; even a resume refused
+# before its ranks start imports DeepSpeed, ~1.5 s) are marked `runtime`: whole modules below, any test using a
+# fixture that trains, and tests marked by hand.
+RANK_MODULES = {"test_runtime_resume", "test_runtime_any_model", "test_trainer_flows"}
+RANK_FIXTURES = {"trained_z3", "oracle", "restaged", "hf_run", "lightning_run", "other_setups", "large_checkpoint",
+                 "odd_weights", "hf_reference"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if module in RANK_MODULES or RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.runtime)

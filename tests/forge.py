@@ -76,7 +76,7 @@ def rewrite_tree(path: Path, edit) -> Path:
     """Rewrite the torch file ``path`` with ``edit(tree)`` applied to its parsed tree (``dsckpt``'s own
     writer: storages, shared ones included, stay as recorded - ``torch.save`` would re-key them)."""
     from dsckpt.formats.torchzip import TorchFile
-    from dsckpt.io.positional import read_range
+    from dsckpt.formats.positional import read_range
     from dsckpt.io.torch_writer import write_archive
 
     source = TorchFile(path)

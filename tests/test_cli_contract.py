@@ -232,6 +232,7 @@ def test_optimizer_against_a_weights_file_is_refused_and_precisions_have_one_voc
         assert json.loads(run_cli("inspect", tmp_path / f"{word}.safetensors", "--json").stdout)["dtypes"].get(dtype)
 
 
+@pytest.mark.runtime  # (its resume run imports DeepSpeed)
 # -- unwritable and interrupted runs ---------------------------------------------------------------
 def test_unwritable_save_dir_is_refused_before_any_rank_starts(tmp_path):
     blocker = tmp_path / "a_file"
@@ -242,6 +243,7 @@ def test_unwritable_save_dir_is_refused_before_any_rank_starts(tmp_path):
     assert "trained" not in proc.stdout and time.monotonic() - started < 60
 
 
+@pytest.mark.runtime
 def test_ctrl_c_during_a_two_rank_train(tmp_path):
     save = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "train", "--stage", "3", "--nproc", "2", *SMALL,

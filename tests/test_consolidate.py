@@ -98,7 +98,7 @@ def test_iterator_and_in_memory_api_agree():
 
 
 def test_client_state_sidecar_round_trips(tmp_path):
-    from dsckpt.formats.sidecar import read_sidecar
+    from dsckpt.export.sidecar import read_sidecar
 
     consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     client = read_sidecar(tmp_path / "m.safetensors.client_state.json")

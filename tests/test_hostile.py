@@ -55,6 +55,7 @@ def _plant_payload(tmp_path, marker):
     return root
 
 
+@pytest.mark.runtime
 def test_sharded_resume_never_runs_checkpoint_code(tmp_path):
     marker = tmp_path / "pwned"
     root = _plant_payload(tmp_path, marker)
@@ -218,6 +219,7 @@ def test_out_inside_the_checkpoint_is_refused(tmp_path):
     clean_error(run_cli("consolidate", root / "step3", root / "m.safetensors"), "inside the checkpoint")
 
 
+@pytest.mark.runtime  # (its resume run imports DeepSpeed)
 # -- 5. tracebacks instead of one line ------------------------------------------------------------
 def test_deep_nesting_everywhere_is_a_typed_error(tmp_path):
     from safetensors.torch import save_file
@@ -250,6 +252,7 @@ def test_symlink_loop_rank_file(tmp_path):
     clean_error(run_cli("inspect", root), "a symlink loop")
 
 
+@pytest.mark.runtime  # (its resume run imports DeepSpeed)
 @pytest.mark.parametrize("header_edit,fragment", [
     (lambda h: h["x"].update(shape=["4"]), "malformed header entry"),
     (lambda h: h["x"].update(shape=[2.5, 1.6]), "malformed header entry"),
@@ -272,6 +275,7 @@ def test_malformed_safetensors_headers(tmp_path, header_edit, fragment):
     clean_error(run_cli("resume", "--full-weights", st, "--steps", "1"), fragment)
 
 
+@pytest.mark.runtime  # (its resume run imports DeepSpeed)
 @pytest.mark.parametrize("weight_map,fragment", [
     ({"x": 3}, "must map tensor names to file names"),
     ({"x": ["a.safetensors"]}, "must map tensor names to file names"),
@@ -293,7 +297,7 @@ def test_malformed_indexes(tmp_path, weight_map, fragment):
 
 def test_sidecar_naming_a_missing_tensor(tmp_path):
     from dsckpt.errors import CorruptFileError
-    from dsckpt.formats.sidecar import read_sidecar
+    from dsckpt.export.sidecar import read_sidecar
 
     sidecar = tmp_path / "m.safetensors.client_state.json"
     sidecar.write_text(json.dumps({"client_state": {"t": {"__tensor__": "t9"}}}))
@@ -345,7 +349,7 @@ def test_tag_symlinked_from_elsewhere_is_reported(tmp_path):
 def test_reading_errors_are_not_called_writing_errors(tmp_path):
     import errno
 
-    from dsckpt.convert import write_errors
+    from dsckpt.io.output import write_errors
     from dsckpt.errors import CorruptFileError, OutputError
 
     with pytest.raises(CorruptFileError, match="rank.pt: reading failed"):

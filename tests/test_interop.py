@@ -112,8 +112,8 @@ def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
 
 def test_hf_trainer_checkpoint_reshards(hf_run, tmp_path):
     """The HF Trainer's two param groups (with and without weight decay) at another world size."""
-    from dsckpt.convert import load_state_dict
-    from dsckpt.resharder import reshard
+    from dsckpt.api.consolidation import load_state_dict
+    from dsckpt.api.resharding import reshard
 
     reshard(hf_run / "checkpoint-3", tmp_path / "ws3", 3, fsync=False)
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -199,7 +199,7 @@ def test_load_into_a_meta_model_keeps_ties_and_reports_keys(lightning_run, tmp_p
     fresh = OddLM()
     assert dsckpt.load_into(fresh, tmp_path / "m.safetensors").missing_keys == []
     assert all(torch.equal(fresh.state_dict()[k].to(v.dtype), v) for k, v in live.items())
-    with pytest.raises(StateDictMismatchError, match=r"does not match the model: 2 missing \(weight, bias\)"):
+    with pytest.raises(StateDictMismatchError, match=r"does not match the model: 2 missing keys \(weight, bias\)"):
         dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors")
     lenient = dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors", strict=False)
     assert lenient.missing_keys == ["weight", "bias"] and "gate" in lenient.unexpected_keys

@@ -61,11 +61,15 @@ def test_stage12_without_newer_keys_matches_live_weights(name, fixture_copy, tmp
 def test_stage3_frozen_parameters_never_saved_are_named(fixture_copy, tmp_path):
     """ZeRO-3 without ``frozen_param_shapes``: the frozen values are in no file. Refuse by name (the
     peers' converters drop them silently); ``--exclude-frozen`` writes the rest."""
+    from dsckpt.runtime.demo_model import TinyCausalLM
+
     frozen = open_checkpoint(FIXTURES / "z3_ws3_bf16").frozen
-    assert len(frozen) == 12 and all(k.startswith("blocks.0.") for k in frozen)  # block 0 is frozen
+    block0 = [f"blocks.0.{n}" for n, _ in TinyCausalLM().blocks[0].named_parameters()]  # the fixtures freeze block 0
+    assert sorted(frozen) == sorted(block0) and len(block0) > 5
     ckpt = drop_keys(fixture_copy("z3_ws3_bf16"), model_keys={L.FROZEN_PARAM_SHAPES, L.FROZEN_PARAM_FRAGMENTS})
     with pytest.raises(UnsupportedCheckpointError,
-                       match=r"12 parameters have no saved values: blocks\.0\.norm1\.weight, .* \(\+7 more\)"):
+                       match=rf"{len(block0)} parameters have no saved values: blocks\.0\.norm1\.weight, .* "
+                             rf"\(\+{len(block0) - 5} more\)"):
         consolidate(ckpt, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

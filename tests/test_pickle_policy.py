@@ -20,7 +20,7 @@ def test_reader_never_imports_torch_or_deepspeed():
     import subprocess
     import sys
 
-    code = ("import sys, dsckpt.analysis.inspect, dsckpt.convert, dsckpt.zero.reader; "
+    code = ("import sys, dsckpt.analysis.inspect, dsckpt.api.consolidation, dsckpt.zero.reader; "
             "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -18,7 +18,8 @@ def test_corpus_is_large_enough():
     assert len(CASES) >= 40
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=pytest.mark.runtime if "resume" in c.expect else ())
+                                  for c in CASES])
 def test_malformed_input(case, tmp_path):
     outcomes = run_case(case, tmp_path)
     assert [o for o in outcomes if o.verdict not in ("expected", "correct result")] == []

@@ -179,7 +179,7 @@ def test_rank_errors_print_once_with_the_same_exit_code(odd_weights, nproc):
     skip_beyond_devices(nproc)
     proc = run_cli("resume", "--full-weights", odd_weights / "model.safetensors", "--nproc", nproc, "--check")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.count("dsckpt: error:") == 1 and "does not fit the model" in proc.stderr
+    assert proc.stderr.count("dsckpt: error:") == 1 and "does not match the model" in proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     assert proc.stdout == ""
 

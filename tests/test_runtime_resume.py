@@ -94,8 +94,8 @@ def test_strict_loading_names_missing_extra_and_mis_shaped(trained_z3, tmp_path)
     proc = run_cli("resume", "--full-weights", bad, "--stage", "3", "--check")
     assert proc.returncode == 2
     msg = proc.stderr
-    assert "1 missing keys: norm.bias" in msg and "1 unexpected keys: extra.weight" in msg
-    assert "pos_embed: file [3, 3] vs model [32, 64]" in msg
+    assert "does not match the model: 1 missing key (norm.bias); 1 unexpected key (extra.weight)" in msg
+    assert "1 of another shape (pos_embed: [3, 3] in the file, [32, 64] in the model)" in msg
 
 
 def test_interrupted_save_keeps_previous_tag_and_latest(tmp_path):
@@ -116,7 +116,7 @@ def test_demo_model_learns(trained_z3):
 def test_reshard_loads_another_world_size(trained_z3, tmp_path):
     """`resume --reshard` at 3 ranks of a 2-rank ZeRO-3 run: one temp copy written by `dsckpt reshard`,
     loaded by DeepSpeed itself, so the Adam moments carry over (saved again at once: 0 steps)."""
-    from dsckpt.convert import load_state_dict
+    from dsckpt.api.consolidation import load_state_dict
 
     skip_beyond_devices(3)
     proc = run_cli("resume", trained_z3 / "ckpt", "--nproc", "3", "--reshard", "--steps", "0",

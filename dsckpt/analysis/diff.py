@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from ..dtypes import ITEMSIZE
-from ..io.positional import pread_exact
-from .stats import CHUNK_BYTES, OpenFiles, Source, decode
+from ..io.read import FileCache
+from .stats import CHUNK_BYTES, Source, decode
 
 
 @dataclass(frozen=True)
@@ -50,25 +49,25 @@ class DiffReport:
                 "tensors": [asdict(t) for t in self.tensors]}
 
 
-def read_elements(src: Source, start: int, count: int, fds: dict[Path, int]) -> bytes:
+def read_elements(src: Source, start: int, count: int, files: FileCache) -> bytes:
     """Elements ``[start, start + count)`` of a source, as raw bytes, across its pieces."""
     size, out, pos = ITEMSIZE[src.dtype], [], 0
     lo, hi = start * size, (start + count) * size
     for path, offset, nbytes in src.pieces:
         a, b = max(lo, pos), min(hi, pos + nbytes)
         if a < b:
-            out.append(pread_exact(fds[path], b - a, offset + a - pos, path))
+            out.append(files.pread(path, b - a, offset + a - pos))
         pos += nbytes
     return b"".join(out)
 
 
-def compare(a: Source, b: Source, fds: dict[Path, int], atol: float, rtol: float) -> TensorDiff:
+def compare(a: Source, b: Source, files: FileCache, atol: float, rtol: float) -> TensorDiff:
     step = CHUNK_BYTES // max(ITEMSIZE[a.dtype], ITEMSIZE[b.dtype])
     equal = within = True
     max_diff = diff_sq = a_sq = 0.0
     for start in range(0, a.numel, step):
         count = min(step, a.numel - start)
-        raw_a, raw_b = read_elements(a, start, count, fds), read_elements(b, start, count, fds)
+        raw_a, raw_b = read_elements(a, start, count, files), read_elements(b, start, count, files)
         x = np.nan_to_num(decode(raw_a, a.dtype).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
         a_sq += float(np.dot(x, x))
         if a.dtype == b.dtype and raw_a == raw_b:
@@ -104,6 +103,6 @@ def diff(a_sources: list[Source], b_sources: list[Source], atol: float = 0.0, rt
         if a.dtype != b.dtype:
             report.dtype_changed.append(f"{name}: {a.dtype} vs {b.dtype}")
         pairs.append((a, b))
-    with OpenFiles(a_sources + b_sources) as fds:
-        report.tensors = [compare(a, b, fds, atol, rtol) for a, b in pairs]
+    with FileCache() as files:
+        report.tensors = [compare(a, b, files, atol, rtol) for a, b in pairs]
     return report

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsckptError
-from ..formats.hf import trainer_summary
+from ..export.hf import trainer_summary
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
-from ..io.formats import for_input
+from ..api.paths import classify
 from ..zero.reader import Checkpoint, open_checkpoint
+from .report import table
 
 SCHEMA_VERSION = 1
 # Peak RSS of `consolidate`, flat in model size as far as measured (docs/performance.md: 26-57 MiB for
@@ -27,7 +28,7 @@ TOP_N = 5
 
 def summarize(path: str | os.PathLike, tag: str | None = None, tensors: bool = False) -> dict[str, Any]:
     p = Path(path)
-    if for_input(p) is not None and not (p.is_dir() and any(p.glob("*/*_states.pt"))):
+    if classify(p).kind == "weights":
         from .inspect_file import summarize_file  # a consolidated file or folder, of any registered format
         return summarize_file(p, tensors)
     return summarize_checkpoint(open_checkpoint(path, tag), tensors)
@@ -130,15 +131,6 @@ def human_bytes(n: float) -> str:
 def _short(value: Any) -> Any:
     """A logged float as people read it (HF logs losses like 2.3015000000000003)."""
     return f"{value:.4g}" if isinstance(value, float) else value
-
-
-def table(rows: list[tuple[str, ...]], widths: tuple[int, ...]) -> list[str]:
-    """Indented columns at least ``widths`` wide, widened to the longest cell so a long tensor name never
-    runs into the next column (two spaces between columns; a width of 0: the last, free column)."""
-    if not rows:
-        return []
-    cols = [max(w, *(len(r[i]) + 2 for r in rows)) if w else 0 for i, w in enumerate(widths)]
-    return ["  " + "".join(cell.ljust(w) if w else cell for cell, w in zip(r, cols)).rstrip() for r in rows]
 
 
 def render(s: dict[str, Any]) -> str:

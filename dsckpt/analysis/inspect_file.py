@@ -1,7 +1,7 @@
 """`dsckpt inspect` on consolidated files: safetensors (validated header), sharded index, torch .pt/.bin."""
 from __future__ import annotations
 
-from ..formats import hf
+from ..export import hf
 
 import math
 from collections import Counter
@@ -11,8 +11,8 @@ from typing import Any
 from ..errors import DsckptError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
-from ..io.formats import for_input
-from .inspect import table
+from ..export.registry import for_input
+from .report import table
 
 
 KINDS = {"safetensors": "safetensors", "sharded": "safetensors-sharded", "torch": "torch", "lightning": "lightning",

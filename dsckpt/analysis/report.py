@@ -39,3 +39,12 @@ def render_diff(report: DiffReport, top: int = 20) -> str:
         for t in sorted(differing, key=lambda t: -t.rel_l2)[:top]:
             lines.append(f"  {t.name[:47]:<48}{t.max_abs_diff:>12.4g}{t.rel_l2:>12.4g}  {'yes' if t.within else 'no'}")
     return "\n".join(lines)
+
+
+def table(rows: list[tuple[str, ...]], widths: tuple[int, ...]) -> list[str]:
+    """Indented columns at least ``widths`` wide, widened to the longest cell so a long tensor name never
+    runs into the next column (two spaces between columns; a width of 0: the last, free column)."""
+    if not rows:
+        return []
+    cols = [max(w, *(len(r[i]) + 2 for r in rows)) if w else 0 for i, w in enumerate(widths)]
+    return ["  " + "".join(cell.ljust(w) if w else cell for cell, w in zip(r, cols)).rstrip() for r in rows]

@@ -9,24 +9,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
-from ..io.formats import for_input
+from ..api.paths import classify
+from ..plan.segments import Segment
 from .stats import Source
 
 
 def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -> list[Source]:
     p = Path(path)
-    if not p.exists():
-        raise CheckpointNotFoundError(f"{p}: no such file or directory")
-    fmt = for_input(p) if not (p.is_dir() and any(p.glob("*/*_states.pt"))) else None
-    if fmt is not None:
+    kind = classify(p)
+    if kind.kind == "weights":
+        fmt = kind.format
         if optimizer:
             raise UnsupportedCheckpointError(f"{p}: a consolidated file holds weights only; --optimizer reads Adam's "
                                              "moments from a ZeRO-1/2/3 checkpoint", hint="drop --optimizer, or pass the checkpoint folder")
         listing = fmt.read(p)
-        out = [Source(t.name, "tensor", t.dtype, t.shape, ((t.path, t.offset, t.span_bytes),))
+        out = [Source(t.name, "tensor", t.dtype, t.shape, (Segment(t.path, t.offset, t.span_bytes),))
                for t in listing.tensors if t.stride is None]
         by_name = {s.name: s for s in out}
         for alias, target in parse_aliases(listing.metadata.get(M.ALIASES), p).items():
@@ -50,7 +50,7 @@ def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -
 
 
 def _plan_sources(plan, prefix: str) -> list[Source]:
-    out = [Source(prefix + t.name, t.kind, t.src_dtype, t.shape, tuple((p.path, p.offset, p.nbytes) for p in t.pieces))
+    out = [Source(prefix + t.name, t.kind, t.src_dtype, t.shape, t.pieces)
            for t in plan.tensors]
     by_name = {s.name: s for s in out}
     for alias, target in plan.aliases.items():

@@ -13,13 +13,13 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ..dtypes import ITEMSIZE, numpy_dtype
-from ..io.positional import pread_exact
+from ..io.read import FileCache
+from ..plan.segments import Segment
 
 CHUNK_BYTES = 16 << 20
 THREADS = min(4, os.cpu_count() or 1)
@@ -27,13 +27,13 @@ THREADS = min(4, os.cpu_count() or 1)
 
 @dataclass(frozen=True)
 class Source:
-    """A tensor to read: its bytes are ``pieces`` (path, offset, nbytes) back to back, in ``dtype``."""
+    """A tensor to read: its bytes are ``pieces`` (``plan.segments.Segment``s) back to back, in ``dtype``."""
 
     name: str
     kind: str  # param | frozen | buffer | exp_avg | exp_avg_sq | tensor (a consolidated file's)
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[tuple[Path, int, int], ...]
+    pieces: tuple[Segment, ...]
 
     @property
     def numel(self) -> int:
@@ -67,13 +67,13 @@ class TensorStats:
 BLOCK = 1 << 16  # elements reduced at a time: the several passes below then run in the CPU's cache
 
 
-def chunks(src: Source, fds: dict[Path, int]) -> Iterator[np.ndarray]:
+def chunks(src: Source, files: FileCache) -> Iterator[np.ndarray]:
     """The tensor's values (float32, or float64 for F64) in cache-sized blocks, read ~CHUNK_BYTES at a time."""
     size = ITEMSIZE[src.dtype]
     step = max(size, CHUNK_BYTES - CHUNK_BYTES % size)
     for path, offset, nbytes in src.pieces:
         for start in range(0, nbytes, step):
-            values = decode(pread_exact(fds[path], min(step, nbytes - start), offset + start, path), src.dtype)
+            values = decode(files.pread(path, min(step, nbytes - start), offset + start), src.dtype)
             for i in range(0, values.size, BLOCK):
                 yield values[i:i + BLOCK]
 
@@ -85,7 +85,7 @@ def decode(raw: bytes, dtype: str) -> np.ndarray:
     return values if dtype in ("F32", "F64") else values.astype(np.float32 if dtype in ("F16",) else np.float64)
 
 
-def tensor_stats(src: Source, fds: dict[Path, int]) -> TensorStats:
+def tensor_stats(src: Source, files: FileCache) -> TensorStats:
     """One tensor's statistics in few passes over cache-resident blocks.
 
     Sums are taken of ``x - shift`` (``shift``: the tensor's first finite value), so the variance of
@@ -96,7 +96,7 @@ def tensor_stats(src: Source, fds: dict[Path, int]) -> TensorStats:
     s1 = s2 = 0.0  # sums of (x - shift) and (x - shift)**2
     shift = None
     lo, hi = math.inf, -math.inf
-    for x in chunks(src, fds):
+    for x in chunks(src, files):
         b_lo, b_hi = x.min(), x.max()  # NaN propagates, so a clean block needs no isfinite pass
         if not (math.isfinite(b_lo) and math.isfinite(b_hi)):
             bad_nan = np.isnan(x)
@@ -124,25 +124,7 @@ def tensor_stats(src: Source, fds: dict[Path, int]) -> TensorStats:
                        math.sqrt(max(sumsq, 0.0)), nan, inf, zeros)
 
 
-class OpenFiles:
-    """One read-only descriptor per file, shared by the threads (positional reads need no seek)."""
-
-    def __init__(self, sources: list[Source]):
-        self.fds = {}
-        for src in sources:
-            for path, _, _ in src.pieces:
-                if path not in self.fds:
-                    self.fds[path] = os.open(path, os.O_RDONLY)
-
-    def __enter__(self) -> dict[Path, int]:
-        return self.fds
-
-    def __exit__(self, *exc) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
 def compute_stats(sources: list[Source], threads: int = THREADS) -> list[TensorStats]:
     """Statistics of every source, in the sources' order."""
-    with OpenFiles(sources) as fds, ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(lambda s: tensor_stats(s, fds), sources))
+    with FileCache() as files, ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda s: tensor_stats(s, files), sources))

@@ -8,25 +8,18 @@ launcher instead, which prints it once for all ranks.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import Any
 
 import click
 
 from .._version import __version__
 from ..errors import DsckptError, Interrupted
+from ..runtime.console import json_document  # noqa: F401  (the commands' --json writer)
 
 EXIT_PROBLEMS = 1  # inspect found problems
 EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
-JSON_SCHEMA = 1  # version of every --json document (docs/cli.md); bump on an incompatible change
-
-
-def json_document(**fields: Any) -> str:
-    """One --json document: ``schema`` first, then the command's fields."""
-    return json.dumps({"schema": JSON_SCHEMA, **fields})
 
 
 class _Group(click.Group):

@@ -5,6 +5,7 @@ import sys
 
 import click
 
+from ..export.registry import selectable
 from .app import cli, json_document
 from .options import TRUST_HELP, Precision
 
@@ -20,7 +21,7 @@ from .options import TRUST_HELP, Precision
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
-@click.option("--format", "form", type=click.Choice(["safetensors", "torch", "sharded", "lightning"]), default=None,
+@click.option("--format", "form", type=click.Choice(selectable()), default=None,
               help="Output format (default: by OUT's suffix, any case; .ckpt is lightning; no known suffix: a folder). "
                    "A suffix that says another format is refused.")
 @click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
@@ -58,7 +59,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     """
     from tqdm import tqdm
 
-    from ..convert import consolidate as run
+    from ..api.consolidation import consolidate as run
 
     if hf and form:
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")

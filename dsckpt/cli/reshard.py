@@ -44,7 +44,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, tag, force, t
     """
     from tqdm import tqdm
 
-    from ..resharder import reshard as run
+    from ..api.resharding import reshard as run
 
     bar_off = quiet or as_json or not sys.stderr.isatty()  # piped to a log, a bar's \r frames are noise
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=bar_off, delay=0.5,

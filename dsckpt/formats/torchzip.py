@@ -176,7 +176,7 @@ def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
 
 
 def read_tensor_bytes(ref: TensorRef) -> bytes:
-    from ..io.positional import read_range
+    from .positional import read_range
 
     path, offset, length = tensor_byte_range(ref)
     return read_range(path, offset, length)

@@ -12,13 +12,14 @@ repo's ``.git/``, ``README.md``, other checkpoint tags), as ``save_pretrained`` 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..errors import OutputError
+from ..errors import CorruptFileError, OutputError
 
 TEMP_MARK = ".dsckpt-tmp-"
 
@@ -196,7 +197,15 @@ def staged(fsync: bool = True) -> Iterator[Staging]:
 
 
 @contextlib.contextmanager
-def atomic_output(out: Path, *, directory: bool = False, fsync: bool = True) -> Iterator[Path]:
-    """One output: a temp path beside ``out``, renamed to ``out`` on success (see ``Staging``)."""
-    with staged(fsync) as stage:
-        yield stage.temp_for(out, directory)
+def write_errors(out: Path) -> Iterator[None]:
+    """A failing write (disk full, file too large, I/O error) is a typed error naming OUT; a failing read
+    (the error names a file that is not one of our temps) names that input."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename and TEMP_MARK not in Path(exc.filename).name:  # not ours: an input
+            raise CorruptFileError(f"{exc.filename}: reading failed ({exc.strerror or exc}); nothing was left at {out}") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+            raise OutputError(f"{out}: writing failed ({exc.strerror or exc}); nothing was left at OUT") from None
+        raise OutputError(f"{out}: copying into OUT failed ({exc.strerror or exc}: a source or the destination); "
+                          "nothing was left at OUT") from None

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
-from .writer import SourceFiles, iter_tensor_chunks
+from .read import Reader
 
 ALIGN = 64
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same input gives the same bytes
@@ -69,5 +69,5 @@ def write_torch(plan: Plan, path: Path, progress: Callable[[int], None] | None =
     state = OrderedDict(tensors)
     for alias, src in plan.aliases.items():
         state[alias] = tensors[src]
-    with SourceFiles() as src:
-        write_archive(path, state, lambda storage: iter_tensor_chunks(src, storage.source.source), progress)
+    with Reader() as reader:
+        write_archive(path, state, reader.storage_chunks, progress)

@@ -1,8 +1,9 @@
-"""Execute a plan: stream pieces from rank files into safetensors (single or sharded) or torch files.
+"""Write safetensors files (single or sharded, Hugging Face's layout) from a plan's byte sources.
 
-safetensors: the header is computed from the plan before any data moves; the file is then filled
-at known offsets.  Same-dtype pieces move with ``os.copy_file_range`` (kernel to kernel, no user
-copy); pieces that need a cast go through bounded chunks.  Memory stays O(chunk), whatever the size.
+The header is computed from the plan before any data moves; the file is then sized and filled at known
+offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy); segments
+that need a cast go through bounded chunks on a few threads; zero fills are already there (the file is
+sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
 """
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import contextlib
 import json
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
-from ..dtypes import ITEMSIZE, torch_dtype
-from .positional import pread_exact
+from ..dtypes import ITEMSIZE
+from ..plan.segments import Segment
+from .read import FileCache
 from ..plan.consolidate import Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
@@ -24,34 +25,6 @@ CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3
 CAST_THREADS = min(4, os.cpu_count() or 1)
 HEADER_ALIGN = 8  # safetensors: data starts 8-byte aligned
 Progress = Callable[[int], None]
-
-
-class SourceFiles:
-    """Open rank files once each; reads are positional (pread / copy_file_range)."""
-
-    def __init__(self):
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()  # cast threads share one instance
-
-    def fd(self, path: Path) -> int:
-        with self._lock:
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            return self._fds[path]
-
-    def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
-        return pread_exact(self.fd(path), nbytes, offset, path)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, int, int]]:
@@ -62,20 +35,9 @@ def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, in
     for piece in t.pieces:
         for start in range(0, piece.nbytes, step):
             n = min(step, piece.nbytes - start)
-            yield piece.path, piece.offset + start, n, pos
+            if isinstance(piece, Segment):  # a zero fill is already zeros in the sized file
+                yield piece.path, piece.offset + start, n, pos
             pos += n // src_size * dst_size
-
-
-def iter_tensor_chunks(src: SourceFiles, t: TensorPlan, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The tensor's output bytes, in order, at most ~``chunk`` bytes at a time (cast applied)."""
-    from .cast import cast_bytes  # numpy only when a cast is needed
-
-    for path, offset, nbytes, _ in _chunks(t, 0, chunk):
-        yield cast_bytes(src.pread(path, nbytes, offset), t.src_dtype, t.dtype)
-
-
-def read_tensor(src: SourceFiles, t: TensorPlan) -> bytes:
-    return b"".join(iter_tensor_chunks(src, t))
 
 
 def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
@@ -119,7 +81,7 @@ def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str,
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def cast_chunk(job, t: TensorPlan) -> int:
-        from .cast import cast_bytes  # numpy only when a cast is needed
+        from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_path, src_off, n, dst_off = job
         os.pwrite(fd, cast_bytes(src.pread(src_path, n, src_off), t.src_dtype, t.dtype), dst_off)
@@ -128,13 +90,14 @@ def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str,
     try:
         os.pwrite(fd, header, 0)
         os.ftruncate(fd, total)
-        with SourceFiles() as src, _cast_pool(any(t.src_dtype != t.dtype for t in tensors)) as pool:
+        with FileCache() as src, _cast_pool(any(t.src_dtype != t.dtype for t in tensors)) as pool:
             pending = []
             for t, rel in zip(tensors, offsets):
                 pos = len(header) + rel
                 if t.src_dtype == t.dtype:
                     for p in t.pieces:
-                        _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos)
+                        if isinstance(p, Segment):  # (zero fills: see the module docstring)
+                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos)
                         pos += p.nbytes
                     if progress:
                         progress(t.nbytes)
@@ -177,29 +140,3 @@ def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress |
     index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
-
-
-def torch_state_dict(plan: Plan, progress: Progress | None = None, only: set[str] | None = None):
-    """Materialize the plan as torch tensors (aliases share storage, as in the module)."""
-    import numpy as np
-    import torch
-
-    out = {}
-    with SourceFiles() as src:
-        for t in plan.tensors:
-            if only is not None and t.name not in only:
-                continue
-            tensor = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-            view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
-            flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
-            pos = 0
-            for data in iter_tensor_chunks(src, t):
-                flat[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                pos += len(data)
-            out[t.name] = tensor
-            if progress:
-                progress(t.nbytes)
-    for alias, target in plan.aliases.items():
-        if target in out:
-            out[alias] = out[target]
-    return out

@@ -18,25 +18,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
+from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
 from ..dtypes import FLOATING, ITEMSIZE, canonical
 from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..zero import layout as L
 from ..zero.reader import Checkpoint
-from ..formats.torchzip import TorchFile, tensor_byte_range
+from ..formats.torchzip import TorchFile
+from .groups import group_layouts, structure_errors
+from .segments import FlatSpace, Piece, ref_segments
 
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``nbytes`` bytes at absolute ``offset`` of ``path``, in the tensor's source dtype."""
-    path: Path
-    offset: int
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -46,7 +39,7 @@ class TensorPlan:
     src_dtype: str
     dtype: str  # output dtype
     kind: str  # "param" | "frozen" | "buffer"
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Piece, ...]  # in src_dtype, back to back (a plan.segments.ByteSource)
 
     @property
     def numel(self) -> int:
@@ -67,37 +60,6 @@ class Plan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-
-
-class FlatSpace:
-    """Several contiguous 1-D tensors seen as one flat element range."""
-
-    def __init__(self, refs: list[TensorRef]):
-        self.dtype = refs[0].dtype if refs else "F32"
-        self.itemsize = ITEMSIZE[self.dtype]
-        self.segments = []  # (start element, numel, path, byte offset)
-        start = 0
-        for ref in refs:
-            path, offset, _ = tensor_byte_range(ref)
-            self.segments.append((start, ref.numel, path, offset))
-            start += ref.numel
-        self.numel = start
-
-    def pieces(self, start: int, count: int, where: str) -> list[Piece]:
-        if start < 0 or start + count > self.numel:
-            raise InconsistentCheckpointError(f"{where}: needs elements [{start}, {start + count}) "
-                                              f"but the partition holds {self.numel}")
-        out = []
-        for seg_start, seg_numel, path, offset in self.segments:
-            lo, hi = max(start, seg_start), min(start + count, seg_start + seg_numel)
-            if lo < hi:
-                out.append(Piece(path, offset + (lo - seg_start) * self.itemsize, (hi - lo) * self.itemsize))
-        return out
-
-
-def ref_pieces(ref: TensorRef) -> tuple[Piece, ...]:
-    path, offset, nbytes = tensor_byte_range(ref)
-    return (Piece(path, offset, nbytes),) if nbytes else ()
 
 
 OPTIMIZER_STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what a plan can gather for the trainable parameters
@@ -124,7 +86,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         target = out_dtype if (out_dtype and src_dtype in FLOATING) else default_dtype
         tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
 
-    try:
+    with structure_errors(ckpt):
         if ckpt.universal:
             if not exclude_frozen and not moments:
                 _plan_frozen(ckpt, add)  # ds_to_universal leaves them in the model states (stage 3: only there)
@@ -134,16 +96,9 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         else:
             if not exclude_frozen and not moments:
                 _plan_frozen(ckpt, add)
-            if ckpt.zero_stage == 3:
-                _plan_stage3(ckpt, add, state)
-            else:
-                _plan_stage12(ckpt, add, state)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
-        # a structure DeepSpeed never writes (damaged or foreign file): a typed error, not a crash
-        raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
-                                          f"({type(exc).__name__}: {exc})") from None
+            _plan_flat_groups(ckpt, add, state)
     for name, ref in ({} if moments else ckpt.buffers).items():
-        add(name, ref.shape, ref.dtype, "buffer", ref_pieces(ref), ref.dtype)
+        add(name, ref.shape, ref.dtype, "buffer", ref_segments(ref), ref.dtype)
     ordered = _module_order(ckpt, tensors)
     aliases = {a: s for a, s in ckpt.shared.items() if s in tensors and a not in tensors}
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases, out_dtype))
@@ -166,39 +121,20 @@ def _pieces(layout: GroupLayout, index: int, spaces: list[FlatSpace], where: str
     return [p for span in layout.params[index] for p in spaces[span.rank].pieces(span.rank_start, span.count, where)]
 
 
-def _plan_stage3(ckpt: Checkpoint, add, state: str) -> None:
-    """Every rank's sub-groups back to back hold its parts of all parameters, in order (partitioning)."""
-    spaces = _rank_spaces(ckpt, state)
-    names = list(ckpt.trainable)
-    layout = stage3_group([math.prod(ckpt.trainable[n]) for n in names], ckpt.world_size)
-    for r, space in enumerate(spaces):
-        if space.numel != layout.partition_numel:
-            raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: partition holds {space.numel} elements, "
-                                              f"the recorded shapes need {layout.partition_numel}")
-    for i, name in enumerate(names):
-        add(name, ckpt.trainable[name], spaces[0].dtype, "param",
-            _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: parameter {name!r}"), "F32")
-
-
-def _plan_stage12(ckpt: Checkpoint, add, state: str) -> None:
-    """Per param group, the ranks' equal partitions of one padded flat buffer (partitioning)."""
-    paddings = ckpt.optimizer_states[0].alignment_paddings
-    for g, shapes in enumerate(ckpt.param_groups):
+def _plan_flat_groups(ckpt: Checkpoint, add, state: str) -> None:
+    """Per flat group (``plan.groups``), each parameter's elements from the ranks' partitions that hold them:
+    ZeRO-1/2 one padded flat buffer per param group split in equal slices, ZeRO-3 each parameter split on
+    its own within each sub-group (``zero.partitioning``)."""
+    for g, group in enumerate(group_layouts(ckpt)):
         spaces = _rank_spaces(ckpt, state, g)
-        pad = list(paddings[g]) if paddings is not None else None
-        if pad is not None and len(pad) != len(shapes):
-            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(shapes)} parameters "
-                                              f"but {len(pad)} alignment paddings")
-        itemsize = ITEMSIZE[canonical(ckpt.precision)]
-        layout = stage12_group([math.prod(s) for s in shapes.values()], ckpt.world_size, pad,
-                               parameter_alignment(pad or [], itemsize))
+        layout = group.layout
         for r, space in enumerate(spaces):
-            expected = layout.partition_numel - (stage12_trimmed(layout, r) if state == "fp32" else 0)
-            if space.numel != expected:
+            trimmed = stage12_trimmed(layout, r) if state == "fp32" and ckpt.zero_stage != 3 else 0
+            if space.numel != layout.partition_numel - trimmed:
                 raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: group {g} partition holds {space.numel} "
-                                                  f"elements, the recorded shapes need {expected}")
-        for i, (name, shape) in enumerate(shapes.items()):
-            add(name, shape, spaces[0].dtype, "param",
+                                                  f"elements, the recorded shapes need {layout.partition_numel - trimmed}")
+        for i, name in enumerate(group.names):
+            add(name, ckpt.trainable[name], spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
 
 
@@ -217,7 +153,7 @@ def _plan_universal(ckpt: Checkpoint, add, state: str) -> None:
             held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else f"a {type(ref).__name__}"
             raise InconsistentCheckpointError(f"{path}: holds {held}, parameter {name!r} of shape {list(shape)} "
                                               f"needs {math.prod(shape)} elements")
-        add(name, shape, ref.dtype, "param", ref_pieces(ref), "F32")
+        add(name, shape, ref.dtype, "param", ref_segments(ref), "F32")
 
 
 def _plan_frozen(ckpt: Checkpoint, add) -> None:
@@ -247,7 +183,7 @@ def _plan_frozen(ckpt: Checkpoint, add) -> None:
             gap = f"no '{L.FROZEN_PARAM_FRAGMENTS}' entry; " if not in_fragments and (fragments or ckpt.zero_stage == 3) else ""
             raise InconsistentCheckpointError(f"{where}: frozen {name!r} (shape {list(shape)}): {gap}{source} holds "
                                               f"{held} for it")
-        add(name, shape, ref.dtype, "frozen", ref_pieces(ref), "F32")
+        add(name, shape, ref.dtype, "frozen", ref_segments(ref), "F32")
 
 
 def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
@@ -256,9 +192,9 @@ def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
         if name in ckpt.buffers or name in ckpt.shared or not isinstance(ref, TensorRef):
             continue
         if name in masters:
-            add(name, ref.shape, "F32", "param", ref_pieces(masters[name]), "F32")
+            add(name, ref.shape, "F32", "param", ref_segments(masters[name]), "F32")
         elif not exclude_frozen or ckpt.precision == "fp32":  # fp32 runs cannot tell frozen from trainable
-            add(name, ref.shape, ref.dtype, "frozen" if masters else "param", ref_pieces(ref), "F32")
+            add(name, ref.shape, ref.dtype, "frozen" if masters else "param", ref_segments(ref), "F32")
 
 
 def _module_order(ckpt: Checkpoint, tensors: dict[str, TensorPlan]) -> list[TensorPlan]:
@@ -304,3 +240,12 @@ def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
         import json
         meta[M.ALIASES] = json.dumps(aliases, sort_keys=True)
     return Plan(tensors, aliases, meta)
+
+
+def duplicate_aliases(plan: Plan) -> Plan:
+    """Every tied name stored as a tensor of its own (what a strict ``load_state_dict`` of a file wants)."""
+    by_name = {t.name: t for t in plan.tensors}
+    extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
+                             by_name[s].pieces) for a, s in plan.aliases.items())
+    meta = {k: v for k, v in plan.metadata.items() if k != M.ALIASES}
+    return Plan(plan.tensors + extra, {}, meta)

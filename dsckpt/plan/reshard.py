@@ -26,26 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import ITEMSIZE, canonical
 from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
 from ..formats.pickle_writer import NewTensor
 from ..limits import limit
 from ..zero import layout as L, slice_mappings
-from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group, stage12_trimmed
+from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
 from ..zero.reader import Checkpoint
-from .consolidate import FlatSpace, Piece
+from ..zero.grid import BF16_PREFIX, Coord, rank_file_name
+from .groups import stage3_groups, stage12_groups, structure_errors
+from .segments import FlatSpace, Piece, Segment, TensorSource, Zeros, merged
 
 FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")  # DeepSpeed's (numel, start) record
-
-
-@dataclass(frozen=True)
-class Zeros:
-    """``nbytes`` zero bytes (partition padding)."""
-    nbytes: int
-
-
-Segment = Piece | Zeros
 
 
 @dataclass(frozen=True)
@@ -77,13 +69,10 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
     """The plan for ``ckpt`` at data-parallel ``world_size`` (see the module docstring)."""
     ckpt.require_complete()
     _check_reshardable(ckpt, world_size)
-    try:
+    with structure_errors(ckpt):
         groups = _stage3_groups(ckpt, world_size) if ckpt.zero_stage == 3 else _stage12_groups(ckpt, world_size)
         files = [_model_file(ckpt, world_size, r) for r in range(world_size if ckpt.zero_stage == 3 else 1)]
         files += [_optim_file(ckpt, groups, world_size, r) for r in range(world_size)]
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
-        raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
-                                          f"({type(exc).__name__}: {exc})") from None
     return ReshardPlan(ckpt.zero_stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(groups), tuple(files))
 
 
@@ -111,44 +100,21 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
 
 # --- step 2: layouts ------------------------------------------------------------------------------
 def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
-    paddings = ckpt.optimizer_states[0].alignment_paddings
-    itemsize = ITEMSIZE[canonical(ckpt.precision)]
     moves = []
-    for g, shapes in enumerate(ckpt.param_groups):
-        numels = [math.prod(s) for s in shapes.values()]
-        pad = list(paddings[g]) if paddings is not None else None
-        align = parameter_alignment(pad or [], itemsize)
-        source = stage12_group(numels, ckpt.world_size, pad, align)
-        problem = slice_mappings.mismatch(ckpt, g, list(shapes), source)
+    for g, group in enumerate(stage12_groups(ckpt)):
+        problem = slice_mappings.mismatch(ckpt, g, list(group.names), group.layout)
         if problem:  # round_robin_gradients: its order at M differs from the one at N (see slice_mappings)
             raise UnsupportedCheckpointError(problem + "; the flat buffer is in round_robin_gradients order, which "
                                              "depends on the world size", hint="reshard does not support it yet; "
                                              "consolidate and a resume at the same world size do")
-        moves.append(GroupMove(tuple(shapes), source, stage12_group(numels, world_size, pad, align)))
+        moves.append(GroupMove(group.names, group.layout, group.at(world_size)))
     return moves
 
 
 def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
-    """Recover each sub-group's parameters from its partition size at N, then lay the same parameters out
-    at M - valid only while DeepSpeed cuts the same sub-groups at M (``_check_sub_groups_kept``)."""
-    names = list(ckpt.trainable)
-    numels = [math.prod(ckpt.trainable[n]) for n in names]
-    moves, i = [], 0
-    for g, state in enumerate(ckpt.optimizer_states[0].groups):
-        start, size = i, 0
-        while i < len(names) and size < state.fp32.numel:
-            size += math.ceil(numels[i] / ckpt.world_size)
-            i += 1
-        while i < len(names) and numels[i] == 0 and g == len(ckpt.optimizer_states[0].groups) - 1:
-            i += 1  # empty parameters at the end occupy nothing
-        if size != state.fp32.numel:
-            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: sub-group {g} holds {state.fp32.numel} "
-                                              "elements, which no run of the recorded parameters fills")
-        moves.append(GroupMove(tuple(names[start:i]), stage3_group(numels[start:i], ckpt.world_size),
-                               stage3_group(numels[start:i], world_size)))
-    if i != len(names):
-        raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
-                                          f"{len(names)} trainable parameters")
+    """The sub-groups at N laid out at M - valid only while DeepSpeed cuts the same sub-groups at M
+    (``_check_sub_groups_kept``)."""
+    moves = [GroupMove(group.names, group.layout, group.at(world_size)) for group in stage3_groups(ckpt)]
     _check_sub_groups_kept(ckpt, [m.names for m in moves], world_size)
     return moves
 
@@ -203,11 +169,11 @@ def _check_sub_groups_kept(ckpt: Checkpoint, source: list[tuple[str, ...]], worl
 
 # --- step 3: segments -----------------------------------------------------------------------------
 def partition_segments(move: GroupMove, rank: int, spaces: list[FlatSpace], length: int,
-                       where: str) -> tuple[Segment, ...]:
+                       where: str) -> tuple[Piece, ...]:
     """Target ``rank``'s first ``length`` elements of the group: parameters' elements read from the
     source ranks' ``spaces``, padding between and after them as zeros."""
     itemsize = spaces[0].itemsize
-    out: list[Segment] = []
+    out: list[Piece] = []
     pos = 0
     for i, spans in enumerate(move.target.params):
         for span in spans:
@@ -221,11 +187,11 @@ def partition_segments(move: GroupMove, rank: int, spaces: list[FlatSpace], leng
         raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
     if length > pos:
         out.append(Zeros((length - pos) * itemsize))
-    return _merged(out)
+    return merged(out)
 
 
 def _param_range(source: GroupLayout, index: int, start: int, count: int, spaces: list[FlatSpace],
-                 where: str) -> list[Piece]:
+                 where: str) -> list[Segment]:
     """Elements ``[start, start + count)`` of parameter ``index``, from the source ranks holding them."""
     out = []
     for span in source.params[index]:
@@ -235,23 +201,9 @@ def _param_range(source: GroupLayout, index: int, start: int, count: int, spaces
     return out
 
 
-def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
-    """Adjacent byte ranges of one file and adjacent zero fills become one (fewer, larger reads)."""
-    out: list[Segment] = []
-    for seg in segments:
-        last = out[-1] if out else None
-        if isinstance(seg, Zeros) and isinstance(last, Zeros):
-            out[-1] = Zeros(last.nbytes + seg.nbytes)
-        elif (isinstance(seg, Piece) and isinstance(last, Piece) and last.path == seg.path
-              and last.offset + last.nbytes == seg.offset):
-            out[-1] = Piece(last.path, last.offset, last.nbytes + seg.nbytes)
-        elif not (isinstance(seg, (Zeros, Piece)) and seg.nbytes == 0):
-            out.append(seg)
-    return tuple(out)
-
-
-def _new_tensor(like: TensorRef, numel: int, segments: tuple[Segment, ...]) -> NewTensor:
-    return NewTensor(like.dtype, (numel,), segments, like.requires_grad, like.storage.location)
+def _new_tensor(like: TensorRef, numel: int, pieces: tuple[Piece, ...]) -> NewTensor:
+    return NewTensor(like.dtype, (numel,), TensorSource(like.dtype, like.dtype, pieces), like.requires_grad,
+                     like.storage.location)
 
 
 # --- step 4: files ---------------------------------------------------------------------------------
@@ -265,7 +217,7 @@ def _model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
     tree = _copy(tf.obj)
     tree[L.DP_WORLD_SIZE] = world_size
     if ckpt.zero_stage == 3:
-        name = f"zero_pp_rank_{rank}_mp_rank_00{L.MODEL_STATES_SUFFIX}"
+        name = rank_file_name("model", Coord(dp=rank))
         fragments = ckpt.frozen_fragments
         if fragments:
             tree[L.FROZEN_PARAM_FRAGMENTS] = type(tree[L.FROZEN_PARAM_FRAGMENTS])(
@@ -315,8 +267,12 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
         osd[L.GROUP_PADDINGS] = [stage12_trimmed(m.target, rank) for m in moves]
         if L.PARAM_SLICE_MAPPINGS in osd:
             osd[L.PARAM_SLICE_MAPPINGS] = [_slice_mappings(m, rank, osd[L.PARAM_SLICE_MAPPINGS]) for m in moves]
-    prefix = "bf16_" if tf.path.name.startswith("bf16_") else ""
-    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", tf.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(tf.path)), tf.path, tree)
+
+
+def _bf16(path: Path) -> bool:
+    """The source file carries the bf16 optimizer's prefix, so its rewrite does too."""
+    return path.name.startswith(BF16_PREFIX)
 
 
 def _state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupMove) -> TensorRef:

@@ -32,8 +32,10 @@ from ..formats.pickle_writer import NewTensor
 from ..zero import layout as L
 from ..zero.partitioning import stage3_group, stage12_group, stage12_trimmed
 from ..zero.reader import Checkpoint
-from .consolidate import FlatSpace
-from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, _check_reshardable, _copy,
+from ..zero.grid import Coord, rank_file_name
+from .groups import structure_errors
+from .segments import FlatSpace, TensorSource
+from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, _bf16, _check_reshardable, _copy,
                       _new_tensor, _slice_mappings, _stage3_groups, _stage12_groups, _state_tensor, build_reshard_plan,
                       partition_segments)
 
@@ -51,10 +53,11 @@ def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
                               if f.name.endswith(L.MODEL_STATES_SUFFIX) else _with_stage(f.tree, stage))
                       for f in plan.files)
         return replace(plan, stage=stage, files=files)
-    if ckpt.zero_stage in (1, 2) and stage == 3:
-        return _to_stage3(ckpt, world_size)
-    if ckpt.zero_stage == 3 and stage in (1, 2):
-        return _from_stage3(ckpt, world_size, stage)
+    with structure_errors(ckpt):
+        if ckpt.zero_stage in (1, 2) and stage == 3:
+            return _to_stage3(ckpt, world_size)
+        if ckpt.zero_stage == 3 and stage in (1, 2):
+            return _from_stage3(ckpt, world_size, stage)
     raise UnsupportedCheckpointError(f"{where}: ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported",
                                      hint="dsckpt consolidate, then dsckpt resume --full-weights at the new stage "
                                           "(the optimizer starts fresh)")
@@ -103,7 +106,7 @@ def _to_stage3(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
 
 def _placeholder(ref: TensorRef) -> NewTensor:
     """What a ZeRO-3 save holds for a parameter in ``module``: an empty tensor of its dtype."""
-    return NewTensor(ref.dtype, (0,), (), ref.requires_grad, ref.storage.location)
+    return NewTensor(ref.dtype, (0,), TensorSource(ref.dtype, ref.dtype, ()), ref.requires_grad, ref.storage.location)
 
 
 def _stage3_model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
@@ -120,7 +123,7 @@ def _stage3_model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFi
     if rank:
         tree[L.SHARED_PARAMS] = {}  # DeepSpeed records the ties in rank 0's file only
     tree[L.DP_WORLD_SIZE] = world_size
-    return OutputFile(f"zero_pp_rank_{rank}_mp_rank_00{L.MODEL_STATES_SUFFIX}", source.path, tree)
+    return OutputFile(rank_file_name("model", Coord(dp=rank)), source.path, tree)
 
 
 def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: int, rank: int) -> NewTensor:
@@ -171,8 +174,7 @@ def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int
     }
     tree = _with_stage(template.obj, 3)
     tree[L.OPTIMIZER_STATE_DICT] = stage3
-    prefix = "bf16_" if template.path.name.startswith("bf16_") else ""
-    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(template.path)), template.path, tree)
 
 
 # --- 3 -> 1/2 ------------------------------------------------------------------------------------
@@ -209,7 +211,7 @@ def _stage12_model_file(ckpt: Checkpoint, world_size: int, stage: int) -> Output
     tree[L.MODULE] = type(module)((n, full.get(n, v)) for n, v in module.items())
     tree[L.DP_WORLD_SIZE] = world_size
     tree[L.FROZEN_PARAM_FRAGMENTS] = None  # stage 3's partitions; _with_frozen_records sets stage 2's
-    return OutputFile(f"mp_rank_00{L.MODEL_STATES_SUFFIX}", source.path, _with_frozen_records(ckpt, tree, stage))
+    return OutputFile(rank_file_name("model", per_dp_rank=False), source.path, _with_frozen_records(ckpt, tree, stage))
 
 
 def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, stage: int,
@@ -236,5 +238,4 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
     }
     tree = _with_stage(template.obj, stage)
     tree[L.OPTIMIZER_STATE_DICT] = stage12
-    prefix = "bf16_" if template.path.name.startswith("bf16_") else ""
-    return OutputFile(f"{prefix}zero_pp_rank_{rank}_mp_rank_00{L.OPTIM_STATES_SUFFIX}", template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(template.path)), template.path, tree)

@@ -129,7 +129,7 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
     if client_state and client_state != NO_CLIENT_STATE and not os.path.isfile(client_state):
         raise ConfigError(f"--client-state {client_state}: no such file (or 'none' to restore nothing)")
     if full_weights:
-        from .weights_file import WeightsFile
+        from ..api.weights import WeightsFile
 
         WeightsFile(full_weights, tuple(strip_prefix))  # a missing or broken file fails now
         if client_state != NO_CLIENT_STATE:
@@ -173,7 +173,7 @@ def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:
 
 
 def _json(doc: dict[str, Any]) -> str:
-    from ..cli.app import json_document
+    from .console import json_document
 
     return json_document(**doc)
 

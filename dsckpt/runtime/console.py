@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 
 ERROR_DIR_ENV = "DSCKPT_ERROR_DIR"
+JSON_SCHEMA = 1  # version of every --json document (docs/cli.md); bump on an incompatible change
 _result_fd: int | None = None
+
+
+def json_document(**fields) -> str:
+    """One --json document: ``schema`` first, then the command's fields."""
+    return json.dumps({"schema": JSON_SCHEMA, **fields})
 
 
 def claim_stdout(verbose: bool = False) -> None:

@@ -1,7 +1,7 @@
 """Load one full-weights file into a live (possibly ZeRO-3 partitioned) DeepSpeed model.
 
 Protocol (every rank runs it; only rank 0 opens the file):
-1. rank 0 opens the file (``weights_file.WeightsFile``: positional reads, one tensor at a time), expands tied aliases recorded by ``dsckpt consolidate``, and checks keys and shapes against the
+1. rank 0 opens the file (``api.weights.WeightsFile``: positional reads, one tensor at a time), expands tied aliases recorded by ``dsckpt consolidate``, and checks keys and shapes against the
    model; the verdict is broadcast so every rank fails the same way.
 2. module by module: ``GatheredParameters(module.parameters(recurse=False), modifier_rank=0)``;
    rank 0 copies values in (having read them on a helper thread while the previous module was
@@ -22,40 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ..errors import StateDictMismatchError
+from ..api.keys import KeyReport, compare, full_shape, state_slots, tie_groups
+from ..api.weights import WeightsFile
 from . import engine as eng
-from .weights_file import WeightsFile
-
-MAX_LISTED = 5
-
-
-def expected_entries(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every name a full state dict of ``module`` holds (tied names too), with its full shape."""
-    out = {}
-    for mod_name, mod in module.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        for name, p in mod.named_parameters(recurse=False):
-            out[prefix + name] = tuple(getattr(p, "ds_shape", p.shape))
-        for name, b in mod.named_buffers(recurse=False):
-            if b is not None and name not in mod._non_persistent_buffers_set:
-                out[prefix + name] = tuple(b.shape)
-    return out
-
-
-def check_keys(expected: dict[str, tuple[int, ...]], src: WeightsFile, strict: bool) -> list[str]:
-    """The problems a strict load must refuse: missing, unexpected, mis-shaped keys."""
-    have = set(src.keys())
-    missing = sorted(set(expected) - have)
-    unexpected = sorted(have - set(expected))
-    mismatched = [f"{k}: file {list(src.shape(k))} vs model {list(expected[k])}"
-                  for k in expected if k in have and tuple(src.shape(k)) != expected[k]]
-    problems = []
-    for label, items in (("missing keys", missing if strict else []), ("unexpected keys", unexpected if strict else []),
-                         ("shape mismatches", mismatched)):
-        if items:
-            more = f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
-            problems.append(f"{len(items)} {label}: {', '.join(items[:MAX_LISTED])}{more}")
-    return problems
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -96,21 +65,20 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
 
     release_memory_promptly()
     module = engine.module
-    expected = expected_entries(module)
+    slots = state_slots(module)
+    expected = {name: full_shape(getattr(m, a)) for name, (m, a, _) in slots.items()}
     src = WeightsFile(path, strip_prefixes) if eng.rank() == 0 else None
-    problems = broadcast_object(check_keys(expected, src, strict) if src else None)
-    if problems:
-        raise StateDictMismatchError(f"{path}: does not fit the model - " + "; ".join(problems),
-                                     hint="use --no-strict to skip missing/unexpected keys, --strip-prefix for wrapper prefixes")
+    keys = compare(expected, {k: tuple(src.shape(k)) for k in src.keys()}, tie_groups(module)) if src else None
+    broadcast_object(keys or KeyReport()).raise_for(path, strict)  # every rank fails the same way
     have = broadcast_object(set(src.keys()) if src else None)
-    steps = []  # per module, in module order: (parameters, persistent buffers) found in the file
-    for mod_name, mod in module.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if prefix + n in have]
-        buffers = [(prefix + n, b) for n, b in mod.named_buffers(recurse=False)
-                   if b is not None and n not in mod._non_persistent_buffers_set and prefix + n in have]
-        if params or buffers:
-            steps.append((params, buffers))
+    by_module: dict[int, tuple[list, list]] = {}  # per module, in module order: (parameters, buffers) in the file
+    seen: set[int] = set()
+    for name, (mod, attr, is_param) in slots.items():
+        tensor = getattr(mod, attr)
+        if name in have and id(tensor) not in seen:  # a tied tensor is loaded once, under its first name
+            seen.add(id(tensor))
+            by_module.setdefault(id(mod), ([], []))[0 if is_param else 1].append((name, tensor))
+    steps = list(by_module.values())
 
     def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread
         return {name: src.get(name) for name, _ in steps[i][0] + steps[i][1]}

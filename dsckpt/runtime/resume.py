@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import VerificationError
-from ..formats.sidecar import JSON_SUFFIX, read_sidecar
+from ..export.sidecar import JSON_SUFFIX, read_sidecar
 from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state
 from .full_weights import broadcast_object, get_fp32_master, load_full_weights
 from .train import Trainer, states_equal
-from .weights_file import WeightsFile
+from ..api.weights import WeightsFile
 
 
 def default_sidecar(weights: Path) -> Path | None:
@@ -98,8 +98,8 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     """
     import tempfile
 
-    from ..convert import consolidate
-    from ..resharder import reshard
+    from ..api.consolidation import consolidate
+    from ..api.resharding import reshard
     from ..zero.reader import open_checkpoint
 
     keep_optimizer = ckpt.zero_stage in (1, 2, 3) and trainer.runtime.stage in (1, 2, 3)  # reshard --stage: any

@@ -20,8 +20,7 @@ from ..errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCh
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
-MODEL_STATES_SUFFIX = "_model_states.pt"
-OPTIM_STATES_SUFFIX = "_optim_states.pt"
+from .grid import MODEL_STATES_SUFFIX, OPTIM_STATES_SUFFIX  # noqa: E402  (names are built in grid.rank_file_name)
 # mp_rank_XX_model_states.pt (stage 0-2) | zero_pp_rank_R_mp_rank_XX_model_states.pt (stage 3)
 # [bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt; layer_* files belong to pipeline parallelism.
 RANK_FILE_RE = re.compile(
@@ -149,7 +148,8 @@ def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
     return sorted(model, key=key), sorted(optim, key=key), pipeline, experts
 
 
-def _is_tag_dir(path: Path) -> bool:
+def is_tag_dir(path: Path) -> bool:
+    """A folder holding DeepSpeed rank files."""
     try:
         return any(RANK_FILE_RE.match(name) for name in os.listdir(path))
     except (NotADirectoryError, PermissionError, FileNotFoundError):
@@ -170,7 +170,7 @@ def checkpoints_below(folder: Path) -> list[str]:
 def list_tags(root: Path) -> list[str]:
     """Sub-folders of ``root`` that hold DeepSpeed rank files, sorted naturally."""
     # hidden folders are dsckpt's in-progress saves (.<tag>.dsckpt-partial), not tags
-    found = [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_tag_dir(Path(e.path))]
+    found = [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and is_tag_dir(Path(e.path))]
     return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
 
 
@@ -253,7 +253,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     if not os.access(p, os.R_OK | os.X_OK):
         raise UnreadableFileError(f"{p}: permission denied")
     problems: list[tuple[type, str]] = []  # (error class, message): reported by inspect, raised by readers
-    if _is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
+    if is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
         root, tag = p.parent, tag or p.name
     else:
         root = p

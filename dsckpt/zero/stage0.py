@@ -39,6 +39,6 @@ def match_masters(ckpt) -> dict[str, TensorRef]:
 
 def _is_master_of(master: TensorRef, weight: TensorRef) -> bool:
     from ..formats.torchzip import read_tensor_bytes
-    from ..io.cast import cast_bytes
+    from ..formats.cast import cast_bytes
 
     return cast_bytes(read_tensor_bytes(master), "F32", weight.dtype) == read_tensor_bytes(weight)

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import StateDictMismatchError
+from .keys import compare, state_slots, tie_groups
+from .paths import classify
 
 
 @dataclass
@@ -38,11 +39,9 @@ class _Source:
     """Names, shapes and one-tensor reads of a checkpoint folder or a consolidated file."""
 
     def __init__(self, source: str | os.PathLike, tag: str | None, strip_prefixes: tuple[str, ...]):
-        from ..io.formats import for_input
-
         path = Path(source)
-        if path.is_dir() and for_input(path) is None:  # a DeepSpeed checkpoint folder
-            from ..io.writer import torch_state_dict
+        if classify(path).is_checkpoint:
+            from ..io.read import torch_state_dict
             from ..plan.consolidate import build_plan, strip_name
             from ..zero.reader import open_checkpoint
 
@@ -54,7 +53,7 @@ class _Source:
             self.read: Callable[[str], torch.Tensor] = \
                 lambda name: torch_state_dict(plan, only={originals[name]})[originals[name]]
         else:
-            from .weights_file import WeightsFile
+            from .weights import WeightsFile
 
             weights = WeightsFile(path, strip_prefixes)
             self.shapes = {n: tuple(weights.shape(n)) for n in weights.source}
@@ -65,20 +64,12 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
               strip_prefixes: tuple[str, ...] = ()) -> LoadReport:
     """Fill ``model`` from ``source`` (see the module docstring); returns the key report."""
     src = _Source(source, tag, tuple(strip_prefixes))
-    slots = _slots(model)  # name -> (module, attribute, is parameter)
-    groups = _tie_groups(model)  # name -> every name sharing its tensor
-    report = LoadReport()
-    for name, (module, attr, _) in slots.items():
-        current = getattr(module, attr)
-        if name in src.shapes:
-            if tuple(current.shape) != src.shapes[name]:
-                report.mismatched_keys.append((name, src.shapes[name], tuple(current.shape)))
-        elif not any(other in src.shapes for other in groups.get(name, ())):
-            report.missing_keys.append(name)
-    report.unexpected_keys = [n for n in src.shapes if n not in slots]
-    if strict and (report.missing_keys or report.unexpected_keys or report.mismatched_keys):
-        raise StateDictMismatchError(_mismatch_message(source, report),
-                                     hint="strict=False loads what matches and reports the rest")
+    slots = state_slots(model)  # name -> (module, attribute, is parameter)
+    groups = tie_groups(model)  # name -> every name sharing its tensor
+    keys = compare({n: tuple(getattr(m, a).shape) for n, (m, a, _) in slots.items()}, src.shapes, groups)
+    if strict:
+        keys.raise_for(source, hint="strict=False loads what matches and reports the rest")
+    report = LoadReport(keys.missing, keys.unexpected, keys.mismatched)
     mismatched = {m[0] for m in report.mismatched_keys}
     done: set[int] = set()
     for name in slots:
@@ -102,20 +93,6 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
     return report
 
 
-def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
-    """What ``state_dict()`` names: parameters (tied ones under each name) and persistent buffers."""
-    out = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                out[prefix + attr] = (mod, attr, True)
-        for attr, b in mod._buffers.items():
-            if b is not None and attr not in mod._non_persistent_buffers_set:
-                out[prefix + attr] = (mod, attr, False)
-    return out
-
-
 def _all_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
     out = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -125,28 +102,9 @@ def _all_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
     return out
 
 
-def _tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    by_tensor: dict[int, list[str]] = {}
-    for name, (mod, attr, _) in _slots(model).items():
-        by_tensor.setdefault(id(getattr(mod, attr)), []).append(name)
-    return {n: tuple(names) for names in by_tensor.values() if len(names) > 1 for n in names}
-
-
 def _materialize(slots, names, tensor: torch.Tensor, like: torch.Tensor, is_param: bool) -> None:
     data = tensor.reshape(like.shape).to(like.dtype)
     new = nn.Parameter(data, requires_grad=like.requires_grad) if is_param else data
     for name in names:  # every name of a tied tensor gets the same object
         module, attr, _ = slots[name]
         (module._parameters if is_param else module._buffers)[attr] = new
-
-
-def _mismatch_message(source, report: LoadReport) -> str:
-    parts = []
-    for label, keys in (("missing", report.missing_keys), ("unexpected", report.unexpected_keys)):
-        if keys:
-            parts.append(f"{len(keys)} {label} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
-    if report.mismatched_keys:
-        name, file_shape, model_shape = report.mismatched_keys[0]
-        parts.append(f"{len(report.mismatched_keys)} of another shape ({name}: {list(file_shape)} in the file, "
-                     f"{list(model_shape)} in the model)")
-    return f"{source}: does not match the model: " + "; ".join(parts)

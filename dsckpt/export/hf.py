@@ -1,4 +1,4 @@
-"""Hugging Face model folders: the files ``from_pretrained`` reads besides the weights, and trainer state.
+"""The Hugging Face export (``consolidate --hf``): a folder ``from_pretrained`` loads, and the HF files it carries.
 
 An HF Trainer's ``checkpoint-N`` folder is also the DeepSpeed checkpoint root: ``global_stepN/`` and
 ``latest`` beside ``config.json``, ``generation_config.json``, the tokenizer's files and
@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnsafeCheckpointError
-from ..zero.layout import TRUST_HINT, inside
 from ..limits import limit
+from ..plan.consolidate import duplicate_aliases
+from ..zero.layout import TRUST_HINT, inside
+from .registry import Format, Listing, Prepared, Progress, Request, by_name, register
+from .sharded import INDEX_NAME, read_sharded, replaced_shards
 
 CONFIG = "config.json"  # required: from_pretrained builds the model from it
 GENERATION_CONFIG = "generation_config.json"
@@ -166,3 +169,45 @@ def trainer_summary(root: Path) -> dict[str, Any] | None:
     losses = [e["loss"] for e in state.get("log_history") or [] if isinstance(e, dict) and isinstance(e.get("loss"), (int, float))]
     return {"global_step": state.get("global_step"), "epoch": state.get("epoch"),
             "last_loss": losses[-1] if losses else None, "max_steps": state.get("max_steps")}
+
+
+class HuggingFaceFormat(Format):
+    name = "hf"
+    directory = True
+    selectable = False  # chosen by --hf
+    reties_aliases = True  # transformers ties them from the config
+    summary = "a folder from_pretrained loads: sharded safetensors + config, generation config, tokenizer"
+
+    def resolve(self, root: Path, request: Request) -> Format:
+        peft = by_name("peft")
+        if request.config is None and peft.claims(root):  # a PEFT run: its adapter is the model to export
+            return peft
+        return self
+
+    def prepare(self, ckpt, plan, request: Request) -> Prepared:
+        companions = find_companions(ckpt.layout.root, request.config, request.trust)  # no config: refused now
+        check_config_fits(companions.config, {t.name: t.shape for t in plan.tensors}, plan.aliases)
+        if plan.aliases and not ties_embeddings(companions):
+            plan = duplicate_aliases(plan)  # the config unties the head: transformers wants both names stored
+        return Prepared(self, plan, request, companions)
+
+    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+        from ..io.writer import write_sharded
+
+        plan = prepared.plan
+        dtypes = {t.dtype for t in plan.tensors if t.kind != "buffer"} or {"F32"}
+        names = write_sharded(plan, folder, prepared.request.max_shard_bytes, progress)
+        return names + [INDEX_NAME] + write_companions(prepared.companions, folder,
+                                                       dtypes.pop() if len(dtypes) == 1 else "F32")
+
+    def read(self, path: Path) -> Listing:
+        return read_sharded(path)
+
+    def reads(self, path: Path) -> bool:
+        return False  # an HF folder reads as sharded
+
+    def replaced_files(self, out: Path) -> tuple[str, ...]:
+        return replaced_shards(out)
+
+
+register(HuggingFaceFormat())

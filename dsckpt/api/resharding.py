@@ -8,9 +8,9 @@ Steps:
    class is left out with a note, anything else refused; links out of the checkpoint are refused
    (``trust`` keeps both, loudly);
 4. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
-   from ``pickle_writer``, its storages streamed in bounded chunks from the source byte ranges
+   from ``pickle_writer``, its storages streamed by ``io.read.Reader`` from their byte sources
    (unchanged tensors copied whole, partitions assembled from the ranks that held them);
-5. copy the files beside the tag (``formats.companions``: a trainer's state, per-rank RNG files renumbered
+5. copy the files beside the tag (``zero.companions``: a trainer's state, per-rank RNG files renumbered
    for M ranks, configs and tokenizers; pickles of foreign classes left out with a note);
 6. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
    existing OUT_DIR with ``force``: ``latest``, the tag folder and the copied files replaced, everything
@@ -22,24 +22,19 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from .convert import write_errors
-from .errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from .formats.companions import plan_companions
-from .formats.pickle_policy import TensorRef, foreign_classes
-from .formats.pickle_writer import NewTensor, StorageOut, dumps
-from .io.output import check_output, staged
-from .io.torch_writer import write_archive
-from .io.positional import pread_exact
-from .io.writer import SourceFiles, iter_tensor_chunks
-from .plan.consolidate import Piece, TensorPlan
-from .plan.reshard import ReshardPlan, Zeros
-from .plan.restage import build_restage_plan
-from .zero import layout as L
-from .zero.reader import open_checkpoint
-
-CHUNK = 16 << 20  # per read; two such buffers in flight
+from ..errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ..formats.pickle_policy import foreign_classes
+from ..formats.pickle_writer import dumps
+from ..io.output import check_output, staged, write_errors
+from ..io.read import Reader
+from ..io.torch_writer import write_archive
+from ..plan.reshard import ReshardPlan
+from ..plan.restage import build_restage_plan
+from ..zero import layout as L
+from ..zero.companions import plan_companions
+from ..zero.reader import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -137,64 +132,10 @@ def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | 
     """The plan's files under ``root/<tag>/`` and ``root/latest`` (root must exist)."""
     tag_dir = root / plan.tag
     tag_dir.mkdir()
-    with SourceFiles() as src, _Prefetcher(src) as prefetch:
+    with Reader() as reader:
         for f in plan.files:
-            write_archive(tag_dir / f.name, f.tree, prefetch.chunks, progress, allow_foreign)
+            write_archive(tag_dir / f.name, f.tree, reader.storage_chunks, progress, allow_foreign)
     (root / L.LATEST_FILE).write_text(plan.tag)
-
-
-class _Prefetcher:
-    """A storage's bytes in chunks, the next chunk read on a second thread while the zip writer CRCs and
-    writes the current one (pread, crc32 and write all release the GIL).  Two reused buffers: no fresh
-    allocation - and page faults - per chunk.  Measured on the 330M ZeRO-2 benchmark (2 cores, warm
-    cache, 4 -> 3 ranks): 8.6 s with one fresh 64 MiB `bytes` per chunk read in turn, 5.1 s with this."""
-
-    def __init__(self, src: SourceFiles, chunk: int = CHUNK):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.src, self.chunk = src, chunk
-        self.buffers = (bytearray(chunk), bytearray(chunk))
-        self.zeros = memoryview(bytes(chunk))
-        self.pool = ThreadPoolExecutor(1)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.pool.shutdown()
-
-    def _jobs(self, storage: StorageOut) -> Iterator[tuple[Path | None, int, int]]:
-        if isinstance(storage.source, TensorRef):  # an unchanged tensor: its whole storage, as it was
-            loc = storage.source.file.locate(storage.source.storage)
-            segments = (Piece(storage.source.file.path, loc.offset, loc.nbytes),)
-        else:
-            segments = storage.source.source
-        for seg in segments:
-            for start in range(0, seg.nbytes, self.chunk):
-                n = min(self.chunk, seg.nbytes - start)
-                yield (None, 0, n) if isinstance(seg, Zeros) else (seg.path, seg.offset + start, n)
-
-    def _read(self, job, buffer: bytearray) -> memoryview:
-        path, offset, n = job
-        if path is None:
-            return self.zeros[:n]
-        view = memoryview(buffer)[:n]
-        pread_exact(self.src.fd(path), n, offset, path, into=view)
-        return view
-
-    def chunks(self, storage: StorageOut) -> Iterator[memoryview]:
-        if isinstance(storage.source, NewTensor) and isinstance(storage.source.source, TensorPlan):
-            yield from iter_tensor_chunks(self.src, storage.source.source)  # a cast (ZeRO-3 -> 1/2: the 16-bit module)
-            return
-        jobs = list(self._jobs(storage))
-        if not jobs:
-            return
-        pending = self.pool.submit(self._read, jobs[0], self.buffers[0])
-        for i in range(len(jobs)):
-            current = pending.result()
-            if i + 1 < len(jobs):  # the other buffer: the consumer is done with it
-                pending = self.pool.submit(self._read, jobs[i + 1], self.buffers[(i + 1) % 2])
-            yield current
 
 
 def _check_written(root: Path, plan: ReshardPlan) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DsckptError, UnsafeCheckpointError
-from .pickle_policy import DEEPSPEED_CLASSES, opaque_class_paths
+from ..formats.pickle_policy import DEEPSPEED_CLASSES, opaque_class_paths
 
 # Per-rank files, by writer: (pattern with the rank as group "rank", the name at world size 1 or None).
 PER_RANK = (
@@ -49,7 +49,7 @@ class Copy:
 def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, world_size: int,
                     trust: bool = False) -> tuple[list[Copy], list[str]]:
     """What to copy from ``root`` into a checkpoint for ``world_size`` ranks, and notes for the user."""
-    from ..zero.layout import LATEST_FILE, TRUST_HINT, inside
+    from .layout import LATEST_FILE, TRUST_HINT, inside
 
     copies, notes, per_rank = [], [], {}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
@@ -135,8 +135,8 @@ def _foreign_pickle(path: Path) -> str | None:
 
 def _pickle_classes(path: Path, zipped: bool) -> set[str]:
     from ..limits import check
-    from .pickle_policy import unpickle
-    from .torchzip import TorchFile
+    from ..formats.pickle_policy import unpickle
+    from ..formats.torchzip import TorchFile
 
     if zipped:
         return opaque_class_paths(TorchFile(path).obj)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..plan.consolidate import Plan, TensorPlan
+from .registry import Format, Listing, Prepared, Progress, Request, register
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,3 +44,45 @@ def adapter_plan(plan: Plan, source: Path) -> Plan:
         raise ConfigError(f"{source}: holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); "
                           "PEFT's folder holds one")
     return Plan(tuple(tensors), {}, dict(plan.metadata))
+
+
+class PeftFormat(Format):
+    name = "peft"
+    directory = True
+    selectable = False  # --hf, when adapter_config.json is beside the checkpoint
+    exclude_frozen = True  # the base weights were never saved
+    summary = "a folder PeftModel.from_pretrained loads: adapter_model.safetensors + adapter_config.json"
+
+    def claims(self, root: Path) -> bool:
+        return adapter_config(root) is not None
+
+    def prepare(self, ckpt, plan: Plan, request: Request) -> Prepared:
+        from .hf import find_companions
+
+        root = ckpt.layout.root
+        config = adapter_config(root)
+        return Prepared(self, adapter_plan(plan, root), request,
+                        (config, find_companions(root, config, request.trust)))  # the tokenizer files
+
+    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+        import shutil
+
+        from ..io.writer import write_safetensors
+
+        config, companions = prepared.companions
+        write_safetensors(list(prepared.plan.tensors), folder / ADAPTER_WEIGHTS, prepared.plan.metadata, progress)
+        shutil.copyfile(config, folder / ADAPTER_CONFIG)
+        for path in companions.others:
+            shutil.copyfile(path, folder / path.name)
+        return [ADAPTER_WEIGHTS, ADAPTER_CONFIG] + [p.name for p in companions.others]
+
+    def read(self, path: Path) -> Listing:
+        from .safetensors import read_safetensors
+
+        return read_safetensors(path / ADAPTER_WEIGHTS if path.is_dir() else path)
+
+    def reads(self, path: Path) -> bool:
+        return path.is_dir() and (path / ADAPTER_WEIGHTS).is_file()
+
+
+register(PeftFormat())

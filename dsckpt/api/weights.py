@@ -1,6 +1,6 @@
 """Read one full-weights file tensor by tensor, with positional reads (no mmap, no pickle code).
 
-Any format of the registry (``io.formats``): ``.safetensors``, a sharded folder (or its
+Any format of the registry (``export.registry``): ``.safetensors``, a sharded folder (or its
 ``*.index.json``), torch ``.pt/.bin`` state dicts (also a Lightning-style ``{"state_dict": ...}``,
 through dsckpt's own allowlist reader).  Each ``get`` reads exactly one tensor's bytes, so memory
 is one tensor at a time and the RSS of the reading rank does not grow with the file (mmap would
@@ -17,8 +17,9 @@ from ..errors import CheckpointNotFoundError, CorruptFileError
 from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..formats.safetensors_file import parse_aliases
-from ..io.formats import Stored, for_input
-from ..io.positional import read_range
+from ..export.registry import Stored
+from .paths import classify
+from ..formats.positional import read_range
 from ..plan.consolidate import strip_name
 
 
@@ -29,11 +30,13 @@ class WeightsFile:
         self.path = Path(path)
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.path}: no such weights file or folder")
-        fmt = for_input(self.path)
-        if fmt is None:
-            raise CorruptFileError(f"{self.path}: not a weights file (.safetensors, a sharded folder or its "
-                                   "index.json, .pt/.pth/.bin)",
+        kind = classify(self.path)
+        if kind.kind != "weights":
+            what = "a DeepSpeed checkpoint, not a weights file" if kind.is_checkpoint else \
+                "not a weights file (.safetensors, a sharded folder or its index.json, .pt/.pth/.bin)"
+            raise CorruptFileError(f"{self.path}: {what}",
                                    hint="for a DeepSpeed checkpoint folder, resume CKPT_DIR or consolidate it first")
+        fmt = kind.format
         try:
             listing = fmt.read(self.path)
         except (OSError, ValueError) as exc:
@@ -51,7 +54,7 @@ class WeightsFile:
         """What a ``.pt`` training checkpoint holds beside ``state_dict`` (Lightning: ``epoch``,
         ``global_step``, ``hyper_parameters``...), as plain values: tensors read, objects of classes
         dsckpt does not load kept as ``{"__opaque__": "module.Class"}``."""
-        from ..formats.sidecar import decode, encode
+        from ..export.sidecar import decode, encode
 
         refs: dict = {}
         encoded = encode(self._beside, refs)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptFileError
-from . import metadata as M
-from .pickle_policy import Opaque, TensorRef
+from ..formats import metadata as M
+from ..formats.pickle_policy import Opaque, TensorRef
 
 if TYPE_CHECKING:
     from ..io.output import Staging
@@ -97,7 +97,8 @@ def _hashable(v: Any) -> Any:
 
 def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> Path:
     """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
-    from ..plan.consolidate import TensorPlan, ref_pieces
+    from ..plan.consolidate import TensorPlan
+    from ..plan.segments import ref_segments
     from ..io.writer import write_safetensors
 
     json_path, tensors_path = sidecar_paths(out)
@@ -105,7 +106,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
     doc = {"format": M.SIDECAR_FORMAT, "weights": out.name,
            "client_state": encode(client_state, tensors)}
     if tensors:
-        plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_pieces(t)) for k, t in tensors.items()]
+        plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_segments(t)) for k, t in tensors.items()]
         write_safetensors(plans, stage.temp_for(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})
     elif tensors_path.exists():
         stage.remove_on_commit([tensors_path])  # a companion left by an earlier --force run would be misread as ours
@@ -115,7 +116,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
 
 def read_sidecar(json_path: Path) -> dict[str, Any]:
     """Decode a sidecar into Python values; tensors come back as torch tensors."""
-    from .safetensors_file import read_json
+    from ..formats.safetensors_file import read_json
 
     doc = read_json(json_path, "dsckpt client-state sidecar")
     if not isinstance(doc, dict) or "client_state" not in doc:
@@ -125,7 +126,7 @@ def read_sidecar(json_path: Path) -> dict[str, Any]:
     if tensors_path.exists():
         from safetensors.torch import load_file
 
-        from .safetensors_file import read_header
+        from ..formats.safetensors_file import read_header
 
         read_header(tensors_path)  # validated by dsckpt's reader before safetensors parses it
         tensors = load_file(str(tensors_path))

@@ -1,0 +1,19 @@
+"""The public operations, over the layers: consolidate, reshard, load_into, classify (and reading a
+checkpoint's state dict into memory).  Imported lazily: ``consolidate`` and ``reshard`` need neither
+torch nor DeepSpeed; ``load_into`` and the state-dict readers need torch."""
+from __future__ import annotations
+
+_WHERE = {
+    "consolidate": "consolidation", "load_state_dict": "consolidation", "iter_state_dict": "consolidation",
+    "verify_output": "consolidation", "reshard": "resharding", "load_into": "loading", "classify": "paths",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(name)
+    from importlib import import_module
+
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)

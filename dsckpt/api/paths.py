@@ -1,0 +1,44 @@
+"""``classify(path)``: is this a DeepSpeed checkpoint or a weights file/folder?  Decided once, here.
+
+Every command that accepts either (``inspect``, ``diff``, ``check-finite``, ``load_into``, the
+full-weights reader) asks this function.  The rule: a rank file, a tag folder, or a folder holding tag
+folders is a DeepSpeed checkpoint - also when a weights file sits beside it (an HF Trainer's
+``checkpoint-N/`` may hold a 16-bit ``model.safetensors`` next to ``global_stepN/``; the checkpoint's fp32
+masters are the exact values).  Otherwise the first registered format that reads the path owns it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..errors import CheckpointNotFoundError
+from ..export.registry import Format, for_input
+from ..zero.layout import RANK_FILE_RE, is_tag_dir, list_tags
+
+
+@dataclass(frozen=True)
+class PathKind:
+    kind: Literal["deepspeed", "weights", "unknown"]
+    format: Format | None = None  # for "weights": the format that reads it
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.kind == "deepspeed"
+
+
+def classify(path: str | os.PathLike) -> PathKind:
+    p = Path(path)
+    if not os.path.lexists(p):
+        raise CheckpointNotFoundError(f"{p}: no such file or directory")
+    if p.is_file() and RANK_FILE_RE.match(p.name):
+        return PathKind("deepspeed")
+    if p.is_dir():
+        try:
+            if is_tag_dir(p) or list_tags(p):
+                return PathKind("deepspeed")
+        except OSError:
+            pass  # unreadable: the reader that opens it names the problem
+    fmt = for_input(p)
+    return PathKind("weights", fmt) if fmt is not None else PathKind("unknown")

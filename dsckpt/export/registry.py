@@ -1,0 +1,216 @@
+"""Output formats as plug-ins: one ``Format`` subclass per module, registered by the module itself.
+
+A format answers four questions, and nothing outside it asks them again:
+* **how it is chosen** - ``suffixes`` (OUT's name, any case), ``name`` (``--format``, ``--hf``),
+  ``directory`` (OUT is a folder), and for reading back, ``reads(path)`` (sniffing a given file);
+* **what it needs from the plan** - ``prepare(ckpt, plan, request)`` returns a ``Prepared``: the plan as
+  this format writes it (names stripped, adapters picked, aliases duplicated), the companions it will
+  copy, notes for the user; checks that can fail run here, before a byte is written;
+* **how it writes** - ``write(prepared, temp path, progress)`` returns the names written (the caller,
+  ``api.consolidation``, stages, verifies and publishes them: ``io.output``);
+* **how it reads back** - ``read(path)`` lists ``Stored`` tensors (name, dtype, shape, absolute byte range)
+  for ``--verify``, ``inspect``, ``diff`` and the full-weights reader.
+
+The built-in formats (safetensors, torch, sharded, hf, peft, lightning) are modules of this package,
+imported the first time the registry is used; registering a format of one's own never disables them.
+Modelled on torch.distributed.checkpoint's StorageWriter/SavePlanner split: planning is pure and
+testable, writing moves bytes.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..dtypes import ITEMSIZE
+from ..errors import OutputError
+
+if TYPE_CHECKING:
+    from ..plan.consolidate import Plan
+    from ..zero.reader import Checkpoint
+
+Progress = Callable[[int], None]
+BUILTIN_MODULES = ("safetensors", "sharded", "torch_file", "hf", "peft", "lightning")  # registration order
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor inside a written file: where its bytes are."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: Path
+    offset: int  # absolute, first element
+    stride: tuple[int, ...] | None = None  # None: contiguous
+
+    @property
+    def span_bytes(self) -> int:
+        if not all(self.shape):
+            return 0
+        if self.stride is None:
+            return math.prod(self.shape) * ITEMSIZE[self.dtype]
+        return (1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Listing:
+    tensors: list[Stored]
+    metadata: dict[str, str] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # what a .pt holds beside its state_dict
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked of ``consolidate`` that a format may need to prepare its output."""
+    max_shard_bytes: int
+    config: Path | None = None  # --config: a model config for the Hugging Face export
+    strip_prefixes: tuple[str, ...] = ()
+    duplicate_tied: bool = False
+    trust: bool = False  # follow links out of the checkpoint when copying companions
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A format's output, decided: the plan it writes and what it carries beside the tensors."""
+    format: "Format"  # the one that writes (``hf`` hands a PEFT run to ``peft``)
+    plan: "Plan"
+    request: Request
+    companions: Any = None  # the format's own record of files to copy (configs, tokenizer)
+    client_state: dict[str, Any] | None = None  # for a format that stores it inside OUT
+    notes: tuple[str, ...] = ()
+
+
+class Format:
+    """Base of every output format; a subclass overrides what differs (see the module docstring)."""
+
+    name: str = ""
+    suffixes: tuple[str, ...] = ()  # file suffixes that pick this format by OUT's name
+    accepts: tuple[str, ...] = ()  # further suffixes allowed when it is chosen by name (.pt for a Lightning file)
+    directory: bool = False  # OUT is a folder
+    default_for_folders: bool = False  # the folder format of an OUT named without a known suffix
+    selectable: bool = True  # offered by ``--format`` (hf, peft: by ``--hf``)
+    stores_client_state: bool = False  # OUT holds the client state (no sidecar written)
+    reties_aliases: bool = False  # loading OUT re-ties tied names itself (shared storage, a config)
+    exclude_frozen: bool = False  # its plan leaves frozen parameters out (an adapter)
+    duplicates_tied: bool = True  # honours --duplicate-tied (a torch file shares one storage instead)
+    summary: str = ""  # one line for --help
+
+    def resolve(self, root: Path, request: Request) -> "Format":
+        """The format that writes this checkpoint's output (``hf`` answers ``peft`` for a LoRA run)."""
+        return self
+
+    def prepare(self, ckpt: "Checkpoint", plan: "Plan", request: Request) -> Prepared:
+        return Prepared(self, plan, request)
+
+    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, path: Path) -> Listing:
+        raise NotImplementedError
+
+    def reads(self, path: Path) -> bool:
+        """Whether ``path`` (an existing file or folder) is an output of this format."""
+        return not self.directory and path.is_file() and path.suffix.lower() in self.suffixes
+
+    def claims(self, root: Path) -> bool:
+        """Whether the checkpoint at ``root`` is this format's to export when a related one is asked for
+        (an adapter_config.json beside it: PEFT's, not the full model's)."""
+        return False
+
+    def replaced_files(self, out: Path) -> tuple[str, ...]:
+        """In an existing folder OUT (``--force``): files this output supersedes, removed when it is
+        published (e.g. the shards the folder's old index named)."""
+        return ()
+
+
+FORMATS: dict[str, Format] = {}
+_builtins_loading = []  # non-empty once the built-ins' import began (their own register() calls re-enter)
+
+
+def register(fmt: Format, *, replace: bool = False) -> Format:
+    """Add ``fmt`` (the built-ins stay); a name already taken is refused unless ``replace``."""
+    _load_builtins()
+    if fmt.name in FORMATS and FORMATS[fmt.name] is not fmt and not replace:
+        raise ValueError(f"output format {fmt.name!r} is already registered (register(..., replace=True) replaces it)")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def _load_builtins() -> None:
+    """Import the built-in format modules once; each registers itself.  Called before any registration
+    and lookup, so a format registered by a user is added beside them, never instead of them."""
+    if _builtins_loading:
+        return
+    _builtins_loading.append(True)
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+
+
+def formats() -> dict[str, Format]:
+    """Every registered format, built-ins first, by name."""
+    _load_builtins()
+    return FORMATS
+
+
+def selectable() -> list[str]:
+    """The names ``--format`` offers."""
+    return [name for name, f in formats().items() if f.selectable]
+
+
+def names_a_folder(out: str | Path) -> bool:
+    """OUT written with a trailing slash (``model.safetensors/``) is a folder whatever its suffix."""
+    return str(out).endswith(("/", os.sep))
+
+
+def file_suffix(out: str | Path) -> str:
+    """OUT's suffix when it is one a file format claims (any case), else "" (``Qwen2.5-0.5B``: a folder)."""
+    suffix = Path(out).suffix.lower()
+    return suffix if any(suffix in f.suffixes + f.accepts for f in formats().values() if not f.directory) else ""
+
+
+def for_output(out: str | Path, form: str | None = None) -> Format:
+    """The format for OUT: ``form`` when given (checked against OUT's name), else what the name says.
+
+    A known file suffix (any case) picks its format; anything else - no suffix, a suffix no format
+    claims (``gpt2-v1.5``), a trailing slash - is a folder.  A name that contradicts ``form``
+    (``lt.safetensors`` with ``lightning``, ``model.pt`` with a folder format) is refused: the file
+    would lie about what it holds.
+    """
+    suffix = "" if names_a_folder(out) else file_suffix(out)
+    if form is None:
+        if suffix:
+            return next(f for f in formats().values() if not f.directory and suffix in f.suffixes)
+        return next(f for f in formats().values() if f.directory and f.default_for_folders)
+    fmt = by_name(form)
+    if fmt.directory and suffix:
+        raise OutputError(f"{out}: ends in {suffix}, a file suffix, but {fmt.name} writes a folder",
+                          hint="name the folder without a file suffix (or end it with /)")
+    if not fmt.directory and names_a_folder(out):
+        raise OutputError(f"{out}: names a folder, but {fmt.name} writes one file")
+    if not fmt.directory and suffix and suffix not in fmt.suffixes + fmt.accepts:
+        owner = next(f.name for f in formats().values() if suffix in f.suffixes)
+        raise OutputError(f"{out}: ends in {suffix}, the suffix of {owner} files, but --format {fmt.name} "
+                          f"writes {'/'.join(fmt.suffixes + fmt.accepts)}",
+                          hint=f"name it {shlex.quote(str(Path(out).with_suffix(fmt.suffixes[0])))}" if fmt.suffixes else None)
+    return fmt
+
+
+def by_name(name: str) -> Format:
+    """A format chosen explicitly (``--hf``, ``--format``) rather than by OUT's suffix."""
+    if name not in formats():
+        raise OutputError(f"unknown output format {name!r}; known: {', '.join(sorted(FORMATS))}")
+    return FORMATS[name]
+
+
+def for_input(path: Path) -> Format | None:
+    """The format of an existing consolidated file or folder, or None (not one any format reads).
+
+    A DeepSpeed checkpoint is told apart first by ``api.paths.classify``: call that for a user's path.
+    """
+    return next((f for f in formats().values() if f.reads(Path(path))), None)

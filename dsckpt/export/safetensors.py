@@ -1,0 +1,32 @@
+"""One ``.safetensors`` file: tied weights stored once, their aliases in ``__metadata__``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..formats.safetensors_file import read_header
+from .registry import Format, Listing, Prepared, Progress, Stored, register
+
+
+def read_safetensors(path: Path) -> Listing:
+    header, start = read_header(path)
+    tensors = [Stored(name, info["dtype"], tuple(info["shape"]), path, start + info["data_offsets"][0])
+               for name, info in header.items() if name != "__metadata__"]
+    return Listing(tensors, dict(header.get("__metadata__", {})), [path])
+
+
+class SafetensorsFormat(Format):
+    name = "safetensors"
+    suffixes = (".safetensors",)
+    summary = "one .safetensors file (tied weights once, aliases in __metadata__)"
+
+    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+        from ..io.writer import write_safetensors
+
+        write_safetensors(list(prepared.plan.tensors), path, prepared.plan.metadata, progress)
+        return [path.name]
+
+    def read(self, path: Path) -> Listing:
+        return read_safetensors(path)
+
+
+register(SafetensorsFormat())

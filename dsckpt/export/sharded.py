@@ -1,0 +1,72 @@
+"""A folder of sharded safetensors in Hugging Face's layout: ``model-0000i-of-0000N.safetensors`` and
+``model.safetensors.index.json`` (the folder format of an OUT named without a known suffix)."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from ..errors import CorruptFileError, OutputError
+from ..formats.safetensors_file import check_shard_names, read_index
+from .registry import Format, Listing, Prepared, Progress, register
+from .safetensors import read_safetensors
+
+INDEX_NAME = "model.safetensors.index.json"
+SHADOWING_WEIGHTS = ("model.safetensors",)  # from_pretrained reads this before any index: it would hide ours
+
+
+def read_sharded(path: Path) -> Listing:
+    index = path if path.is_file() else next(path.glob("*.index.json"), None)
+    if index is None:
+        raise CorruptFileError(f"{path}: folder holds no *.index.json")
+    metadata, weight_map = read_index(index)
+    tensors, files = [], []
+    for shard in sorted(set(weight_map.values())):
+        listing = read_safetensors(index.parent / shard)
+        check_shard_names(index, weight_map, shard, [t.name for t in listing.tensors])
+        tensors += listing.tensors
+        files.append(index.parent / shard)
+        metadata = {**listing.metadata, **{k: str(v) for k, v in metadata.items()}}
+    return Listing(tensors, metadata, files)
+
+
+def replaced_shards(out: Path) -> tuple[str, ...]:
+    """In an existing folder OUT (``--force``): the shards its current index names, which the new output
+    replaces (anything else there stays).  Refuses a weights file that would be loaded instead of ours."""
+    if not out.is_dir():
+        return ()
+    for name in SHADOWING_WEIGHTS:
+        if (out / name).exists():
+            raise OutputError(f"{out}: holds {name}, which from_pretrained would load instead of the sharded "
+                              "weights written beside it; dsckpt does not delete files it did not write",
+                              hint=f"move {shlex.quote(str(out / name))} away, or write to another folder")
+    if not (out / INDEX_NAME).is_file():
+        return ()
+    try:
+        _, weight_map = read_index(out / INDEX_NAME)
+    except CorruptFileError:
+        return ()  # replaced by name; shards it might have named stay
+    return tuple(sorted({n for n in weight_map.values() if "/" not in n and (out / n).is_file()}))
+
+
+class ShardedFormat(Format):
+    name = "sharded"
+    directory = True
+    default_for_folders = True
+    summary = "a folder: sharded safetensors + model.safetensors.index.json"
+
+    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+        from ..io.writer import write_sharded
+
+        return write_sharded(prepared.plan, folder, prepared.request.max_shard_bytes, progress) + [INDEX_NAME]
+
+    def read(self, path: Path) -> Listing:
+        return read_sharded(path)
+
+    def reads(self, path: Path) -> bool:
+        return path.name.endswith(".index.json") if path.is_file() else path.is_dir() and any(path.glob("*.index.json"))
+
+    def replaced_files(self, out: Path) -> tuple[str, ...]:
+        return replaced_shards(out)
+
+
+register(ShardedFormat())

@@ -1,0 +1,119 @@
+"""Where a tensor's bytes are: the one byte-source model every plan produces and every writer reads.
+
+A tensor is a list of segments - ``Segment(path, offset, nbytes)`` of a file, or ``Zeros(nbytes)`` of
+padding - in a source dtype, cast to an output dtype when read (``TensorSource``).  Consolidating a ZeRO-3
+parameter is one segment per rank; a ZeRO-1/2 parameter one per partition it spans; a reshard target
+partition is segments of the ranks that held its elements plus zero fills; an unchanged tensor is its
+storage's byte range.  Writers never ask which kind of source they hold: ``io.read`` turns any of them
+into chunks of output bytes.
+
+Where a tensor is split along a dimension (tensor parallelism, one day; ``zero.grid``) a source will carry
+N-d chunk offsets beside its segments; today every split dsckpt reads is a flat one, so a source is 1-d
+bytes in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from ..dtypes import ITEMSIZE
+from ..errors import InconsistentCheckpointError
+from ..formats.pickle_policy import TensorRef
+from ..formats.torchzip import tensor_byte_range
+
+
+class Segment(NamedTuple):
+    """``nbytes`` bytes at absolute ``offset`` of ``path`` (a NamedTuple: ``path, offset, n = seg`` reads it)."""
+    path: Path
+    offset: int
+    nbytes: int
+
+
+class Zeros(NamedTuple):
+    """``nbytes`` zero bytes (partition padding)."""
+    nbytes: int
+
+
+Piece = Segment | Zeros
+
+
+class ByteSource(Protocol):
+    """What a writer needs from a tensor: its segments, in ``src_dtype``, written as ``dtype``."""
+    src_dtype: str
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A nameless tensor's bytes (a reshard partition, an unchanged storage): segments + cast."""
+    src_dtype: str
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return output_nbytes(self)
+
+
+def output_nbytes(source: ByteSource) -> int:
+    """Bytes the source has once cast to its output dtype."""
+    stored = sum(p.nbytes for p in source.pieces)
+    return stored // ITEMSIZE[source.src_dtype] * ITEMSIZE[source.dtype]
+
+
+def ref_segments(ref: TensorRef) -> tuple[Segment, ...]:
+    """A stored tensor's elements as one byte range (none for an empty tensor)."""
+    path, offset, nbytes = tensor_byte_range(ref)
+    return (Segment(path, offset, nbytes),) if nbytes else ()
+
+
+def storage_source(ref: TensorRef) -> TensorSource:
+    """A tensor's whole storage as it is stored (what a rewritten file copies for an unchanged tensor)."""
+    loc = ref.file.locate(ref.storage)
+    return TensorSource(ref.dtype, ref.dtype, (Segment(ref.file.path, loc.offset, loc.nbytes),) if loc.nbytes else ())
+
+
+class FlatSpace:
+    """Several contiguous 1-D tensors seen as one flat element range (a rank's partitions of a group)."""
+
+    def __init__(self, refs: list[TensorRef]):
+        self.dtype = refs[0].dtype if refs else "F32"
+        self.itemsize = ITEMSIZE[self.dtype]
+        self.spans = []  # (start element, numel, path, byte offset)
+        start = 0
+        for ref in refs:
+            path, offset, _ = tensor_byte_range(ref)
+            self.spans.append((start, ref.numel, path, offset))
+            start += ref.numel
+        self.numel = start
+
+    def pieces(self, start: int, count: int, where: str) -> list[Segment]:
+        if start < 0 or start + count > self.numel:
+            raise InconsistentCheckpointError(f"{where}: needs elements [{start}, {start + count}) "
+                                              f"but the partition holds {self.numel}")
+        out = []
+        for span_start, span_numel, path, offset in self.spans:
+            lo, hi = max(start, span_start), min(start + count, span_start + span_numel)
+            if lo < hi:
+                out.append(Segment(path, offset + (lo - span_start) * self.itemsize, (hi - lo) * self.itemsize))
+        return out
+
+
+def merged(pieces: list[Piece]) -> tuple[Piece, ...]:
+    """Adjacent byte ranges of one file and adjacent zero fills become one (fewer, larger reads)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if piece.nbytes == 0:
+            continue
+        if isinstance(piece, Zeros) and isinstance(last, Zeros):
+            out[-1] = Zeros(last.nbytes + piece.nbytes)
+        elif (isinstance(piece, Segment) and isinstance(last, Segment) and last.path == piece.path
+              and last.offset + last.nbytes == piece.offset):
+            out[-1] = Segment(last.path, last.offset, last.nbytes + piece.nbytes)
+        else:
+            out.append(piece)
+    return tuple(out)
+

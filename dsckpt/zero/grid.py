@@ -1,0 +1,67 @@
+"""A checkpoint as a grid of ranks over (tp, pp, dp, ep), and the one place rank file names are spelled.
+
+DeepSpeed names each rank's files by its coordinates: ``mp_rank_{tp:02d}`` (model parallel = tensor
+parallel), ``zero_pp_rank_{dp}`` (the ZeRO data-parallel partition; "pp" is historical, it is not the
+pipeline stage), ``layer_{l}_expert_{e}`` / ``expp_rank_{ep}`` for mixture-of-experts files, and
+``layer_{l}-model_{tp:02d}`` for pipeline layers.  ``rank_file_name`` builds every such name, so plans
+never spell one; ``zero.layout`` parses them with the regular expressions beside its constants.
+
+Each parameter also has a rule for how its slices along the grid join (``Join``): ZeRO's data-parallel
+slices are flat partitions (``partitioning`` says which elements each rank holds); a tensor-parallel
+slice joins along one dimension or is replicated.  Today dsckpt fills dp (and, with experts, ep); tp and
+pp are recognised and refused by name, and fit this model without another redesign when their time comes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MODEL_STATES_SUFFIX = "_model_states.pt"
+OPTIM_STATES_SUFFIX = "_optim_states.pt"
+BF16_PREFIX = "bf16_"  # DeepSpeed's bf16 optimizer (BF16_Optimizer, ZeRO-0/1 with bf16) prefixes its files
+
+
+@dataclass(frozen=True, order=True)
+class Coord:
+    """A rank's place in the grid; 0 on an axis the run did not use."""
+    tp: int = 0
+    pp: int = 0
+    dp: int = 0
+    ep: int = 0
+
+
+@dataclass(frozen=True)
+class GridShape:
+    """How many ranks along each axis wrote files (the checkpoint's world, factored)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def unsupported(self) -> list[str]:
+        """The axes dsckpt cannot gather yet, named for a message."""
+        return [f"{axis} {size}" for axis, size in (("tensor parallel", self.tp), ("pipeline", self.pp)) if size > 1]
+
+
+@dataclass(frozen=True)
+class Join:
+    """How a parameter's slices along one grid axis make the whole tensor."""
+    axis: Literal["tp", "dp", "ep"]
+    how: Literal["flat", "dim", "replicated"]  # flat: ZeRO partitions of the flattened tensor
+    dim: int | None = None  # for "dim": the dimension the slices are concatenated along
+
+
+ZERO_JOIN = Join("dp", "flat")  # every ZeRO-partitioned parameter
+
+
+def rank_file_name(kind: Literal["model", "optim"], coord: Coord = Coord(), *, per_dp_rank: bool = True,
+                   bf16: bool = False) -> str:
+    """DeepSpeed's name for a rank's file.
+
+    ``per_dp_rank``: the file belongs to one data-parallel rank (every optimizer file; model files at
+    ZeRO-3) - ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_...``; else rank 0's one model file at ZeRO 0-2,
+    ``mp_rank_{tp:02d}_model_states.pt``.  ``bf16``: the ``bf16_`` prefix of the bf16 optimizer's files.
+    """
+    suffix = MODEL_STATES_SUFFIX if kind == "model" else OPTIM_STATES_SUFFIX
+    dp = f"zero_pp_rank_{coord.dp}_" if per_dp_rank or kind == "optim" else ""
+    return f"{BF16_PREFIX if bf16 else ''}{dp}mp_rank_{coord.tp:02d}{suffix}"

@@ -1,0 +1,132 @@
+"""The package's shape, checked from its source (``ast``, no imports run): layers, no import cycles, module size.
+
+Layers, lowest first; a module may import its own layer and those below, never one above - whether the
+import is at the top of the module or inside a function (a lazy import is still a dependency):
+
+    base      errors, limits, dtypes, _version
+    formats   bytes on disk: torch zip, pickle policy and writer, safetensors, positional reads, casts
+    zero      DeepSpeed's rules: layout, grid, reader, partitioning, optimizer state, companion files
+    plan      pure plans: segments, consolidate, reshard, restage
+    io        moving bytes: the reader, the writers, staging and publishing outputs
+    export    output formats (registry + one module each) and the client-state sidecar
+    api       the public operations: consolidate, reshard, load_into, classify
+    analysis  inspect, stats, diff, plot
+    runtime   torch + DeepSpeed: training, resume
+    cli       the commands
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
+LAYERS = ("base", "formats", "zero", "plan", "io", "export", "api", "analysis", "runtime", "cli")
+BASE = {"errors", "limits", "dtypes", "_version"}
+ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _known(name: str, modules: set[str]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(every import, top-level imports only): module -> the dsckpt modules it imports."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    every: dict[str, set[str]] = {m: set() for m in modules}
+    top: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        top_nodes = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                found = _known(target, modules) if target.startswith("dsckpt") else None
+                if found and found != mod:
+                    every[mod].add(found)
+                    if id(node) in top_nodes:
+                        top[mod].add(found)
+    return every, top
+
+
+def layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return 0 if part in BASE else LAYERS.index(part)
+
+
+def test_no_import_reaches_a_higher_layer():
+    every, _ = import_graph()
+    upward = sorted(f"{m} ({LAYERS[layer(m)]}) imports {t} ({LAYERS[layer(t)]})"
+                    for m, targets in every.items() if m not in ENTRY_POINTS
+                    for t in targets if t not in ENTRY_POINTS and layer(t) > layer(m))
+    assert upward == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    every, _ = import_graph()
+    inner = {m: {t for t in ts if t not in ENTRY_POINTS and not m.startswith(t + ".")}  # (a package's own __init__)
+             for m, ts in every.items() if m not in ENTRY_POINTS}
+    assert _cycles(inner) == []
+
+
+def test_modules_stay_small():
+    long = {_module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_the_checker_sees_violations():
+    """The rules above are not vacuous: the graph holds the edges the code has."""
+    every, top = import_graph()
+    assert "dsckpt.plan.segments" in every["dsckpt.io.read"]
+    assert "dsckpt.export.registry" in every["dsckpt.api.consolidation"]
+    assert layer("dsckpt.cli.app") > layer("dsckpt.api.resharding") > layer("dsckpt.zero.layout")
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

@@ -1,0 +1,102 @@
+"""Output formats as plug-ins (``export.registry``): built-ins survive a user's registration, a new format is
+one class, and the CLI offers what is registered."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES, ROOT, run_cli
+from dsckpt.errors import OutputError
+from dsckpt.export import registry
+
+
+def test_registering_first_keeps_every_built_in():
+    """The old registry loaded its built-ins only while empty: a format registered first hid them all."""
+    code = ("import json; from dsckpt.export.registry import Format, register, formats, for_output\n"
+            "class Mine(Format):\n    name, suffixes = 'mine', ('.mine',)\n"
+            "register(Mine())\n"
+            "print(json.dumps([sorted(formats()), for_output('m.safetensors').name, for_output('m.MINE').name]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    names, chosen, mine = json.loads(proc.stdout)
+    assert names == ["hf", "lightning", "mine", "peft", "safetensors", "sharded", "torch"]
+    assert (chosen, mine) == ("safetensors", "mine")
+
+
+def test_a_taken_name_is_refused_unless_replaced():
+    class Impostor(registry.Format):
+        name = "safetensors"
+
+    with pytest.raises(ValueError, match="'safetensors' is already registered"):
+        registry.register(Impostor())
+    assert type(registry.by_name("safetensors")).__name__ == "SafetensorsFormat"
+
+
+class RawFormat(registry.Format):
+    """A new output format in a few lines: a JSON index (8-byte length first), then every tensor's bytes."""
+    name, suffixes, summary = "raw-test", (".rawtest",), "test-only raw dump"
+    selectable = False  # (not offered by --format in this process)
+
+    def write(self, prepared, path, progress):
+        from dsckpt.io.read import Reader
+
+        tensors, index, pos = prepared.plan.tensors, {}, 0
+        for t in tensors:
+            index[t.name] = [t.dtype, list(t.shape), pos]
+            pos += t.nbytes
+        head = json.dumps(index).encode()
+        with open(path, "wb") as out, Reader() as reader:
+            out.write(len(head).to_bytes(8, "little") + head)
+            for t in tensors:
+                for chunk in reader.chunks(t):
+                    out.write(chunk)
+        return [path.name]
+
+    def read(self, path):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            index = json.loads(f.read(size))
+        return registry.Listing([registry.Stored(n, d, tuple(s), path, 8 + size + o) for n, (d, s, o) in index.items()])
+
+
+def test_a_new_format_is_one_class_and_the_whole_pipeline_serves_it(tmp_path):
+    import dsckpt
+
+    if "raw-test" not in registry.formats():
+        registry.register(RawFormat())
+    out = tmp_path / "m.rawtest"
+    result = dsckpt.consolidate(FIXTURES / "z3_ws3_bf16", out, verify=True, dtype="bf16")  # chosen by suffix
+    assert result.form == "raw-test" and result.verified
+    reference = dsckpt.load_state_dict(FIXTURES / "z3_ws3_bf16", dtype="bf16")
+    listing = RawFormat().read(out)
+    data = out.read_bytes()
+    for stored in listing.tensors:
+        assert data[stored.offset:stored.offset + stored.span_bytes] == \
+            reference[stored.name].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
+    assert {s.name for s in listing.tensors} | set(dsckpt.open_checkpoint(FIXTURES / "z3_ws3_bf16").shared) \
+        == set(reference)
+
+
+def test_hf_peft_and_lightning_are_formats_of_their_own():
+    hf, peft, lightning = (registry.by_name(n) for n in ("hf", "peft", "lightning"))
+    assert hf.directory and not hf.selectable and hf.resolve(FIXTURES / "z2_ws2_fp32",
+                                                             registry.Request(1 << 30)) is hf
+    assert peft.exclude_frozen and registry.for_output("model.ckpt") is lightning
+    assert lightning.stores_client_state and "lightning" in registry.selectable()
+    assert {type(f).__module__ for f in registry.formats().values()} >= {
+        "dsckpt.export.hf", "dsckpt.export.peft", "dsckpt.export.lightning", "dsckpt.export.sharded"}
+
+
+def test_the_cli_offers_what_is_registered():
+    proc = run_cli("consolidate", "--help")
+    offered = proc.stdout.split("--format [", 1)[1].split("]", 1)[0].split("|")
+    assert sorted(offered) == sorted(registry.selectable())
+
+
+def test_a_name_that_contradicts_the_format_is_refused():
+    with pytest.raises(OutputError, match=r"ends in \.safetensors, the suffix of safetensors files, but --format "
+                                          r"lightning writes \.ckpt/\.pt/\.pth"):
+        registry.for_output("lt.safetensors", "lightning")
