@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo_run
 
-.PHONY: setup demo test test-fast fixtures bench fuzz clean
+.PHONY: setup demo test test-fast fixtures bench bench-quick fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: setup
 	$(BIN)/pip install -q huggingface_hub  # zero_to_fp32 --safe_serialization needs it
 	$(BIN)/python bench/bench_consolidate.py
 	$(BIN)/python bench/bench_reshard.py
+
+# A regression guard in about a minute (the first run also generates two cached checkpoints); CI does not run it.
+bench-quick: setup
+	$(BIN)/python bench/bench_quick.py
 
 fuzz: setup
 	$(BIN)/pip install -q atheris

@@ -124,10 +124,11 @@ def _merge_into(tmp: Path, final: Path) -> None:
 
 
 def fsync_path(path: Path, *, files: bool = True) -> None:
-    """Flush a file, or a folder's entries (and, with ``files``, each file in it), to stable storage."""
+    """Flush a file, or a folder's entries (and, with ``files``, every file and folder below it: a reshard
+    output's rank files sit in its tag folder), to stable storage."""
     if files and path.is_dir() and not path.is_symlink():
         for entry in os.scandir(path):
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
                 fsync_path(Path(entry.path))
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import struct
 import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -38,25 +40,48 @@ def _aligned(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
+def _stream(out, fp, chunks: Iterable[bytes], crc_thread, progress) -> int:
+    """Write one stored entry's chunks with its CRC-32 computed on ``crc_thread`` while this thread writes the
+    same chunk; the next chunk is asked for only when both are done (the reader reuses its buffers).
+
+    zipfile computes the CRC inside ``write``, in turn with the write: measured on the 4-layer benchmark
+    (778 MiB of ZeRO-2 rank files, 2 cores, warm cache) CRC-32 was 45 % of reshard's time.  Its entry
+    writer keeps the running CRC and size in ``_crc`` / ``_file_size`` (Python 3.6 - 3.13) and writes them
+    into the headers on close; without those attributes, plain ``write`` is used.
+    """
+    if not (hasattr(out, "_crc") and hasattr(out, "_file_size")):
+        size = 0
+        for chunk in chunks:
+            size += out.write(chunk)
+            if progress:
+                progress(len(chunk))
+        return size
+    crc, size = 0, 0
+    for chunk in chunks:
+        job = crc_thread.submit(zlib.crc32, chunk, crc)
+        fp.write(chunk)
+        crc = job.result()
+        size += len(chunk)
+        if progress:
+            progress(len(chunk))
+    out._crc, out._file_size = crc, size
+    return size
+
+
 def write_archive(path: Path, obj: Any, chunks: Callable[[StorageOut], Iterable[bytes]],
                   progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
     """Write ``obj`` to ``path`` as torch.save would; returns the storages written (``allow_foreign``:
     see ``pickle_writer.dumps``)."""
     pickle_bytes, storages = dumps(obj, allow_foreign)
     folder = Path(path).name.split(".")[0] or "archive"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(1) as crc_thread:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
             zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
         for storage in storages:
             info = _aligned(zf, f"{folder}/data/{storage.key}", storage.nbytes)
-            written = 0
             with zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
-                for chunk in chunks(storage):
-                    out.write(chunk)
-                    written += len(chunk)
-                    if progress:
-                        progress(len(chunk))
+                written = _stream(out, zf.fp, chunks(storage), crc_thread, progress)
             if written != storage.nbytes:
                 raise ValueError(f"storage {storage.key} of {path}: {written} bytes written, {storage.nbytes} expected")
         zf.writestr(zipfile.ZipInfo(f"{folder}/version", date_time=ZIP_DATE), b"3\n")
