@@ -1,0 +1,74 @@
+"""CRC-32 (zip's, zlib's) of a buffer computed in parts on several threads, joined exactly.
+
+``zlib.crc32`` runs at ~3.7 GB/s on one core and releases the GIL; a zip writer that must checksum every
+byte it writes spends most of its CPU there.  CRC-32 is linear over GF(2), so the CRC of ``a + b`` follows
+from the CRCs of ``a`` and ``b`` and ``len(b)`` (zlib's ``crc32_combine``, not exposed by Python's zlib):
+crc(a + b) = crc(a) * x^(8 len(b)) mod P  xor  crc(b), computed here as zlib computes it (reflected
+bit order, P = 0xEDB88320).
+"""
+from __future__ import annotations
+
+import zlib
+from functools import lru_cache
+from typing import Callable
+
+POLY = 0xEDB88320  # CRC-32's polynomial, reflected
+_X0 = 1 << 31  # the polynomial 1, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo P (both reflected)."""
+    m, product = _X0, 0
+    while m:
+        if a & m:
+            product ^= b
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> list[int]:
+    """x^(2^k) mod P for k = 0..31."""
+    p, out = 1 << 30, []  # x^1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _powers()
+
+
+@lru_cache(maxsize=64)
+def _shift(nbytes: int) -> int:
+    """x^(8 nbytes) mod P: what appending ``nbytes`` bytes does to a CRC."""
+    p, k, n = _X0, 3, nbytes
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
+    return _multmodp(_shift(len_b), crc_a) ^ crc_b
+
+
+def crc32_async(pool, data, start: int = 0, parts: int = 2) -> Callable[[], int]:
+    """Start ``zlib.crc32(data, start)`` on ``pool``, the buffer cut into ``parts`` pieces checksummed at once;
+    returns the function that waits and joins them (``data`` must stay unchanged until it is called)."""
+    view = memoryview(data).cast("B")
+    n = len(view)
+    if parts <= 1 or n < (1 << 20) * parts:
+        return pool.submit(zlib.crc32, view, start).result
+    cuts = [n * i // parts for i in range(parts + 1)]
+    jobs = [pool.submit(zlib.crc32, view[a:b], start if i == 0 else 0) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+    def joined() -> int:
+        crc = jobs[0].result()
+        for job, a, b in zip(jobs[1:], cuts[1:], cuts[2:]):
+            crc = crc32_combine(crc, job.result(), b - a)
+        return crc
+    return joined
