@@ -180,3 +180,19 @@ def test_tag_folder_with_another_tag_named(fixture_copy):
     shutil.copytree(root / "step3", root / "step5")
     assert discover(root / "step3").tag == "step3"
     assert discover(root / "step3", tag="step5").tag == "step5"  # --tag wins; the root is the parent
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_rank_file_name_spells_what_deepspeed_wrote(name):
+    """zero.grid.rank_file_name is the one place names are built: it reproduces every fixture's rank files."""
+    from dsckpt.zero.grid import Coord, rank_file_name
+
+    ckpt = open_checkpoint(FIXTURES / name)
+    bf16 = any(f.path.name.startswith("bf16_") for f in ckpt.layout.optim_files)
+    model = [rank_file_name("model", Coord(dp=r)) for r in range(ckpt.world_size)] if ckpt.zero_stage == 3 \
+        else [rank_file_name("model", per_dp_rank=False)]
+    optim = [rank_file_name("optim", Coord(dp=r), bf16=bf16) for r in range(ckpt.world_size)] \
+        if ckpt.zero_stage and not ckpt.universal else []  # (ds_to_universal keeps no optimizer files)
+    assert [f.path.name for f in ckpt.layout.model_files] == model
+    assert [f.path.name for f in ckpt.layout.optim_files] == optim
+    assert (ckpt.grid.tp, ckpt.grid.pp, ckpt.grid.dp, ckpt.grid.ep) == (1, 1, ckpt.world_size, 1)

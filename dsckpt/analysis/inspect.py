@@ -69,6 +69,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "universal": ckpt.universal,
         "world_size": ckpt.world_size,
         "mp_world_size": ckpt.mp_world_size,
+        "grid": {"tp": ckpt.grid.tp, "pp": ckpt.grid.pp, "dp": ckpt.grid.dp, "ep": ckpt.grid.ep},
         "ds_version": ckpt.ds_version,
         "dtype": ckpt.precision,
         "global_steps": ckpt.global_steps,

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import layout as L
+from .grid import GridShape
 from ..dtypes import label
 from ..limits import check, limit
 from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
@@ -54,6 +55,7 @@ class Checkpoint:
     # file holds their values - ones in no optimizer group, or frozen ones of a DeepSpeed that did not save them
     unsaved: tuple[str, ...] = ()
     universal: bool = False  # ds_to_universal's layout: trainable parameters in zero/<name>/*.pt, no optim files
+    grid: GridShape = GridShape()  # ranks along (tp, pp, dp, ep) that wrote files (zero.grid)
 
     @property
     def module(self) -> dict[str, Any]:
@@ -113,7 +115,9 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
     universal = not lay.optim_files and (lay.tag_dir / L.UNIVERSAL_DIR).is_dir()
     stage = _recorded_stage(head, lay) if universal else _zero_stage(lay, optim_files)
-    if mp > 1 or any(f.mp_rank for f in lay.all_files) or lay.pipeline_files:
+    grid = GridShape(tp=max(mp, 1 + max((f.mp_rank for f in lay.all_files), default=0)),
+                     pp=2 if lay.pipeline_files else 1, dp=world)  # (layer files say "more than one stage", not how many)
+    if grid.unsupported():
         problems.append(Problem(UnsupportedCheckpointError,
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
                                 f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
@@ -150,7 +154,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
                       ds_version=head.get(L.DS_VERSION), precision=precision,
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
-                      client_state=client, problems=problems, unsaved=unsaved, universal=universal)
+                      client_state=client, problems=problems, unsaved=unsaved, universal=universal, grid=grid)
 
 
 def _count(value: Any, path, key: str) -> int:
