@@ -50,6 +50,8 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
             plan = build_plan(ckpt)
         except DsckptError as exc:
             plan_error = str(exc)
+    if plan is not None and ckpt.experts:  # the recorded shapes name rank 0's experts only; the plan names all
+        shapes = {t.name: t.shape for t in plan.tensors if t.kind != "buffer"}
     frozen = set(ckpt.frozen)
     if plan is not None and ckpt.zero_stage == 0:  # stage 0 records no frozen list; the plan tells
         frozen = {t.name for t in plan.tensors if t.kind == "frozen"}
@@ -87,10 +89,21 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "problems": problems,
         "notes": list(ckpt.layout.notes),
         "trainer_state": trainer_summary(lay.root),  # an HF Trainer's checkpoint-N: its trainer_state.json
+        "experts": _experts(ckpt),
     }
     if with_tensors:
         summary["tensors"] = tensor_table(ckpt, plan, shapes)
     return summary
+
+
+def _experts(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
+    """A DeepSpeed-MoE run's layers: experts, ep_size, the expert-data-parallel size, one expert's size."""
+    if not ckpt.experts:
+        return None
+    return [{"layer": layer.index, "module": layer.prefix, "experts": layer.num_experts, "ep_size": layer.ep_size,
+             "expert_data_parallel_size": ckpt.world_size // layer.ep_size,
+             "expert_numel": sum(math.prod(shape) for shape in layer.expert_shapes().values()),
+             "optimizer_group": layer.group} for layer in ckpt.experts.layers]
 
 
 def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
@@ -150,6 +163,10 @@ def render(s: dict[str, Any]) -> str:
     row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")
     if f["count"]:  # empty sections are left out (the JSON keeps every key)
         row("frozen", f"{f['count']} tensors, {f['numel']:,} elements")
+    for e in s.get("experts") or ():
+        group = f", optimizer group {e['optimizer_group']}" if e["optimizer_group"] is not None else ""
+        row(f"MoE layer {e['layer']}", f"{e['module']}: {e['experts']} experts of {e['expert_numel']:,} elements, "
+                                      f"ep_size {e['ep_size']} (expert data parallel {e['expert_data_parallel_size']}{group})")
     if s["tied"]:
         row("tied", ", ".join(f"{a} -> {b}" for a, b in s["tied"].items()))
     if s["buffers"]:

@@ -125,16 +125,17 @@ def _plan_flat_groups(ckpt: Checkpoint, add, state: str) -> None:
     """Per flat group (``plan.groups``), each parameter's elements from the ranks' partitions that hold them:
     ZeRO-1/2 one padded flat buffer per param group split in equal slices, ZeRO-3 each parameter split on
     its own within each sub-group (``zero.partitioning``)."""
-    for g, group in enumerate(group_layouts(ckpt)):
-        spaces = _rank_spaces(ckpt, state, g)
-        layout = group.layout
-        for r, space in enumerate(spaces):
-            trimmed = stage12_trimmed(layout, r) if state == "fp32" and ckpt.zero_stage != 3 else 0
+    for group in group_layouts(ckpt):
+        g, layout = group.index, group.layout
+        every_rank = _rank_spaces(ckpt, state, g)
+        spaces = [every_rank[r] for r in group.ranks]
+        for pos, (rank, space) in enumerate(zip(group.ranks, spaces)):
+            trimmed = stage12_trimmed(layout, pos) if state == "fp32" and ckpt.zero_stage != 3 else 0
             if space.numel != layout.partition_numel - trimmed:
-                raise InconsistentCheckpointError(f"{ckpt.optim_files[r].path}: group {g} partition holds {space.numel} "
+                raise InconsistentCheckpointError(f"{ckpt.optim_files[rank].path}: group {g} partition holds {space.numel} "
                                                   f"elements, the recorded shapes need {layout.partition_numel - trimmed}")
         for i, name in enumerate(group.names):
-            add(name, ckpt.trainable[name], spaces[0].dtype, "param",
+            add(name, group.shapes[i], spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
 
 
@@ -188,6 +189,12 @@ def _plan_frozen(ckpt: Checkpoint, add) -> None:
 
 def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
     masters = ckpt.stage0_masters
+    for layer in ckpt.experts.layers if ckpt.experts else ():  # fp32 MoE runs: experts whole in their files
+        for path in layer.files:
+            for name, ref in TorchFile(path).obj.items():
+                if not isinstance(ref, TensorRef):
+                    raise InconsistentCheckpointError(f"{path}: entry {str(name)[:80]!r} is not a tensor")
+                add(str(name), ref.shape, ref.dtype, "param", ref_segments(ref), "F32")
     for name, ref in ckpt.module.items():
         if name in ckpt.buffers or name in ckpt.shared or not isinstance(ref, TensorRef):
             continue

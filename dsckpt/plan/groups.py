@@ -2,7 +2,8 @@
 
 ``group_layouts(ckpt)`` says, per flat group, which parameters it holds (in flat order) and where each
 rank's partition holds their elements at the checkpoint's world size (``zero.partitioning``):
-* ZeRO-1/2: one flat group per optimizer param group, with the recorded alignment paddings;
+* ZeRO-1/2: one flat group per optimizer param group, with the recorded alignment paddings (a group of
+  mixture-of-experts experts: one per expert-parallel rank, over its expert-data-parallel ranks);
 * ZeRO-3: one per sub-group (``fp32_flat_groups`` entry); the recorded shapes do not say where
   DeepSpeed cut the sub-groups, so the cut is recovered from rank 0's partition sizes.
 ``FlatGroup.at(M)`` is the same group laid out for M ranks (same stage).  The consolidation plan
@@ -18,17 +19,24 @@ from typing import Iterator
 from ..dtypes import ITEMSIZE, canonical
 from ..errors import InconsistentCheckpointError
 from ..zero.partitioning import GroupLayout, parameter_alignment, stage3_group, stage12_group
+from ..zero.experts import edp_ranks, is_expert
 from ..zero.reader import Checkpoint
 
 
 @dataclass(frozen=True)
 class FlatGroup:
-    names: tuple[str, ...]
-    numels: tuple[int, ...]
-    layout: GroupLayout  # at the checkpoint's world size
+    index: int  # the optimizer's flat group (param group at stage 1/2, sub-group at stage 3)
+    names: tuple[str, ...]  # as written out (an expert under its global id)
+    shapes: tuple[tuple[int, ...], ...]
+    layout: GroupLayout  # at the checkpoint's world size (an expert group: its expert-data-parallel size)
     stage: int
+    ranks: tuple[int, ...]  # the checkpoint ranks whose partitions these are, in partition order
     paddings: tuple[int, ...] | None = None  # stage 1/2: param_alignment_paddings as recorded
     alignment: int = 1  # stage 1/2: the parameter alignment those paddings imply
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
 
     def at(self, world_size: int) -> GroupLayout:
         """The same group at ``world_size`` ranks, as DeepSpeed lays it out at the same stage."""
@@ -43,18 +51,27 @@ def group_layouts(ckpt: Checkpoint) -> list[FlatGroup]:
 
 
 def stage12_groups(ckpt: Checkpoint) -> list[FlatGroup]:
+    """One per param group; a group of experts (``zero.experts``) once per expert-parallel rank, laid out
+    over that rank's expert-data-parallel group, its parameters under their global expert ids."""
     paddings = ckpt.optimizer_states[0].alignment_paddings
     itemsize = ITEMSIZE[canonical(ckpt.precision)]
+    world = ckpt.world_size
+    expert_groups = ckpt.experts.groups if ckpt.experts else {}
     out = []
     for g, shapes in enumerate(ckpt.param_groups):
-        numels = tuple(math.prod(s) for s in shapes.values())
+        numels = [math.prod(s) for s in shapes.values()]
         pad = tuple(paddings[g]) if paddings is not None else None
         if pad is not None and len(pad) != len(numels):
             raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(numels)} parameters "
                                               f"but {len(pad)} alignment paddings")
         align = parameter_alignment(list(pad or []), itemsize)
-        layout = stage12_group(list(numels), ckpt.world_size, list(pad) if pad is not None else None, align)
-        out.append(FlatGroup(tuple(shapes), numels, layout, ckpt.zero_stage, pad, align))
+        ep_size = expert_groups.get(g, 1)
+        layout = stage12_group(numels, world // ep_size, list(pad) if pad is not None else None, align)
+        for ep in range(ep_size):
+            names = tuple(shapes) if g not in expert_groups else \
+                tuple(ckpt.experts.global_name(n, ep) if is_expert(n) else n for n in shapes)
+            out.append(FlatGroup(g, names, tuple(shapes.values()), layout, ckpt.zero_stage,
+                                 edp_ranks(ep, ep_size, world), pad, align))
     return out
 
 
@@ -75,8 +92,8 @@ def stage3_groups(ckpt: Checkpoint) -> list[FlatGroup]:
         if size != state.fp32.numel:
             raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: sub-group {g} holds {state.fp32.numel} "
                                               "elements, which no run of the recorded parameters fills")
-        part = tuple(numels[start:i])
-        out.append(FlatGroup(tuple(names[start:i]), part, stage3_group(list(part), ckpt.world_size), 3))
+        out.append(FlatGroup(g, tuple(names[start:i]), tuple(ckpt.trainable[n] for n in names[start:i]),
+                             stage3_group(numels[start:i], ckpt.world_size), 3, tuple(range(ckpt.world_size))))
     if i != len(names):
         raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
                                           f"{len(names)} trainable parameters")

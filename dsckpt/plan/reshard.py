@@ -85,6 +85,9 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
         raise UnsupportedCheckpointError(f"{where}: a universal checkpoint (ds_to_universal's output) is not split by "
                                          "world size", hint="DeepSpeed loads it at any world size with "
                                          "checkpoint.load_universal; dsckpt consolidate reads it")
+    if ckpt.experts:
+        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard does not move experts yet",
+                                         hint="consolidate reads it (every expert under its global id)")
     if ckpt.zero_stage == 0:
         raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
                                          "at any world size as it is", hint="use it directly")

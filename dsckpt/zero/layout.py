@@ -57,6 +57,7 @@ DEEPSPEED_KEYS = frozenset({
     DS_CONFIG, DS_VERSION, GLOBAL_STEPS, DP_WORLD_SIZE, MP_WORLD_SIZE, OPTIMIZER, "lr_scheduler",
     "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_samples",
     "checkpoint_parallel_dims", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+    "num_experts", "ds_autoep_layers",  # mixture-of-experts runs (zero/experts.py)
 })
 
 # --- keys of the optimizer-states file ---------------------------------------------------------

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from ..formats.pickle_policy import TensorRef, opaque_int
 from ..formats.torchzip import TorchFile
 
 if TYPE_CHECKING:
+    from .experts import Experts
     from .optim_state import RankState
 
 
@@ -56,6 +57,7 @@ class Checkpoint:
     unsaved: tuple[str, ...] = ()
     universal: bool = False  # ds_to_universal's layout: trainable parameters in zero/<name>/*.pt, no optim files
     grid: GridShape = GridShape()  # ranks along (tp, pp, dp, ep) that wrote files (zero.grid)
+    experts: "Experts | None" = None  # a DeepSpeed-MoE run's layers, expert files and expert optimizer groups
 
     @property
     def module(self) -> dict[str, Any]:
@@ -121,13 +123,8 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
         problems.append(Problem(UnsupportedCheckpointError,
                                 f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
                                 f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
-    if lay.expert_files:  # their weights are in no file this reader plans from: refuse, never leave them out
-        problems.append(Problem(UnsupportedCheckpointError,
-                                f"{lay.tag_dir}: mixture-of-experts checkpoint ({len(lay.expert_files)} expert files, "
-                                f"e.g. {lay.expert_files[0].name}) - not supported yet; the experts' weights are not "
-                                f"in '{L.MODULE}'"))
     _check_ranks(lay, stage, world, problems, optimizer=not universal)
-    _check_same_run(model_files, optim_files, world, problems)
+    _check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
     param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
@@ -150,11 +147,15 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     client = {k: v for k, v in head.items() if k not in L.DEEPSPEED_KEYS}
     param_dtypes = {t.dtype for n, t in module.items() if isinstance(t, TensorRef) and n not in buffers}
     precision = next((label(d) for d in ("BF16", "F16", "F32") if d in param_dtypes), "fp32")
+    experts = _experts(lay, head, param_groups, stage, precision, world, optim_files, problems)
+    if experts:
+        grid = replace(grid, ep=max(layer.ep_size for layer in experts.layers))
     return Checkpoint(layout=lay, zero_stage=stage, world_size=world, mp_world_size=mp,
                       ds_version=head.get(L.DS_VERSION), precision=precision,
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
-                      client_state=client, problems=problems, unsaved=unsaved, universal=universal, grid=grid)
+                      client_state=client, problems=problems, unsaved=unsaved, universal=universal, grid=grid,
+                      experts=experts)
 
 
 def _count(value: Any, path, key: str) -> int:
@@ -174,8 +175,49 @@ def _short(value: Any) -> str:
     return f"{value!r:.80}"
 
 
+def _optimizer_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> list:
+    """The torch optimizer's param groups as saved (settings only; 'moe' / 'name' mark expert groups)."""
+    try:
+        if stage == 0:
+            return head[L.OPTIMIZER]["param_groups"]
+        osd = optim_files[0].obj[L.OPTIMIZER_STATE_DICT]
+        return osd[L.OPTIMIZER_STATE_DICT if stage == 3 else L.BASE_OPTIMIZER_STATE]["param_groups"]
+    except (KeyError, TypeError, IndexError):
+        return []
+
+
+def _expert_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> dict[int, int]:
+    """Optimizer group index -> ep_size, for groups holding experts (partitioned over W / ep_size ranks)."""
+    from .experts import EP_GROUP_NAME
+
+    out = {}
+    for g, group in enumerate(_optimizer_groups(stage, head, optim_files)):
+        match = EP_GROUP_NAME.match(str(group.get("name", ""))) if isinstance(group, dict) and group.get("moe") else None
+        if match:
+            out[g] = int(match.group(1))
+    return out
+
+
+def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precision: str, world: int,
+             optim_files: list[TorchFile], problems: list[Problem]) -> "Experts | None":
+    """A DeepSpeed-MoE run's experts (``zero.experts``); what this version cannot read is a problem, so
+    nothing is ever half-converted."""
+    if not lay.expert_files:
+        return None
+    from .experts import check_stage, read_experts
+
+    try:
+        experts = read_experts(lay.tag_dir, lay.expert_files, head, param_groups,
+                               _optimizer_groups(stage, head, optim_files), world)
+        check_stage(stage, precision, lay.tag_dir)
+        return experts
+    except UnsupportedCheckpointError as exc:
+        problems.append(Problem(UnsupportedCheckpointError, str(exc), exc.hint))
+        return None
+
+
 def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], world: int,
-                    problems: list[Problem]) -> None:
+                    problems: list[Problem], expert_groups: dict[int, int] | None = None) -> None:
     """Rank files of another run (another world size) mixed into this tag."""
     for f in model_files[1:]:
         other = f.obj.get(L.DP_WORLD_SIZE) if isinstance(f.obj, dict) else None
@@ -186,7 +228,8 @@ def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], 
         osd = f.obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(f.obj, dict) else None
         count = osd.get(L.PARTITION_COUNT) if isinstance(osd, dict) else None
         counts = count if isinstance(count, list) else [count]
-        if any(c != world for c in counts):
+        expected = [world // (expert_groups or {}).get(g, 1) for g in range(len(counts))]  # experts: W / ep_size
+        if counts != expected:
             problems.append(Problem(InconsistentCheckpointError,
                                     f"{f.path}: partition count {_short(count)} differs from world size {world}"))
 

@@ -1,0 +1,84 @@
+"""DeepSpeed-MoE checkpoints (issue 26): real ones written by ``deepspeed.moe.layer.MoE`` (fixtures/make_moe_fixtures.py:
+top-1 and top-2 + residual layers, ep_size 1 and 2, expert-data-parallel groups of 1 and 2, ZeRO 0/1/2, fp32/bf16)."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import FIXTURES, MOE_FIXTURE_NAMES, ROOT, run_cli
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+sys.path.insert(0, str(ROOT / "fixtures"))
+from make_moe_fixtures import FIXTURES as SPECS, build  # noqa: E402
+
+import dsckpt  # noqa: E402
+from dsckpt.errors import UnsupportedCheckpointError  # noqa: E402
+
+
+def test_every_moe_run_of_the_generator_is_committed():
+    assert MOE_FIXTURE_NAMES == sorted(SPECS)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURE_NAMES)
+@pytest.mark.parametrize("out_name", ["m.safetensors", "m.pt", "sharded"])
+def test_consolidated_experts_are_the_live_fp32_masters_under_global_ids(name, out_name, tmp_path):
+    """Every expert under ``deepspeed_experts.{global id}`` - the names of the same model at ep_size=1 - with the
+    fp32 master the live engine held at save time, bit for bit; the dense parameters as before."""
+    out = tmp_path / out_name
+    result = dsckpt.consolidate(FIXTURES / name, out, verify=True)
+    assert result.verified
+    reference = torch.load(FIXTURES / name / "reference.pt")
+    got = dict(dsckpt.api.consolidation.load_state_dict(FIXTURES / name))
+    assert got.keys() == reference.keys()
+    assert [k for k in reference if not torch.equal(reference[k], got[k])] == []
+    model = build(ep_size=1)  # a single-process model: no process group, every expert local
+    listing = dsckpt.export.registry.for_input(out).read(out)
+    assert {t.name for t in listing.tensors} == set(model.state_dict())
+    if out_name == "m.safetensors":
+        from safetensors.torch import load_file
+
+        assert str(model.load_state_dict(load_file(out), strict=True)) == "<All keys matched successfully>"
+
+
+def test_inspect_names_the_experts(tmp_path):
+    proc = run_cli("inspect", FIXTURES / "moe_z2_ws4_ep2_fp32", "--json")
+    summary = json.loads(proc.stdout)
+    assert summary["grid"] == {"tp": 1, "pp": 1, "dp": 4, "ep": 2} and summary["problems"] == []
+    model = build(ep_size=1)
+    expert0 = sum(p.numel() for n, p in model.named_parameters() if ".deepspeed_experts.0." in n and n.startswith("moe1."))
+    assert summary["experts"] == [
+        {"layer": 0, "module": "moe1", "experts": 4, "ep_size": 2, "expert_data_parallel_size": 2,
+         "expert_numel": expert0, "optimizer_group": 1},
+        {"layer": 1, "module": "moe2", "experts": 4, "ep_size": 2, "expert_data_parallel_size": 2,
+         "expert_numel": expert0, "optimizer_group": 1}]
+    assert summary["parameters"]["count"] == sum(1 for _ in model.parameters())  # every expert, not rank 0's
+    text = run_cli("inspect", FIXTURES / "moe_z2_ws4_ep2_fp32").stdout
+    assert "MoE layer 1       moe2: 4 experts of" in text and "ep_size 2 (expert data parallel 2, optimizer group 1)" in text
+
+
+def test_stats_diff_and_check_finite_cover_the_experts(tmp_path):
+    ckpt = FIXTURES / "moe_z2_ws2_ep2_fp32"
+    dsckpt.consolidate(ckpt, tmp_path / "m.safetensors")
+    diff = json.loads(run_cli("diff", ckpt, tmp_path / "m.safetensors", "--json").stdout)
+    assert diff["only_a"] == [] and diff["only_b"] == [] and all(t["equal"] for t in diff["tensors"])
+    assert sum(".deepspeed_experts.3." in t["name"] for t in diff["tensors"]) == 8  # 2 layers x 4 tensors
+    stats = json.loads(run_cli("inspect", ckpt, "--stats", "--optimizer", "--json").stdout)
+    names = {t["name"] for t in stats["stats"]}
+    assert "exp_avg/moe2.deepspeed_moe.experts.deepspeed_experts.3.up.weight" in names
+    assert run_cli("check-finite", ckpt, "--optimizer").returncode == 0
+
+
+def test_what_cannot_be_moved_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedCheckpointError, match="mixture-of-experts checkpoint; reshard does not move experts"):
+        dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "ws1", 1)
+    assert not (tmp_path / "ws1").exists()
+    broken = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "moe_z2_ws2_ep2_fp32", broken)
+    (broken / "step3" / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
+    proc = run_cli("consolidate", broken, tmp_path / "m.safetensors")
+    assert proc.returncode == 2 and "MoE layer 1 (moe2): 4 experts" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "m.safetensors").exists()
