@@ -3,6 +3,7 @@ top-1 and top-2 + residual layers, ep_size 1 and 2, expert-data-parallel groups 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 
@@ -72,13 +73,55 @@ def test_stats_diff_and_check_finite_cover_the_experts(tmp_path):
     assert run_cli("check-finite", ckpt, "--optimizer").returncode == 0
 
 
-def test_what_cannot_be_moved_is_refused_by_name(tmp_path):
-    with pytest.raises(UnsupportedCheckpointError, match="mixture-of-experts checkpoint; reshard does not move experts"):
-        dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "ws1", 1)
-    assert not (tmp_path / "ws1").exists()
+def test_what_cannot_be_read_is_refused_by_name(tmp_path):
     broken = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "moe_z2_ws2_ep2_fp32", broken)
     (broken / "step3" / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
     proc = run_cli("consolidate", broken, tmp_path / "m.safetensors")
     assert proc.returncode == 2 and "MoE layer 1 (moe2): 4 experts" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "m.safetensors").exists()
+
+
+# (stage, ep_size, precision, N, M): the expert-data-parallel group grows 1 -> 2; ep_size 1 at ZeRO-1 in bf16
+RESHARDS = [(2, 2, "32", 2, 4), (1, 1, "bf16", 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def moe_resharded(tmp_path_factory):
+    from conftest import run_job, skip_beyond_devices
+
+    roots = {}
+    for stage, ep, precision, n, m in RESHARDS:
+        skip_beyond_devices(max(n, m))
+        root = roots[(stage, ep, precision, n, m)] = tmp_path_factory.mktemp(f"moe_z{stage}_ep{ep}_{precision}")
+        run_job("moe_oracle.py", n, "train", root, stage, ep, precision)
+        proc = run_cli("reshard", root / "ckpt", root / f"ws{m}", "-w", m, "-q", "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_job("moe_oracle.py", m, "load", root, stage, ep, precision)
+    return roots
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("case", RESHARDS, ids=[f"z{s}-ep{e}-{p}-{n}to{m}" for s, e, p, n, m in RESHARDS])
+def test_stock_deepspeed_restores_every_expert_after_reshard(moe_resharded, case):
+    """Stock engine.load_checkpoint at M restores every expert's (and every dense parameter's) fp32 master and
+    both Adam moments bit for bit, and training goes on."""
+    root = moe_resharded[case]
+    before = torch.load(root / "before.pt")
+    after = torch.load(root / f"after_ws{case[4]}.pt", weights_only=False)  # written by this test's own job
+    for key in ("masters", "exp_avg", "exp_avg_sq"):
+        assert before[key].keys() == after[key].keys()
+        assert [n for n in before[key] if not torch.equal(before[key][n], after[key][n])] == [], key
+    assert sum(".deepspeed_experts." in n for n in before["masters"]) == 2 * 4 * 4  # 2 layers x 4 experts x 4 tensors
+    assert after["global_steps"] == 4 and math.isfinite(after["loss_after"])
+    inspected = json.loads(run_cli("inspect", root / f"ws{case[4]}", "--json").stdout)
+    assert inspected["problems"] == [] and inspected["world_size"] == case[4]
+    assert inspected["experts"][0]["expert_data_parallel_size"] == case[4] // case[1]
+
+
+def test_a_world_size_the_ep_size_does_not_divide_is_refused(tmp_path):
+    with pytest.raises(UnsupportedCheckpointError, match=r"ep_size 2, which world size 3 is not a multiple of"):
+        dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "ws3", 3)
+    with pytest.raises(UnsupportedCheckpointError, match="reshard --stage does not move experts between stages"):
+        dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "z1", 2, stage=1)
+    assert not (tmp_path / "ws3").exists() and not (tmp_path / "z1").exists()

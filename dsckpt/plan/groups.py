@@ -31,15 +31,22 @@ class FlatGroup:
     layout: GroupLayout  # at the checkpoint's world size (an expert group: its expert-data-parallel size)
     stage: int
     ranks: tuple[int, ...]  # the checkpoint ranks whose partitions these are, in partition order
+    recorded: tuple[str, ...]  # the names as the optimizer records them (an expert by its local id)
     paddings: tuple[int, ...] | None = None  # stage 1/2: param_alignment_paddings as recorded
     alignment: int = 1  # stage 1/2: the parameter alignment those paddings imply
+    ep_size: int = 1  # a group of experts: the expert-parallel size (its ranks are every ep_size-th from its ep rank)
 
     @property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
+    def ranks_at(self, world_size: int) -> tuple[int, ...]:
+        """The ranks holding this group's partitions at ``world_size`` (the same expert-parallel rank)."""
+        return edp_ranks(self.ranks[0], self.ep_size, world_size) if self.ep_size > 1 else tuple(range(world_size))
+
     def at(self, world_size: int) -> GroupLayout:
         """The same group at ``world_size`` ranks, as DeepSpeed lays it out at the same stage."""
+        world_size = len(self.ranks_at(world_size))
         if self.stage == 3:
             return stage3_group(list(self.numels), world_size)
         return stage12_group(list(self.numels), world_size, list(self.paddings) if self.paddings is not None else None,
@@ -71,7 +78,7 @@ def stage12_groups(ckpt: Checkpoint) -> list[FlatGroup]:
             names = tuple(shapes) if g not in expert_groups else \
                 tuple(ckpt.experts.global_name(n, ep) if is_expert(n) else n for n in shapes)
             out.append(FlatGroup(g, names, tuple(shapes.values()), layout, ckpt.zero_stage,
-                                 edp_ranks(ep, ep_size, world), pad, align))
+                                 edp_ranks(ep, ep_size, world), tuple(shapes), pad, align, ep_size))
     return out
 
 
@@ -93,7 +100,8 @@ def stage3_groups(ckpt: Checkpoint) -> list[FlatGroup]:
             raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: sub-group {g} holds {state.fp32.numel} "
                                               "elements, which no run of the recorded parameters fills")
         out.append(FlatGroup(g, tuple(names[start:i]), tuple(ckpt.trainable[n] for n in names[start:i]),
-                             stage3_group(numels[start:i], ckpt.world_size), 3, tuple(range(ckpt.world_size))))
+                             stage3_group(numels[start:i], ckpt.world_size), 3, tuple(range(ckpt.world_size)),
+                             tuple(names[start:i])))
     if i != len(names):
         raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
                                           f"{len(names)} trainable parameters")

@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
 from ..formats.pickle_writer import NewTensor
+from ..formats.torchzip import TorchFile
 from ..limits import limit
 from ..zero import layout as L, slice_mappings
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
@@ -49,10 +50,17 @@ class OutputFile:
 
 @dataclass(frozen=True)
 class GroupMove:
-    """One flat group's layouts before and after, for ``inspect``-style summaries and tests."""
-    names: tuple[str, ...]
+    """One flat group's layouts before and after (a group of experts: one per expert-parallel rank)."""
+    names: tuple[str, ...]  # as the optimizer records them
     source: GroupLayout
     target: GroupLayout
+    index: int = 0  # the optimizer's flat group
+    source_ranks: tuple[int, ...] | None = None  # the ranks holding its partitions at N, in order (None: all)
+    target_ranks: tuple[int, ...] | None = None  # ... at M
+
+    def position(self, rank: int) -> int:
+        """``rank``'s place among the target ranks (its partition of this group)."""
+        return self.target_ranks.index(rank) if self.target_ranks is not None else rank
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
         groups = _stage3_groups(ckpt, world_size) if ckpt.zero_stage == 3 else _stage12_groups(ckpt, world_size)
         files = [_model_file(ckpt, world_size, r) for r in range(world_size if ckpt.zero_stage == 3 else 1)]
         files += [_optim_file(ckpt, groups, world_size, r) for r in range(world_size)]
+        files += _expert_files(ckpt)
     return ReshardPlan(ckpt.zero_stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(groups), tuple(files))
 
 
@@ -85,9 +94,12 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
         raise UnsupportedCheckpointError(f"{where}: a universal checkpoint (ds_to_universal's output) is not split by "
                                          "world size", hint="DeepSpeed loads it at any world size with "
                                          "checkpoint.load_universal; dsckpt consolidate reads it")
-    if ckpt.experts:
-        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard does not move experts yet",
-                                         hint="consolidate reads it (every expert under its global id)")
+    for layer in ckpt.experts.layers if ckpt.experts else ():
+        if world_size % layer.ep_size:
+            raise UnsupportedCheckpointError(
+                f"{where}: MoE layer {layer.index} ({layer.prefix}) has ep_size {layer.ep_size}, which world size "
+                f"{world_size} is not a multiple of", hint="reshard to a multiple of the ep_size; changing the "
+                "ep_size is not supported yet")
     if ckpt.zero_stage == 0:
         raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
                                          "at any world size as it is", hint="use it directly")
@@ -105,19 +117,20 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
 def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
     moves = []
     for g, group in enumerate(stage12_groups(ckpt)):
-        problem = slice_mappings.mismatch(ckpt, g, list(group.names), group.layout)
+        problem = slice_mappings.mismatch(ckpt, group.index, list(group.recorded), group.layout, group.ranks)
         if problem:  # round_robin_gradients: its order at M differs from the one at N (see slice_mappings)
             raise UnsupportedCheckpointError(problem + "; the flat buffer is in round_robin_gradients order, which "
                                              "depends on the world size", hint="reshard does not support it yet; "
                                              "consolidate and a resume at the same world size do")
-        moves.append(GroupMove(group.names, group.layout, group.at(world_size)))
+        moves.append(GroupMove(group.recorded, group.layout, group.at(world_size), group.index, group.ranks,
+                               group.ranks_at(world_size)))
     return moves
 
 
 def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
     """The sub-groups at N laid out at M - valid only while DeepSpeed cuts the same sub-groups at M
     (``_check_sub_groups_kept``)."""
-    moves = [GroupMove(group.names, group.layout, group.at(world_size)) for group in stage3_groups(ckpt)]
+    moves = [GroupMove(group.names, group.layout, group.at(world_size), group.index) for group in stage3_groups(ckpt)]
     _check_sub_groups_kept(ckpt, [m.names for m in moves], world_size)
     return moves
 
@@ -230,6 +243,12 @@ def _model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
     return OutputFile(name, tf.path, tree)
 
 
+def _expert_files(ckpt: Checkpoint) -> list[OutputFile]:
+    """A mixture-of-experts run's expert files: named by global id, so the same at any world size (same ep_size)."""
+    return [OutputFile(path.name, path, _copy(TorchFile(path).obj))
+            for layer in (ckpt.experts.layers if ckpt.experts else ()) for path in layer.files]
+
+
 def _frozen_fragment(ckpt: Checkpoint, fragments, name: str, world_size: int, rank: int) -> NewTensor:
     n = math.prod(ckpt.frozen[name])
     move = GroupMove((name,), stage3_group([n], ckpt.world_size), stage3_group([n], world_size))
@@ -246,30 +265,33 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
     stage3 = ckpt.zero_stage == 3
     torch_state = osd[L.OPTIMIZER_STATE_DICT] if stage3 else osd[L.BASE_OPTIMIZER_STATE]
     flats = []
-    for g, move in enumerate(moves):
+    mine = [next(m for m in moves if m.index == g and (m.target_ranks is None or rank in m.target_ranks))
+            for g in sorted({m.index for m in moves})]  # per flat group, the move this rank takes part in
+    for g, move in enumerate(mine):
         where = f"{ckpt.layout.tag_dir}: group {g}"
-        sources = [rs.groups[g] for rs in ckpt.optimizer_states]
-        trimmed = 0 if stage3 else stage12_trimmed(move.target, rank)
+        pos = move.position(rank)
+        source_ranks = move.source_ranks if move.source_ranks is not None else range(ckpt.world_size)
+        sources = [ckpt.optimizer_states[r].groups[g] for r in source_ranks]
+        trimmed = 0 if stage3 else stage12_trimmed(move.target, pos)
         length = move.target.partition_numel
         spaces = [FlatSpace([s.fp32]) for s in sources]
         flats.append(_new_tensor(sources[0].fp32, length - trimmed,
-                                 partition_segments(move, rank, spaces, length - trimmed, where)))
+                                 partition_segments(move, pos, spaces, length - trimmed, where)))
         state = torch_state.get("state", {}).get(g)
         for key, value in list((state or {}).items()):
             if not isinstance(value, TensorRef) or value.numel <= 1:
                 continue  # Adam's step and other scalars: the same on every rank, kept
-            per_rank = [_state_tensor(ckpt, r, g, key, move) for r in range(ckpt.world_size)]
-            spaces = [FlatSpace([ref]) for ref in per_rank]
-            state[key] = _new_tensor(value, length, partition_segments(move, rank, spaces, length, f"{where} {key}"))
+            spaces = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in source_ranks]
+            state[key] = _new_tensor(value, length, partition_segments(move, pos, spaces, length, f"{where} {key}"))
     if stage3:
         osd[L.FP32_FLAT_GROUPS] = flats
         osd[L.PARTITION_COUNT] = world_size
     else:
         osd[L.SINGLE_PARTITION_OF_FP32_GROUPS] = flats
-        osd[L.PARTITION_COUNT] = [world_size] * len(moves)
-        osd[L.GROUP_PADDINGS] = [stage12_trimmed(m.target, rank) for m in moves]
+        osd[L.PARTITION_COUNT] = [len(m.target_ranks) if m.target_ranks is not None else world_size for m in mine]
+        osd[L.GROUP_PADDINGS] = [stage12_trimmed(m.target, m.position(rank)) for m in mine]
         if L.PARAM_SLICE_MAPPINGS in osd:
-            osd[L.PARAM_SLICE_MAPPINGS] = [_slice_mappings(m, rank, osd[L.PARAM_SLICE_MAPPINGS]) for m in moves]
+            osd[L.PARAM_SLICE_MAPPINGS] = [_slice_mappings(m, m.position(rank), osd[L.PARAM_SLICE_MAPPINGS]) for m in mine]
     return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(tf.path)), tf.path, tree)
 
 

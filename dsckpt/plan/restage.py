@@ -45,6 +45,9 @@ def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
     if stage is None or stage == ckpt.zero_stage:
         return build_reshard_plan(ckpt, world_size)
     where = ckpt.layout.tag_dir
+    if ckpt.experts:
+        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard --stage does not move "
+                                         "experts between stages (DeepSpeed 0.19.8 runs native MoE at ZeRO 0-2 only)")
     if stage not in (1, 2, 3):
         raise UnsupportedCheckpointError(f"--stage {stage}: reshard writes ZeRO stage 1, 2 or 3")
     if ckpt.zero_stage in (1, 2) and stage in (1, 2):

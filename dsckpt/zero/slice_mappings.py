@@ -43,14 +43,20 @@ def _address(value: Any) -> tuple[int, int] | None:
     return (start, numel) if ok else None
 
 
-def mismatch(ckpt: Checkpoint, group: int, names: list[str], layout: GroupLayout) -> str | None:
-    """The first disagreement between ``layout`` and the record, as a message; None if they agree."""
+def mismatch(ckpt: Checkpoint, group: int, names: list[str], layout: GroupLayout,
+             ranks: tuple[int, ...] | None = None) -> str | None:
+    """The first disagreement between ``layout`` and the record, as a message; None if they agree.
+    ``ranks``: the ranks whose partitions ``layout`` describes, in order (a group of experts: one
+    expert-parallel rank's); default every rank."""
     maps = recorded(ckpt, group)
     if maps is None:
         return None
     for rank, mapping in enumerate(maps):
+        if ranks is not None and rank not in ranks:
+            continue
+        position = ranks.index(rank) if ranks is not None else rank
         for name, spans in zip(names, layout.params):
-            here = [(s.rank_start, s.count) for s in spans if s.rank == rank and s.count]
+            here = [(s.rank_start, s.count) for s in spans if s.rank == position and s.count]
             address = mapping.get(name)
             if not here and address is None:
                 continue
