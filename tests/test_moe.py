@@ -82,8 +82,9 @@ def test_what_cannot_be_read_is_refused_by_name(tmp_path):
     assert not (tmp_path / "m.safetensors").exists()
 
 
-# (stage, ep_size, precision, N, M): the expert-data-parallel group grows 1 -> 2; ep_size 1 at ZeRO-1 in bf16
-RESHARDS = [(2, 2, "32", 2, 4), (1, 1, "bf16", 2, 3)]
+# (stage, ep_size, precision, N, M, ep_size at M): the expert-data-parallel group grows 1 -> 2; ep_size 1 at ZeRO-1
+# in bf16; experts change ranks (ep_size 2 -> 1: every rank holds every expert)
+RESHARDS = [(2, 2, "32", 2, 4, 2), (1, 1, "bf16", 2, 3, 1), (2, 2, "32", 2, 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -91,37 +92,42 @@ def moe_resharded(tmp_path_factory):
     from conftest import run_job, skip_beyond_devices
 
     roots = {}
-    for stage, ep, precision, n, m in RESHARDS:
+    for stage, ep, precision, n, m, new_ep in RESHARDS:
         skip_beyond_devices(max(n, m))
-        root = roots[(stage, ep, precision, n, m)] = tmp_path_factory.mktemp(f"moe_z{stage}_ep{ep}_{precision}")
-        run_job("moe_oracle.py", n, "train", root, stage, ep, precision)
-        proc = run_cli("reshard", root / "ckpt", root / f"ws{m}", "-w", m, "-q", "--json")
+        root = roots.setdefault((stage, ep, precision, n), tmp_path_factory.mktemp(f"moe_z{stage}_ep{ep}_{precision}"))
+        if not (root / "before.pt").exists():
+            run_job("moe_oracle.py", n, "train", root, stage, ep, precision)
+        out = root / f"ws{m}_ep{new_ep}"
+        proc = run_cli("reshard", root / "ckpt", out, "-w", m, "--ep-size", new_ep, "-q")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        run_job("moe_oracle.py", m, "load", root, stage, ep, precision)
+        run_job("moe_oracle.py", m, "load", root, stage, new_ep, precision)
     return roots
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("case", RESHARDS, ids=[f"z{s}-ep{e}-{p}-{n}to{m}" for s, e, p, n, m in RESHARDS])
+@pytest.mark.parametrize("case", RESHARDS, ids=[f"z{s}-ep{e}-{p}-{n}to{m}-ep{f}" for s, e, p, n, m, f in RESHARDS])
 def test_stock_deepspeed_restores_every_expert_after_reshard(moe_resharded, case):
-    """Stock engine.load_checkpoint at M restores every expert's (and every dense parameter's) fp32 master and
-    both Adam moments bit for bit, and training goes on."""
-    root = moe_resharded[case]
+    """Stock engine.load_checkpoint at M (a model built at the new ep_size) restores every expert's (and every
+    dense parameter's) fp32 master and both Adam moments bit for bit, and training goes on."""
+    stage, ep, precision, n, m, new_ep = case
+    root = moe_resharded[(stage, ep, precision, n)]
     before = torch.load(root / "before.pt")
-    after = torch.load(root / f"after_ws{case[4]}.pt", weights_only=False)  # written by this test's own job
+    after = torch.load(root / f"after_ws{m}_ep{new_ep}.pt", weights_only=False)  # written by this test's own job
     for key in ("masters", "exp_avg", "exp_avg_sq"):
         assert before[key].keys() == after[key].keys()
         assert [n for n in before[key] if not torch.equal(before[key][n], after[key][n])] == [], key
     assert sum(".deepspeed_experts." in n for n in before["masters"]) == 2 * 4 * 4  # 2 layers x 4 experts x 4 tensors
     assert after["global_steps"] == 4 and math.isfinite(after["loss_after"])
-    inspected = json.loads(run_cli("inspect", root / f"ws{case[4]}", "--json").stdout)
-    assert inspected["problems"] == [] and inspected["world_size"] == case[4]
-    assert inspected["experts"][0]["expert_data_parallel_size"] == case[4] // case[1]
+    inspected = json.loads(run_cli("inspect", root / f"ws{m}_ep{new_ep}", "--json").stdout)
+    assert inspected["problems"] == [] and inspected["world_size"] == m
+    assert [(e["ep_size"], e["expert_data_parallel_size"]) for e in inspected["experts"]] == [(new_ep, m // new_ep)] * 2
 
 
 def test_a_world_size_the_ep_size_does_not_divide_is_refused(tmp_path):
-    with pytest.raises(UnsupportedCheckpointError, match=r"ep_size 2, which world size 3 is not a multiple of"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"4 experts at ep_size 2, which world size 3 is not a multiple of"):
         dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "ws3", 3)
+    with pytest.raises(UnsupportedCheckpointError, match=r"4 experts at ep_size 3, which world size 3"):
+        dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "ws3", 3, ep_size=3)
     with pytest.raises(UnsupportedCheckpointError, match="reshard --stage does not move experts between stages"):
         dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "z1", 2, stage=1)
     assert not (tmp_path / "ws3").exists() and not (tmp_path / "z1").exists()

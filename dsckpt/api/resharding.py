@@ -51,11 +51,13 @@ class ReshardResult:
 
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            stage: int | None = None, force: bool = False, fsync: bool = True, trust: bool = False,
+            stage: int | None = None, ep_size: int | None = None, force: bool = False, fsync: bool = True,
+            trust: bool = False,
             progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ReshardResult:
     """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
-    its own: ``plan.restage``) into ``out_dir``.
+    its own: ``plan.restage``) into ``out_dir``; ``ep_size``: a mixture-of-experts run's new expert-parallel size
+    (``plan.experts``).
 
     ``trust``: copy pickled objects of any class as recorded and follow links out of the checkpoint
     (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).
@@ -63,7 +65,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     ckpt = open_checkpoint(checkpoint, tag)
     if not trust:
         L.require_contained(ckpt.layout)
-    plan = build_restage_plan(ckpt, world_size, stage)
+    plan = build_restage_plan(ckpt, world_size, stage, ep_size)
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
                                                   world_size, trust)

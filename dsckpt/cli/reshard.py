@@ -16,6 +16,8 @@ from .options import TRUST_HELP
               help="Data-parallel ranks the resumed job will run on.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of OUT_DIR (default: the checkpoint's); any of 1, 2, 3 from any of them.")
+@click.option("--ep-size", type=click.IntRange(min=1), default=None,
+              help="A mixture-of-experts run's expert-parallel size in OUT_DIR (default: its own); experts move ranks.")
 @click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")
@@ -23,7 +25,7 @@ from .options import TRUST_HELP
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def reshard(checkpoint: str, out_dir: str, world_size: int, stage, tag, force, trust_checkpoint, no_fsync, quiet,
+def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, no_fsync, quiet,
             as_json) -> None:
     """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks (and --stage).
 
@@ -40,6 +42,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, tag, force, t
       dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
       dsckpt reshard runs/demo runs/demo_ws1 -w 1 --tag step20 --json
       dsckpt reshard out/checkpoint-500 out/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
+      dsckpt reshard runs/moe runs/moe_ws8 -w 8 --ep-size 4     (DeepSpeed-MoE: experts over 4 ranks)
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5     (the same, then training on)
     """
     from tqdm import tqdm
@@ -52,7 +55,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, tag, force, t
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, force=force, fsync=not no_fsync,
+        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force, fsync=not no_fsync,
                      trust=trust_checkpoint, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)

@@ -57,6 +57,7 @@ class GroupMove:
     index: int = 0  # the optimizer's flat group
     source_ranks: tuple[int, ...] | None = None  # the ranks holding its partitions at N, in order (None: all)
     target_ranks: tuple[int, ...] | None = None  # ... at M
+    source_params: tuple[int, ...] | None = None  # per target parameter, its index in ``source`` (None: the same)
 
     def position(self, rank: int) -> int:
         """``rank``'s place among the target ranks (its partition of this group)."""
@@ -73,20 +74,24 @@ class ReshardPlan:
     files: tuple[OutputFile, ...]
 
 
-def build_reshard_plan(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
-    """The plan for ``ckpt`` at data-parallel ``world_size`` (see the module docstring)."""
+def build_reshard_plan(ckpt: Checkpoint, world_size: int, ep_size: int | None = None) -> ReshardPlan:
+    """The plan for ``ckpt`` at data-parallel ``world_size`` (see the module docstring); ``ep_size``: a
+    mixture-of-experts run's new expert-parallel size (``plan.experts``), default its own."""
     ckpt.require_complete()
-    _check_reshardable(ckpt, world_size)
+    _check_reshardable(ckpt, world_size, ep_size)
     with structure_errors(ckpt):
-        groups = _stage3_groups(ckpt, world_size) if ckpt.zero_stage == 3 else _stage12_groups(ckpt, world_size)
-        files = [_model_file(ckpt, world_size, r) for r in range(world_size if ckpt.zero_stage == 3 else 1)]
+        groups = _stage3_groups(ckpt, world_size) if ckpt.zero_stage == 3 else \
+            _stage12_groups(ckpt, world_size, ep_size)
+        files = [_model_file(ckpt, world_size, r, groups) for r in range(world_size if ckpt.zero_stage == 3 else 1)]
         files += [_optim_file(ckpt, groups, world_size, r) for r in range(world_size)]
         files += _expert_files(ckpt)
     return ReshardPlan(ckpt.zero_stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(groups), tuple(files))
 
 
-def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
+def _check_reshardable(ckpt: Checkpoint, world_size: int, ep_size: int | None = None) -> None:
     where = ckpt.layout.tag_dir
+    if ep_size is not None and not ckpt.experts:
+        raise ConfigError(f"--ep-size {ep_size}: {where} is not a mixture-of-experts checkpoint")
     if type(world_size) is not int or not 1 <= world_size <= limit("MAX_WORLD_SIZE"):
         raise ConfigError(f"--world-size {world_size!r}: a checkpoint is split over 1 to "
                           f"{limit('MAX_WORLD_SIZE'):,} data-parallel ranks")
@@ -95,11 +100,12 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
                                          "world size", hint="DeepSpeed loads it at any world size with "
                                          "checkpoint.load_universal; dsckpt consolidate reads it")
     for layer in ckpt.experts.layers if ckpt.experts else ():
-        if world_size % layer.ep_size:
+        new = ep_size or layer.ep_size
+        if world_size % new or layer.num_experts % new or (type(new) is not int or new < 1):
             raise UnsupportedCheckpointError(
-                f"{where}: MoE layer {layer.index} ({layer.prefix}) has ep_size {layer.ep_size}, which world size "
-                f"{world_size} is not a multiple of", hint="reshard to a multiple of the ep_size; changing the "
-                "ep_size is not supported yet")
+                f"{where}: MoE layer {layer.index} ({layer.prefix}) has {layer.num_experts} experts at ep_size {new}, "
+                f"which world size {world_size} is not a multiple of (or which does not divide the experts)",
+                hint="an ep_size must divide the world size and the number of experts (--ep-size changes it)")
     if ckpt.zero_stage == 0:
         raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
                                          "at any world size as it is", hint="use it directly")
@@ -114,17 +120,33 @@ def _check_reshardable(ckpt: Checkpoint, world_size: int) -> None:
 
 
 # --- step 2: layouts ------------------------------------------------------------------------------
-def _stage12_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
-    moves = []
-    for g, group in enumerate(stage12_groups(ckpt)):
+def _stage12_groups(ckpt: Checkpoint, world_size: int, ep_size: int | None = None) -> list[GroupMove]:
+    moves, flat = [], stage12_groups(ckpt)
+    for group in flat:
         problem = slice_mappings.mismatch(ckpt, group.index, list(group.recorded), group.layout, group.ranks)
         if problem:  # round_robin_gradients: its order at M differs from the one at N (see slice_mappings)
             raise UnsupportedCheckpointError(problem + "; the flat buffer is in round_robin_gradients order, which "
                                              "depends on the world size", hint="reshard does not support it yet; "
                                              "consolidate and a resume at the same world size do")
-        moves.append(GroupMove(group.recorded, group.layout, group.at(world_size), group.index, group.ranks,
-                               group.ranks_at(world_size)))
+    for g in sorted({group.index for group in flat}):
+        mine = [group for group in flat if group.index == g]
+        if ep_size is not None and g in ckpt.experts.groups and ep_size != ckpt.experts.groups[g]:
+            moves += _moved_experts(ckpt, mine, ep_size, world_size)
+            continue
+        moves += [GroupMove(group.recorded, group.layout, group.at(world_size), group.index, group.ranks,
+                            group.ranks_at(world_size)) for group in mine]
     return moves
+
+
+def _moved_experts(ckpt: Checkpoint, groups: list, ep_size: int, world_size: int) -> list[GroupMove]:
+    """One expert group at another ep_size (``plan.experts``): per new ep rank, its experts from wherever they were."""
+    from .experts import joined_source, moved_expert_groups
+
+    layers = {layer.prefix: layer.num_experts for layer in ckpt.experts.layers if layer.group == groups[0].index}
+    source, source_ranks = joined_source(groups)
+    return [GroupMove(names, source, target, groups[0].index, source_ranks, ranks, sources)
+            for names, target, ranks, sources in moved_expert_groups(groups, layers, ep_size, world_size,
+                                                                     ckpt.layout.tag_dir)]
 
 
 def _stage3_groups(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
@@ -197,7 +219,8 @@ def partition_segments(move: GroupMove, rank: int, spaces: list[FlatSpace], leng
                 continue
             if span.rank_start > pos:
                 out.append(Zeros((span.rank_start - pos) * itemsize))
-            out += _param_range(move.source, i, span.param_start, span.count, spaces, where)
+            source = move.source_params[i] if move.source_params is not None else i
+            out += _param_range(move.source, source, span.param_start, span.count, spaces, where)
             pos = span.rank_start + span.count
     if pos > length:
         raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
@@ -228,10 +251,15 @@ def _template(files: list, rank: int):
     return files[min(rank, len(files) - 1)]
 
 
-def _model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFile:
+def _model_file(ckpt: Checkpoint, world_size: int, rank: int, moves: list[GroupMove] = ()) -> OutputFile:
     tf = _template(ckpt.model_files, rank)
     tree = _copy(tf.obj)
     tree[L.DP_WORLD_SIZE] = world_size
+    moved = {m.index: m.names for m in moves if m.source_params is not None and 0 in (m.target_ranks or ())}
+    if moved:  # experts at another ep_size: rank 0's param_shapes name ep rank 0's new local experts
+        from .experts import rewritten_shapes
+
+        tree[L.PARAM_SHAPES] = rewritten_shapes(tree[L.PARAM_SHAPES], moved, ckpt.trainable)
     if ckpt.zero_stage == 3:
         name = rank_file_name("model", Coord(dp=rank))
         fragments = ckpt.frozen_fragments
@@ -283,6 +311,14 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
                 continue  # Adam's step and other scalars: the same on every rank, kept
             spaces = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in source_ranks]
             state[key] = _new_tensor(value, length, partition_segments(move, pos, spaces, length, f"{where} {key}"))
+    renamed = {m.index: world_size // len(m.target_ranks) for m in mine if m.source_params is not None}
+    if renamed:  # experts at another ep_size: their optimizer group is named for it
+        from .experts import renamed_groups
+
+        torch_state["param_groups"] = renamed_groups(torch_state["param_groups"], renamed)
+        if isinstance(osd.get(L.PARAM_ALIGNMENT_PADDINGS), list):  # one (zero) padding per parameter it now holds
+            osd[L.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(m.names) if m.source_params is not None else pads
+                                               for m, pads in zip(mine, osd[L.PARAM_ALIGNMENT_PADDINGS])]
     if stage3:
         osd[L.FP32_FLAT_GROUPS] = flats
         osd[L.PARTITION_COUNT] = world_size

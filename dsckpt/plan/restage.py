@@ -40,10 +40,12 @@ from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan
                       partition_segments)
 
 
-def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = None) -> ReshardPlan:
-    """The plan for ``ckpt`` at data-parallel ``world_size`` and ZeRO ``stage`` (default: its own)."""
+def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = None,
+                       ep_size: int | None = None) -> ReshardPlan:
+    """The plan for ``ckpt`` at data-parallel ``world_size`` and ZeRO ``stage`` (default: its own); ``ep_size``:
+    a mixture-of-experts run's new expert-parallel size (same stage only)."""
     if stage is None or stage == ckpt.zero_stage:
-        return build_reshard_plan(ckpt, world_size)
+        return build_reshard_plan(ckpt, world_size, ep_size)
     where = ckpt.layout.tag_dir
     if ckpt.experts:
         raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard --stage does not move "

@@ -3,9 +3,9 @@
 ``train ROOT STAGE EP PRECISION`` (at world size N): train fixtures/make_moe_fixtures.py's model (two MoE layers
 of 4 experts, ep_size EP) for 3 steps, save ROOT/ckpt, record every parameter's fp32 master and Adam moments
 under its global name (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``) in ROOT/before.pt.
-``load ROOT STAGE EP PRECISION`` (at world size M, after `dsckpt reshard ROOT/ckpt ROOT/ws<M> -w M`): a fresh
-engine, stock ``engine.load_checkpoint`` (with dsckpt's weights-only loader), the same records in
-ROOT/after_ws<M>.pt, then one more training step (its loss recorded: training goes on).
+``load ROOT STAGE EP PRECISION`` (at world size M, after `dsckpt reshard ROOT/ckpt ROOT/ws<M>_ep<EP> -w M
+--ep-size EP`): a fresh engine at ep_size EP, stock ``engine.load_checkpoint`` (with dsckpt's weights-only
+loader), the same records in ROOT/after_ws<M>_ep<EP>.pt, then one more training step (training goes on).
 """
 import re
 import sys
@@ -79,9 +79,9 @@ def main() -> None:
 
         world = dist.get_world_size()
         safe_load.install(engine)
-        path, client = engine.load_checkpoint(str(root / f"ws{world}"))
+        path, client = engine.load_checkpoint(str(root / f"ws{world}_ep{ep}"))
         assert path is not None and client["note"] == "moe oracle", (path, client)
-        result, name = records(engine, ep), f"after_ws{world}.pt"
+        result, name = records(engine, ep), f"after_ws{world}_ep{ep}.pt"
         result["loss_after"] = step(engine, 999 + dist.get_rank())
         result["global_steps"] = engine.global_steps
     if dist.get_rank() == 0:
