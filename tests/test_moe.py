@@ -131,3 +131,29 @@ def test_a_world_size_the_ep_size_does_not_divide_is_refused(tmp_path):
     with pytest.raises(UnsupportedCheckpointError, match="reshard --stage does not move experts between stages"):
         dsckpt.reshard(FIXTURES / "moe_z2_ws2_ep2_fp32", tmp_path / "z1", 2, stage=1)
     assert not (tmp_path / "ws3").exists() and not (tmp_path / "z1").exists()
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("model, nproc, stage, precision", [("build_ep2", 2, 2, "32"), ("build_ep1", 3, 1, "bf16")])
+def test_full_weights_resume_into_an_moe_model_at_another_layout(tmp_path, model, nproc, stage, precision):
+    """`resume --full-weights` of a consolidated MoE file into the model at another world size, ep_size, stage and
+    precision: each rank's local experts get the file's global experts (weights and fp32 masters exact,
+    `--check` on every rank), then training goes on and saves an MoE checkpoint dsckpt reads."""
+    from conftest import skip_beyond_devices, skip_unless_supported
+
+    skip_beyond_devices(nproc)
+    skip_unless_supported(precision)
+    weights = tmp_path / "m.safetensors"
+    dsckpt.consolidate(FIXTURES / "moe_z2_ws4_ep2_fp32", weights)
+    common = ("--full-weights", weights, "--model", f"moe_model:{model}", "--nproc", nproc, "--stage", stage,
+              "--precision", precision)
+    proc = run_cli("resume", *common, "--check", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    local = build(ep_size=int(model[-1]))  # at ep_size 2 a rank builds (and checks) its 2 of the 4 experts per layer
+    assert report["tensors_checked"] == report["fp32_masters_checked"] == sum(1 for _ in local.parameters())
+    assert report["max_abs_diff"] == 0.0 and report["fp32_master_max_abs_diff"] == 0.0
+    proc = run_cli("resume", *common, "--steps", "2", "--save-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads(run_cli("inspect", tmp_path / "run", "--json").stdout)
+    assert saved["problems"] == [] and [e["ep_size"] for e in saved["experts"]] == [int(model[-1])] * 2

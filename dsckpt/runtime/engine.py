@@ -161,12 +161,15 @@ class Runtime:
 
     def setup(self, factory: Callable[[], torch.nn.Module],
               optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], Any]):
-        """Build the model and engine; ``optimizer_factory`` gets the trainable parameters."""
+        """Build the model and engine; ``optimizer_factory`` gets the trainable parameters (a DeepSpeed-MoE
+        model's: as param groups, its experts in groups of their own, ``runtime.moe``)."""
         import deepspeed
 
         init_distributed()
         model = self.build_model(factory)
-        optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+        from .moe import optimizer_groups
+
+        optimizer = optimizer_factory(optimizer_groups(model, [p for p in model.parameters() if p.requires_grad]))
         if isinstance(optimizer, (list, tuple)):
             if len(optimizer) != 1:
                 raise ConfigError(f"DeepSpeed supports exactly one optimizer, got {len(optimizer)}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..api.keys import KeyReport, compare, full_shape, state_slots, tie_groups
 from ..api.weights import WeightsFile
 from . import engine as eng
+from .moe import ep_rank_of, ep_size_of, global_name, local_experts
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -66,7 +67,12 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     release_memory_promptly()
     module = engine.module
     slots = state_slots(module)
+    experts = {name: getattr(m, a) for name, (m, a, _) in slots.items() if ep_size_of(getattr(m, a)) > 1}
+    per_rank = local_experts(module) if experts else {}
+    slots = {name: slot for name, slot in slots.items() if name not in experts}  # (loaded by _load_experts)
     expected = {name: full_shape(getattr(m, a)) for name, (m, a, _) in slots.items()}
+    expected.update({global_name(name, e, per_rank): tuple(p.shape)  # every ep rank's experts, by global id
+                     for name, p in experts.items() for e in range(ep_size_of(p))})
     src = WeightsFile(path, strip_prefixes) if eng.rank() == 0 else None
     keys = compare(expected, {k: tuple(src.shape(k)) for k in src.keys()}, tie_groups(module)) if src else None
     broadcast_object(keys or KeyReport()).raise_for(path, strict)  # every rank fails the same way
@@ -112,8 +118,29 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
             loaded += len(params) + len(buffers)
             if progress:
                 progress(1)
+    loaded += _load_experts(experts, per_rank, src, masters)
     masters.finish()
     return {"loaded": loaded, "expected": len(expected)}
+
+
+def _load_experts(experts: dict[str, torch.nn.Parameter], per_rank: dict[str, int], src, masters) -> int:
+    """DeepSpeed-MoE experts at ep_size > 1 (``runtime.moe``): the file names each by its global id, a rank holds
+    its expert-parallel rank's; rank 0 reads each global expert tensor in turn and broadcasts it, the ranks of
+    that ep rank keep it (weights and, for 16-bit runs, the fp32 master - a local write at ZeRO-1/2)."""
+    loaded = 0
+    for name, p in experts.items():
+        mine = ep_rank_of(p)
+        for e in range(ep_size_of(p)):
+            full = src.get(global_name(name, e, per_rank)).to(masters.device, torch.float32).reshape(p.shape) \
+                if eng.rank() == 0 else torch.empty(p.shape, dtype=torch.float32, device=masters.device)
+            if eng.world_size() > 1:
+                dist.broadcast(full, 0)
+            if e == mine:
+                with torch.no_grad():
+                    p.data.copy_(full.to(p.device, p.dtype))
+                masters.set_local(p, full)
+                loaded += 1
+    return loaded
 
 
 def stage0_masters(optimizer) -> dict[int, torch.Tensor]:
@@ -204,6 +231,12 @@ class _MasterSetter:
         if id(p) in self.stage0:
             self.stage0[id(p)].data.copy_(full.view_as(self.stage0[id(p)]))
         else:
+            set_full_fp32(self.engine, p, full)
+
+    def set_local(self, p: torch.nn.Parameter, full: torch.Tensor) -> None:
+        """This rank's master of ``p`` from ``full``, already here (no broadcast)."""
+        if self.sixteen_bit and p.requires_grad and id(p) not in self.done:
+            self.done.add(id(p))
             set_full_fp32(self.engine, p, full)
 
     def finish(self) -> None:

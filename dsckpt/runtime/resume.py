@@ -25,6 +25,7 @@ from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state
 from .full_weights import broadcast_object, get_fp32_master, load_full_weights
+from .moe import ep_rank_of, ep_size_of, global_name, is_moe_model, local_experts
 from .train import Trainer, states_equal
 from ..api.weights import WeightsFile
 
@@ -146,11 +147,13 @@ def check_against_file(trainer: Trainer, weights: str, restored: Position | None
     import deepspeed
     src = WeightsFile(weights, strip_prefixes)  # every rank reads, lazily: this is a check, not a load
     module = trainer.engine.module
+    per_rank = local_experts(module) if is_moe_model(module) else {}
+    in_file = lambda name, p: global_name(name, ep_rank_of(p), per_rank) if ep_size_of(p) > 1 else name  # noqa: E731
     checked, masters, max_diff, master_diff = 0, 0, 0.0, 0.0
     for mod_name, mod in module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if prefix + n in src.source]
-        wanted = {name: src.get(name) for name, _ in params}  # each tensor read once
+        params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if in_file(prefix + n, p) in src.source]
+        wanted = {name: src.get(in_file(name, p)) for name, p in params}  # each tensor read once
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
             for name, p in params:
                 max_diff = max(max_diff, _max_diff(p, wanted[name].to(p.dtype)))
