@@ -25,7 +25,7 @@ def test_every_moe_run_of_the_generator_is_committed():
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURE_NAMES)
-@pytest.mark.parametrize("out_name", ["m.safetensors", "m.pt", "sharded"])
+@pytest.mark.parametrize("out_name", ["m.safetensors", "m.pt", "sharded", "m.ckpt"])
 def test_consolidated_experts_are_the_live_fp32_masters_under_global_ids(name, out_name, tmp_path):
     """Every expert under ``deepspeed_experts.{global id}`` - the names of the same model at ep_size=1 - with the
     fp32 master the live engine held at save time, bit for bit; the dense parameters as before."""
@@ -153,7 +153,8 @@ def test_full_weights_resume_into_an_moe_model_at_another_layout(tmp_path, model
     local = build(ep_size=int(model[-1]))  # at ep_size 2 a rank builds (and checks) its 2 of the 4 experts per layer
     assert report["tensors_checked"] == report["fp32_masters_checked"] == sum(1 for _ in local.parameters())
     assert report["max_abs_diff"] == 0.0 and report["fp32_master_max_abs_diff"] == 0.0
-    proc = run_cli("resume", *common, "--steps", "2", "--save-dir", tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = json.loads(run_cli("inspect", tmp_path / "run", "--json").stdout)
-    assert saved["problems"] == [] and [e["ep_size"] for e in saved["experts"]] == [int(model[-1])] * 2
+    if model == "build_ep2":  # (one continuation is enough: each run costs a few seconds of ranks)
+        proc = run_cli("resume", *common, "--steps", "2", "--save-dir", tmp_path / "run")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved = json.loads(run_cli("inspect", tmp_path / "run", "--json").stdout)
+        assert saved["problems"] == [] and [e["ep_size"] for e in saved["experts"]] == [2, 2]
