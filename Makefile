@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo_run
 
-.PHONY: setup demo test test-fast fixtures bench bench-quick fuzz clean
+.PHONY: setup demo test test-all test-fast fixtures bench bench-quick fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix): ~14 min on 2 cores.
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 # The edit loop: every test that starts no DeepSpeed ranks (layers, formats, plans, hostile input, CLI contract).
 test-fast: setup

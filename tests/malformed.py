@@ -336,9 +336,9 @@ def cases() -> list[Case]:
         Case("path that does not exist", "layout", lambda tmp: tmp / "nowhere", INSP_CONS(E, E), names="nowhere"),
         Case("pipeline-parallel layer files", "unsupported", pipeline_files, INSP_CONS(P, E), names="pipeline"),
         Case("mixture-of-experts expert files", "unsupported", expert_files("layer_0_expert_3_mp_rank_00_model_states.pt"),
-             INSP_CONS(P, E), names="mixture-of-experts checkpoint (1 expert files, e.g. layer_0_expert_3"),
+             INSP_CONS(P, E), names="expert files but no 'num_experts' list in the model states"),  # a stray one
         Case("mixture-of-experts files, older naming", "unsupported", expert_files("expert_0_mp_rank_00_model_states.pt"),
-             INSP_CONS(P, E), names="mixture-of-experts"),
+             INSP_CONS(P, E), names="expert_0_mp_rank_00_model_states.pt: an expert file of an older DeepSpeed layout"),
         Case("mp world size 2", "unsupported", torch_save("z2_ws2_fp32", "mp_rank_00_model_states.pt",
                                                           set_key(("mp_world_size",), 2)), INSP_CONS(P, E), names="tensor/pipeline"),
         Case("unknown zero_stage", "unsupported", torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*",
