@@ -52,16 +52,6 @@ class TensorSource:
     dtype: str
     pieces: tuple[Piece, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return output_nbytes(self)
-
-
-def output_nbytes(source: ByteSource) -> int:
-    """Bytes the source has once cast to its output dtype."""
-    stored = sum(p.nbytes for p in source.pieces)
-    return stored // ITEMSIZE[source.src_dtype] * ITEMSIZE[source.dtype]
-
 
 def ref_segments(ref: TensorRef) -> tuple[Segment, ...]:
     """A stored tensor's elements as one byte range (none for an empty tensor)."""

@@ -143,10 +143,6 @@ def _prefixes_from_files(where: Path, files: dict[int, dict[int, Path]],
     return prefixes
 
 
-def ep_rank(rank: int, ep_size: int) -> int:
-    return rank % ep_size
-
-
 def edp_ranks(ep: int, ep_size: int, world_size: int) -> tuple[int, ...]:
     """The ranks of ep rank ``ep``'s expert-data-parallel group, in edp-rank order."""
     return tuple(range(ep, world_size, ep_size))
