@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from dsckpt.formats.pickle_policy import Opaque, TensorRef
+from dsckpt.formats.pickle_writer import NewTensor
+from dsckpt.formats.torchzip import read_tensor_bytes
+from dsckpt.plan.segments import Zeros
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and (p / "latest").exists()
@@ -62,6 +67,92 @@ def trained_z3(tmp_path_factory):
     proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
+
+
+# reshard_oracle.py's runs of the odd model (tests/models/odd_model.py): shared by test_reshard and test_convert
+ODD_STAGES = (1, 2, 3)
+ODD_OFFLOAD = ("2o", "3o")  # the offload presets (optimizer on the CPU; at stage 3 the parameters too), fp32
+ODD_SUBGROUPS = ("3s",)  # ZeRO-3 with a small sub_group_size: several flat fp32 tensors per rank, fp32
+ODD_PRECISIONS = ("32", "bf16", "16")
+ODD_STEPS = 3
+
+
+def odd_run_combos() -> list[str]:
+    return [f"{s}:{p}" for p in ODD_PRECISIONS if p in _capabilities() for s in ODD_STAGES] + \
+        [f"{s}:32" for s in ODD_OFFLOAD + ODD_SUBGROUPS]
+
+
+@pytest.fixture(scope="session")
+def odd_runs(tmp_path_factory):
+    """``odd_runs(n)``: ROOT with ROOT/z<stage>_<precision>/{ckpt, before.pt} for every combo, trained at n
+    ranks by one reshard_oracle.py job (made once per session and n)."""
+    made = {}
+
+    def train(n: int) -> Path:
+        if n not in made:
+            root = tmp_path_factory.mktemp(f"trained_ws{n}")
+            run_job("reshard_oracle.py", n, "train", root, ",".join(odd_run_combos()), ODD_STEPS, timeout=400)
+            made[n] = root
+        return made[n]
+    return train
+
+
+@pytest.fixture(scope="session")
+def ds_universal(tmp_path_factory):
+    """fixture name -> its universal form, written by DeepSpeed's own ds_to_universal (once per session)."""
+    made = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp("universal") / name
+            tag = (FIXTURES / name / "latest").read_text().strip()
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(FIXTURES / name / tag), "--output_folder", str(out / f"{tag}_universal"),
+                                   "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            made[name] = out
+        return made[name]
+    return make
+
+
+def tree_differences(a, b, where: str, plan=None) -> list[str]:
+    """Where two parsed rank files differ: keys and their order, types, values, tensor dtypes, shapes, bytes.
+
+    ``plan``: the same file's tree in a reshard plan; where it holds a ``NewTensor``, the byte ranges
+    it fills with zeros (partition padding) are not compared - DeepSpeed's ZeRO-3 saves whatever
+    memory its padding held (seen: -3.09e+36 in a fixture), dsckpt writes zeros there.
+    """
+    if isinstance(a, TensorRef) and isinstance(b, TensorRef):
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        x, y = read_tensor_bytes(a), read_tensor_bytes(b)
+        if isinstance(plan, NewTensor):
+            pos = 0
+            for seg in plan.source.pieces:
+                if isinstance(seg, Zeros):
+                    x = x[:pos] + bytes(seg.nbytes) + x[pos + seg.nbytes:]
+                    y = y[:pos] + bytes(seg.nbytes) + y[pos + seg.nbytes:]
+                pos += seg.nbytes
+        return [] if x == y else [f"{where}: bytes differ"]
+    if type(a) is not type(b):
+        return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+    if isinstance(a, Opaque):
+        return ([] if (a.args, a.via) == (b.args, b.via) else [f"{where}: constructed differently"]) + \
+            tree_differences(a.state, b.state, f"{where}.state")
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {list(a)[:8]} vs {list(b)[:8]}"]
+        sub = plan if isinstance(plan, dict) else {}
+        return [d for k in a for d in tree_differences(a[k], b[k], f"{where}.{k}", sub.get(k))]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} vs {len(b)} items"]
+        sub = plan if isinstance(plan, (list, tuple)) else [None] * len(a)
+        return [d for i, (x, y, p) in enumerate(zip(a, b, sub)) for d in tree_differences(x, y, f"{where}[{i}]", p)]
+    return [] if a == b else [f"{where}: {a!r:.60} vs {b!r:.60}"]
+
+
 
 
 def load_json(path: Path):

@@ -186,13 +186,14 @@ def test_every_json_document_has_a_schema_and_true_paths(tmp_path):
     for name, args in {"consolidate": ("consolidate", src, tmp_path / "m.safetensors"),
                        "sharded": ("consolidate", src, tmp_path / "sharded", "--max-shard-size", "8KB"),
                        "reshard": ("reshard", src, tmp_path / "ws3", "-w", "3"),
+                       "convert": ("convert", src, tmp_path / "universal", "--to", "universal"),
                        "inspect": ("inspect", src), "stats": ("inspect", src, "--stats"),
                        "diff": ("diff", src, tmp_path / "m.safetensors"), "check-finite": ("check-finite", src)}.items():
         proc = run_cli(*args, "--json")
         assert proc.returncode == 0, (name, proc.stderr)
         docs[name] = json.loads(proc.stdout)
         assert docs[name]["schema"] == 1, name
-    for name in ("consolidate", "sharded", "reshard"):
+    for name in ("consolidate", "sharded", "reshard", "convert"):
         assert all(Path(f).is_file() and ".dsckpt-tmp-" not in f for f in docs[name]["files"]), name
     assert str(tmp_path / "sharded" / "model.safetensors.index.json") in docs["sharded"]["files"]
     assert str(tmp_path / "m.safetensors.client_state.json") in docs["consolidate"]["files"]

@@ -1,4 +1,5 @@
-"""The base install (`pip install dsckpt`) inspects and consolidates without torch, DeepSpeed or safetensors."""
+"""The base install (`pip install dsckpt`) inspects, consolidates, reshards and converts to universal checkpoints
+without torch, DeepSpeed or safetensors."""
 import subprocess
 import sys
 import tomllib
@@ -42,6 +43,11 @@ def test_inspect_and_consolidate_need_no_torch(tmp_path):
     proc = blocked_cli("reshard", ckpt, tmp_path / "ws2", "--world-size", "2", "-q")  # reshard needs no torch either
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert blocked_cli("inspect", tmp_path / "ws2").returncode == 0
+    proc = blocked_cli("convert", ckpt, tmp_path / "universal", "--to", "universal", "-q")  # nor --to universal
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert blocked_cli("inspect", tmp_path / "universal").returncode == 0
+    proc = blocked_cli("convert", ckpt, tmp_path / "dcp", "--to", "dcp")  # DCP is torch's format
+    assert proc.returncode == 2 and "torch is not installed" in proc.stderr and not (tmp_path / "dcp").exists()
 
 
 def test_runtime_commands_name_the_extra():

@@ -21,26 +21,20 @@ import shutil
 
 import pytest
 
-from conftest import FIXTURES, _capabilities, run_cli, run_job, skip_beyond_devices
+from conftest import (FIXTURES, ODD_OFFLOAD as OFFLOAD, ODD_PRECISIONS as PRECISIONS, ODD_STAGES as STAGES,
+                      ODD_STEPS as STEPS, ODD_SUBGROUPS as SUBGROUPS, _capabilities, odd_run_combos, run_cli, run_job,
+                      skip_beyond_devices, tree_differences)
 from dsckpt.errors import ConfigError, MissingRankError, OutputError, UnsupportedCheckpointError
-from dsckpt.formats.pickle_policy import Opaque, TensorRef
-from dsckpt.formats.pickle_writer import NewTensor
-from dsckpt.formats.torchzip import TorchFile, read_tensor_bytes
+from dsckpt.formats.torchzip import TorchFile
 from dsckpt.plan.reshard import build_reshard_plan
-from dsckpt.plan.segments import Zeros
 from dsckpt.api.resharding import reshard
 from dsckpt.zero.reader import open_checkpoint
 
 torch = pytest.importorskip("torch")
 
-STAGES = (1, 2, 3)
-OFFLOAD = ("2o", "3o")  # the offload presets (optimizer on the CPU; at stage 3 the parameters too), fp32
-SUBGROUPS = ("3s",)  # ZeRO-3 with a small sub_group_size: several flat fp32 tensors per rank, fp32
-PRECISIONS = ("32", "bf16", "16")
 MOVES = ((2, 3), (2, 1), (3, 2))  # larger, down to one rank, smaller
 SUBGROUP_MOVES = ((2, 1),)  # the one move that keeps the odd model's sub-groups (the others are refused by name:
                             # test_sub_groups_that_fall_differently_are_refused)
-STEPS = 3
 # Continuing at M is continuing at another world size: the same samples, but gradients reduced over
 # other partitions in another order.  fp32: that is rounding noise (measured: loss 1e-7 relative,
 # masters 6e-8 to 1.2e-7 after 3 steps).  16-bit: the forward runs on the 16-bit weights with another
@@ -53,20 +47,13 @@ CONTINUATION_TOLERANCE = {"32": {"loss": 1e-5, "master": 1e-5},
                           "16": {"loss": 1e-3, "master": 2 * LR * 3}}
 
 
-def _combos() -> list[str]:
-    return [f"{s}:{p}" for p in PRECISIONS if p in _capabilities() for s in STAGES] + [f"{s}:32" for s in OFFLOAD + SUBGROUPS]
-
-
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
-    """Train at 2 and 3 ranks, reshard with the CLI, load at the new world sizes (5 jobs in all)."""
+def oracle(odd_runs):
+    """Train at 2 and 3 ranks (``odd_runs``), reshard with the CLI, load at the new world sizes (5 jobs in all)."""
     for n, m in MOVES:
         skip_beyond_devices(max(n, m))
-    combos = _combos()
-    roots = {}
-    for n in sorted({n for n, _ in MOVES}):
-        roots[n] = tmp_path_factory.mktemp(f"trained_ws{n}")
-        run_job("reshard_oracle.py", n, "train", roots[n], ",".join(combos), STEPS, timeout=400)
+    combos = odd_run_combos()
+    roots = {n: odd_runs(n) for n in sorted({n for n, _ in MOVES})}
     for n, m in MOVES:
         resharded = []
         for combo in combos:
@@ -162,43 +149,6 @@ def test_sub_groups_that_fall_differently_are_refused(oracle):
         [len(g) for g in stage3_sub_groups(groups, 1, 1500)] != [len(g) for g in stage3_sub_groups(groups, 3, 1500)]
     assert len(TorchFile(next((kept / "ckpt").glob("*/*rank_0*optim_states.pt"))).obj["optimizer_state_dict"][
         "fp32_flat_groups"]) == 3
-
-
-def tree_differences(a, b, where: str, plan=None) -> list[str]:
-    """Where two parsed rank files differ: keys and their order, types, values, tensor dtypes, shapes, bytes.
-
-    ``plan``: the same file's tree in a reshard plan; where it holds a ``NewTensor``, the byte ranges
-    it fills with zeros (partition padding) are not compared - DeepSpeed's ZeRO-3 saves whatever
-    memory its padding held (seen: -3.09e+36 in a fixture), dsckpt writes zeros there.
-    """
-    if isinstance(a, TensorRef) and isinstance(b, TensorRef):
-        if (a.dtype, a.shape) != (b.dtype, b.shape):
-            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
-        x, y = read_tensor_bytes(a), read_tensor_bytes(b)
-        if isinstance(plan, NewTensor):
-            pos = 0
-            for seg in plan.source.pieces:
-                if isinstance(seg, Zeros):
-                    x = x[:pos] + bytes(seg.nbytes) + x[pos + seg.nbytes:]
-                    y = y[:pos] + bytes(seg.nbytes) + y[pos + seg.nbytes:]
-                pos += seg.nbytes
-        return [] if x == y else [f"{where}: bytes differ"]
-    if type(a) is not type(b):
-        return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
-    if isinstance(a, Opaque):
-        return ([] if (a.args, a.via) == (b.args, b.via) else [f"{where}: constructed differently"]) + \
-            tree_differences(a.state, b.state, f"{where}.state")
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return [f"{where}: keys {list(a)[:8]} vs {list(b)[:8]}"]
-        sub = plan if isinstance(plan, dict) else {}
-        return [d for k in a for d in tree_differences(a[k], b[k], f"{where}.{k}", sub.get(k))]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: {len(a)} vs {len(b)} items"]
-        sub = plan if isinstance(plan, (list, tuple)) else [None] * len(a)
-        return [d for i, (x, y, p) in enumerate(zip(a, b, sub)) for d in tree_differences(x, y, f"{where}[{i}]", p)]
-    return [] if a == b else [f"{where}: {a!r:.60} vs {b!r:.60}"]
 
 
 def test_consolidated_result_of_the_resharded_equals_the_original(oracle):

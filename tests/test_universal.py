@@ -7,8 +7,6 @@ stage 3, consolidated to empty placeholder tensors with exit code 0; now it is r
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,22 +18,9 @@ from dsckpt.plan.reshard import build_reshard_plan
 from dsckpt.zero.reader import open_checkpoint
 
 
-@pytest.fixture(scope="module")
-def universal(tmp_path_factory):
-    """fixture name -> its universal form, written by DeepSpeed's own converter (once per module)."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            out = tmp_path_factory.mktemp("universal") / name
-            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(FIXTURES / name / "step3"), "--output_folder", str(out / "step3_universal"),
-                                   "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                                  capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            made[name] = out
-        return made[name]
-    return make
+@pytest.fixture
+def universal(ds_universal):
+    return ds_universal
 
 
 @pytest.mark.parametrize("name", ["z2_ws2_fp32", "z1_ws3_bf16", "z3_ws3_bf16"])

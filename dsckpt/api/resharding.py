@@ -92,33 +92,45 @@ def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardP
     """The plan with every client-state entry that names a class beyond DeepSpeed's own (and plain data,
     tensors) left out, and notes saying which.  Such a class in DeepSpeed's own entries or an optimizer
     file is refused: leaving it out would break the checkpoint.  ``trust``: everything kept, one warning."""
+    if trust:
+        return plan, trusted_notes([f.tree for f in plan.files], "DeepSpeed's load_checkpoint of OUT_DIR")
     dropped: dict[str, set[str]] = {}
     files = []
     for f in plan.files:
-        tree = f.tree
-        if isinstance(tree, dict):
-            kept = type(tree)()
-            for key, value in tree.items():
-                found = foreign_classes(value)
-                if found and not trust:
-                    if key in L.DEEPSPEED_KEYS or f.name.endswith(L.OPTIM_STATES_SUFFIX):
-                        raise UnsafeCheckpointError(
-                            f"{f.template}: entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
-                            "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT)
-                    dropped.setdefault(str(key), set()).update(found)
-                    continue
-                kept[key] = value
-            f = replace(f, tree=kept)
-        files.append(f)
-    if trust:
-        found = sorted({c for f in plan.files for c in foreign_classes(f.tree)})
-        notes = (f"--trust-checkpoint: objects of {', '.join(found[:5])} copied as recorded; DeepSpeed's "
-                 "load_checkpoint of OUT_DIR runs their pickle code",) if found else ()
-        return plan, notes
-    notes = tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c)[:3])}, whose "
-                  "pickles would run code when DeepSpeed loads OUT_DIR (--trust-checkpoint keeps it)"
-                  for k, c in sorted(dropped.items()))
-    return replace(plan, files=tuple(files)), notes
+        tree = allowed_tree(f.tree, f.template, f.name.endswith(L.OPTIM_STATES_SUFFIX), dropped)
+        files.append(replace(f, tree=tree))
+    return replace(plan, files=tuple(files)), dropped_notes(dropped)
+
+
+def allowed_tree(tree, where, optimizer: bool, dropped: dict[str, set[str]]):
+    """``tree`` (a rank file's) without its client-state entries that name foreign classes (recorded in
+    ``dropped``); such a class under one of DeepSpeed's own keys, or anywhere in an optimizer file, is refused."""
+    if not isinstance(tree, dict):
+        return tree
+    kept = type(tree)()
+    for key, value in tree.items():
+        found = foreign_classes(value)
+        if found:
+            if key in L.DEEPSPEED_KEYS or optimizer:
+                raise UnsafeCheckpointError(
+                    f"{where}: entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
+                    "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT)
+            dropped.setdefault(str(key), set()).update(found)
+            continue
+        kept[key] = value
+    return kept
+
+
+def dropped_notes(dropped: dict[str, set[str]]) -> tuple[str, ...]:
+    return tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c)[:3])}, whose "
+                 "pickles would run code when DeepSpeed loads OUT_DIR (--trust-checkpoint keeps it)"
+                 for k, c in sorted(dropped.items()))
+
+
+def trusted_notes(trees, loader: str) -> tuple[str, ...]:
+    found = sorted({c for tree in trees for c in foreign_classes(tree)})
+    return (f"--trust-checkpoint: objects of {', '.join(found[:5])} copied as recorded; {loader} runs their "
+            "pickle code",) if found else ()
 
 
 def _pickle(f, trust: bool) -> tuple[bytes, list]:

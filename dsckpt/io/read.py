@@ -140,24 +140,29 @@ class Reader:
                                      source.dtype)
 
 
-def torch_state_dict(plan, progress=None, only: set[str] | None = None) -> dict[str, Any]:
-    """Materialize a consolidation plan as torch tensors (aliases share storage, as in the module)."""
+def torch_tensor(reader: Reader, t) -> Any:
+    """One planned tensor (``name``/``shape``/``dtype`` + its source) as a torch tensor."""
     import numpy as np
     import torch
 
+    tensor = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
+    flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
+    pos = 0
+    for data in reader.chunks(t):
+        flat[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        pos += len(data)
+    return tensor
+
+
+def torch_state_dict(plan, progress=None, only: set[str] | None = None) -> dict[str, Any]:
+    """Materialize a consolidation plan as torch tensors (aliases share storage, as in the module)."""
     out = {}
     with Reader() as reader:
         for t in plan.tensors:
             if only is not None and t.name not in only:
                 continue
-            tensor = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-            view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
-            flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
-            pos = 0
-            for data in reader.chunks(t):
-                flat[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                pos += len(data)
-            out[t.name] = tensor
+            out[t.name] = torch_tensor(reader, t)
             if progress:
                 progress(t.nbytes)
     for alias, target in plan.aliases.items():

@@ -36,6 +36,11 @@ EXPERT_FILE_RE = re.compile(r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model|ex
 # a bare tensor or {"param": tensor, "cat_dim": ...}), trainable parameters only at stage 3.
 UNIVERSAL_DIR = "zero"
 UNIVERSAL_PARAM_KEY = "param"
+UNIVERSAL_CAT_DIM_KEY = "cat_dim"  # stage 1/2: the dimension tensor-parallel slices were joined on (0 without TP)
+UNIVERSAL_STEP_FILE = "step.pt"  # stage 1/2: Adam's step as the optimizer held it
+UNIVERSAL_OPTIMIZER_FILE = "optimizer_state.pt"  # rank 0's optimizer state less the partitions (stage 3: all of it)
+UNIVERSAL_PARAM_GROUPS = "param_groups"  # added to it: the torch optimizer's param groups
+LATEST_UNIVERSAL_FILE = "latest_universal"  # the tag engine.load_checkpoint opens with checkpoint.load_universal
 UNIVERSAL_STATE_FILES = {"fp32": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
 
 # --- keys of the model-states file ------------------------------------------------------------

@@ -36,6 +36,7 @@ class GroupState:
     step: Any = None  # Adam's step count: a 0-d tensor reference or a number
     hyperparams: dict[str, Any] = field(default_factory=dict)  # lr, betas, eps, weight_decay, ...
     trimmed: int = 0  # stage 1/2: tail padding left out of the saved fp32 partition (moments hold it)
+    param_group: int = 0  # the torch optimizer's param group this flat group belongs to (stage 3: sub-groups share one)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
             paddings = tuple(tuple(int(p) for p in g) for g in raw) if raw is not None else None
         trims = [int(p) for p in osd.get(L.GROUP_PADDINGS) or []] if stage != 3 else []
         per_group = torch_state.get("state", {}) if isinstance(torch_state, dict) else {}
-        hyper = _hyperparams(torch_state.get("param_groups", []) if isinstance(torch_state, dict) else [])
+        hyper, owner = _hyperparams(torch_state.get("param_groups", []) if isinstance(torch_state, dict) else [])
         groups = []
         for g, flat in enumerate(flats):
             if not isinstance(flat, TensorRef):
@@ -76,24 +77,25 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
                 if ref.numel != flat.numel + trimmed:
                     raise ValueError(f"group {g} {name} holds {ref.numel} elements, its fp32 partition {flat.numel}"
                                      + (f" + {trimmed} of trimmed padding" if trimmed else ""))
-            groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {}), trimmed))
+            groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {}), trimmed, owner.get(g, g)))
         scaler = osd.get(L.LOSS_SCALER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise InconsistentCheckpointError(f"{tf.path}: unexpected optimizer-state structure ({exc})") from None
     return RankState(rank, tf.path, tuple(groups), paddings, _fields(scaler))
 
 
-def _hyperparams(param_groups: list) -> dict[int, dict[str, Any]]:
-    """Flat-group index -> its param group's settings (``params`` lists the flat groups it owns)."""
-    out = {}
+def _hyperparams(param_groups: list) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
+    """Flat-group index -> its param group's settings, and -> that param group's index (``params`` lists
+    the flat groups a param group owns)."""
+    settings_of, owner = {}, {}
     for i, group in enumerate(param_groups if isinstance(param_groups, list) else []):
         if not isinstance(group, dict):
             continue
         settings = {k: v for k, v in group.items() if k != "params"}
         for index in group.get("params", [i]):
             if isinstance(index, int):
-                out[index] = settings
-    return out
+                settings_of[index], owner[index] = settings, i
+    return settings_of, owner
 
 
 def _fields(scaler: Any) -> dict[str, Any]:

@@ -9,6 +9,9 @@
   losses and the masters after them (the uninterrupted run).
 A combo ``S>T:precision`` (load mode) is a change of stage: ROOT/zS_<precision>/ws<M>_sT, written by
 `dsckpt reshard --stage T`, loaded into a ZeRO-T engine; its records end in ``_sT``.
+A combo ``Su:precision`` (load mode) is ROOT/zS_<precision>/universal, written by `dsckpt convert --to universal`,
+loaded by stock ``engine.load_checkpoint`` with ``{"checkpoint": {"load_universal": true}}``; its records are
+``after_universal_ws<M>.pt`` (no native save).
 ``load ROOT COMBOS STEPS`` (at world size M, after `dsckpt reshard ROOT/<combo>/ckpt ROOT/<combo>/ws<M>`):
   a fresh engine, stock ``engine.load_checkpoint`` (dsckpt's weights-only loader, DeepSpeed's four
   classes allowed), the same records (ROOT/<combo>/after_ws<M>.pt), DeepSpeed's own save of the
@@ -36,7 +39,7 @@ STEPS_AFTER = int(os.environ.get("RESHARD_STEPS_AFTER", "3"))  # bench/reshard_c
 CLIENT = {"epoch": 2, "note": "resharded", "nested": {"ids": [1, 2, (3, 4)], "t": torch.arange(5)}}
 
 
-def build(stage: str, precision: str):
+def build(stage: str, precision: str, universal: bool = False):
     """``stage``: "1".."3"; "2o" / "3o" for the offload presets (optimizer on the CPU; stage 3 parameters too);
     "3s" for ZeRO-3 cut into sub-groups (each rank's fp32 partition saved as several flat tensors)."""
     from dsckpt.runtime.train import load_factory
@@ -50,6 +53,8 @@ def build(stage: str, precision: str):
         config["fp16"]["initial_scale_power"] = 8  # 2**16 would skip the first steps on overflow
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                           "warmup_num_steps": 10}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     runtime = Runtime(config)
 
     def optimizer(params):
@@ -135,9 +140,11 @@ def main(mode: str, root: str, combos: str, steps: str) -> None:
     for combo in combos.split(","):
         stage, precision = combo.split(":")
         stage, _, new_stage = stage.partition(">")  # "2>3": trained at ZeRO-2, resharded to and loaded at ZeRO-3
+        universal = stage.endswith("u")
+        stage = stage.removesuffix("u")
         folder = Path(root) / f"z{stage}_{precision}"
         suffix = f"_s{new_stage}" if new_stage else ""
-        runtime = build(new_stage or stage, precision)
+        runtime = build(new_stage or stage, precision, universal)
         engine = runtime.engine
         if mode == "train":
             for i in range(steps):
@@ -148,6 +155,15 @@ def main(mode: str, root: str, combos: str, steps: str) -> None:
             before["world_size"] = world_size()
             if rank() == 0:
                 torch.save(before, folder / "before.pt")
+        elif universal:  # stock DeepSpeed, as a user of universal checkpoints calls it
+            _, client = engine.load_checkpoint(str(folder / "universal"), load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+            loaded = record(engine)
+            loaded["client"] = {k: client[k] for k in CLIENT}
+            loaded["after"] = after_steps(engine, steps)
+            loaded["world_size"] = world_size()
+            if rank() == 0:
+                torch.save(loaded, folder / f"after_universal_ws{world_size()}.pt")
         else:
             client = runtime.load_checkpoint(folder / f"ws{world_size()}{suffix}")
             loaded = record(engine)

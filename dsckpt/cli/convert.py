@@ -1,0 +1,67 @@
+"""`dsckpt convert`: a ZeRO run's training state for another system - torch DCP (FSDP2) or DeepSpeed universal."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .app import cli, json_document
+from .options import TRUST_HELP
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out_dir", type=click.Path())
+@click.option("--to", "to", type=click.Choice(["dcp", "universal"]), required=True,
+              help="dcp: a torch.distributed.checkpoint folder (FSDP2, any world size); universal: DeepSpeed's "
+                   "universal checkpoint (load_universal, any world size).")
+@click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
+@click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
+@click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
+              "everything else there stays.")
+@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
+@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before the rename (scratch work).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, no_fsync, quiet,
+            as_json) -> None:
+    """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint.
+
+    \b
+    --to dcp: the layout get_state_dict(model, optimizer) gives for the same model and
+      torch.optim.AdamW - {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg",
+      "exp_avg_sq"}}, "param_groups": [...]}}; an FSDP2 job at any world size loads it with
+      dcp.load({"model": msd, "optim": osd}, checkpoint_id=OUT_DIR) + set_state_dict.  fp32 masters,
+      frozen parameters, buffers, tied names, each group's settings.  Needs torch.
+    --to universal: what DeepSpeed's ds_to_universal writes, tensor for tensor (OUT_DIR/latest_universal
+      + OUT_DIR/<tag>/zero/...); engine.load_checkpoint(OUT_DIR) with {"checkpoint": {"load_universal":
+      true}} loads it at any world size.  Needs neither torch nor DeepSpeed.
+    One tensor in memory at a time; OUT_DIR appears only when complete; no pickle code runs.
+
+    \b
+    Examples:
+      dsckpt convert runs/demo runs/demo_dcp --to dcp
+      dsckpt convert runs/demo runs/demo_weights_dcp --to dcp --weights-only
+      dsckpt convert runs/demo runs/demo_universal --to universal --json
+    """
+    from tqdm import tqdm
+
+    from ..api.conversion import convert as run
+
+    bar_off = quiet or as_json or not sys.stderr.isatty()
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {to}", disable=bar_off, delay=0.5,
+              file=sys.stderr, leave=False) as bar:
+        def announce(total: int) -> None:
+            bar.total = total
+
+        result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only, force=force, fsync=not no_fsync,
+                     trust=trust_checkpoint, progress=bar.update, progress_total=announce)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        click.echo(json_document(out=str(result.out), to=result.to, tag=result.tag, zero_stage=result.zero_stage,
+                                 tensors=result.tensors, bytes=result.nbytes, files=list(result.files),
+                                 notes=list(result.notes)))
+    else:
+        click.echo(f"wrote {result.out} ({result.to}, from ZeRO-{result.zero_stage} tag {result.tag}, "
+                   f"{result.tensors} tensors, {result.nbytes:,} bytes)")

@@ -1,0 +1,89 @@
+"""The training state as other systems keep it: per parameter its fp32 master, Adam's moments and step; per
+optimizer param group its settings and parameter names.  ``convert --to dcp`` and ``--to universal`` write
+from this plan; neither asks how ZeRO partitioned anything.
+
+``build_training_state(ckpt)`` is pure (no tensor bytes read):
+1. the model: the consolidation plan (fp32 masters, frozen parameters, buffers, tied aliases;
+   ``plan.consolidate``), floating tensors as ``model_dtype`` when given;
+2. per trainable parameter, the ``exp_avg`` and ``exp_avg_sq`` plans, in the same parameter order;
+3. per parameter, its flat group (``plan.groups``) and through it the group's Adam step and the torch
+   param group that owns it (ZeRO-3 sub-groups of one param group share its settings);
+4. per torch param group, its settings and the names of its parameters in flat order.
+What cannot map to one full tensor per name is refused by name: ZeRO-0 (no partitioned optimizer state),
+mixture-of-experts runs, universal checkpoints (already converted), an optimizer without Adam's moments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UnsupportedCheckpointError
+from ..zero.optim_state import ADAM_MOMENTS
+from ..zero.reader import Checkpoint
+from .consolidate import Plan, TensorPlan, build_plan
+from .groups import group_layouts, structure_errors
+
+
+@dataclass(frozen=True)
+class ParamState:
+    name: str
+    master: TensorPlan  # the fp32 master, full shape
+    moments: dict[str, TensorPlan]  # "exp_avg", "exp_avg_sq"
+    step: Any  # the flat group's Adam step: a 0-d TensorRef, a number, or None when the optimizer kept none
+    group: int  # index into TrainingState.groups
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    settings: dict[str, Any]  # lr, betas, eps, weight_decay, ... as the torch optimizer recorded them
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    model: Plan  # every tensor of the model state dict (tied aliases in model.aliases)
+    params: tuple[ParamState, ...]  # trainable parameters, flat-group order
+    groups: tuple[ParamGroup, ...]  # the torch optimizer's param groups, in its order
+
+
+def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
+    where = ckpt.layout.tag_dir
+    if ckpt.universal:
+        raise UnsupportedCheckpointError(f"{where}: already a universal checkpoint (ds_to_universal's output)",
+                                         hint="convert the DeepSpeed checkpoint it was made from")
+    if ckpt.experts:
+        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts run; convert does not map expert "
+                                         "parallelism to DCP or universal checkpoints",
+                                         hint="dsckpt consolidate writes its weights; dsckpt reshard --ep-size moves it")
+    if ckpt.zero_stage == 0 and not weights_only:
+        raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint keeps no partitioned optimizer state "
+                                         "to convert", hint="--weights-only converts the weights")
+
+
+def build_training_state(ckpt: Checkpoint, model_dtype: str | None = None, weights_only: bool = False) -> TrainingState:
+    require_convertible(ckpt, weights_only)
+    model = build_plan(ckpt, model_dtype)
+    if weights_only:
+        return TrainingState(model, (), ())
+    fp32 = {t.name: t for t in build_plan(ckpt, "fp32").tensors if t.kind == "param"}
+    moments = {state: {t.name: t for t in build_plan(ckpt, state=state).tensors} for state in ADAM_MOMENTS}
+    with structure_errors(ckpt):
+        layouts = group_layouts(ckpt)
+        owners: dict[int, int] = {}  # torch param group -> index in groups
+        settings: list[dict[str, Any]] = []
+        names: list[list[str]] = []
+        params = []
+        for flat in layouts:
+            state = ckpt.optimizer_states[flat.ranks[0]].groups[flat.index]
+            if state.param_group not in owners:
+                owners[state.param_group] = len(settings)
+                settings.append(dict(state.hyperparams))
+                names.append([])
+            group = owners[state.param_group]
+            for name in flat.names:
+                names[group].append(name)
+                params.append(ParamState(name, fp32[name],
+                                         {m: moments[m][name] for m in ADAM_MOMENTS}, state.step, group))
+    order = sorted(owners, key=owners.get)
+    groups = tuple(ParamGroup(settings[owners[g]], tuple(names[owners[g]])) for g in order)
+    return TrainingState(model, tuple(params), groups)
