@@ -199,6 +199,28 @@ def test_universal_input_and_existing_output_are_refused(ds_universal, tmp_path)
     assert proc.returncode == 0 and sorted(os.listdir(tmp_path / "out")) == ["keep", "latest_universal", "step3"]
 
 
+def test_an_optimizer_without_adam_moments_is_refused_by_name(tmp_path, fixture_copy):
+    """A custom optimizer's state (here: SGD's momentum buffer in place of Adam's moments) has no DCP/universal
+    counterpart: refused by name, nothing written; --weights-only still converts the weights."""
+    from forge import rewrite_tree
+
+    ckpt_dir = fixture_copy("z2_ws2_fp32")
+
+    def sgd(tree):
+        state = tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+        state["momentum_buffer"] = state.pop("exp_avg")
+        del state["exp_avg_sq"]
+        return tree
+    for path in ckpt_dir.glob("*/*optim_states.pt"):
+        rewrite_tree(path, sgd)
+    for to in ("dcp", "universal"):
+        proc = run_cli("convert", ckpt_dir, tmp_path / to, "--to", to)
+        assert proc.returncode == 2 and "flat group 0 holds no Adam moments (exp_avg, exp_avg_sq)" in proc.stderr
+        assert not (tmp_path / to).exists()
+    proc = run_cli("convert", ckpt_dir, tmp_path / "dcp", "--to", "dcp", "--weights-only", "-q")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_foreign_client_classes_are_left_out_of_the_copied_model_states(tmp_path, fixture_copy):
     """ds_to_universal copies the model-states files whole; dsckpt rewrites one whose client state names a
     class beyond DeepSpeed's own without that entry (DeepSpeed's loader would run its pickle code)."""

@@ -97,7 +97,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
             from ..export.dcp import write_dcp
 
             tmp.rmdir()  # torch's writer makes its own folder
-            write_dcp(state, tmp, progress)
+            write_dcp(state, tmp, progress, fsync)
             names = sorted(p.name for p in tmp.iterdir())
             if ckpt.client_state:
                 write_sidecar(ckpt.client_state, out, stage)

@@ -10,25 +10,33 @@ the same model and ``torch.optim.AdamW`` (measured on torch 2.13 with an FSDP2 `
 which DCP stores flattened ("model.<fqn>", "optim.state.<fqn>.exp_avg", "optim.param_groups.0.lr").
 ``weights_only`` writes the "model" half.
 
-How: torch's own ``dcp.save`` (no process group: one writer, whole tensors; a loader at any world size
-reads the slices it needs) over a state dict of *meta* tensors - shapes and dtypes, no bytes - with a
-planner whose ``resolve_data`` reads the tensor asked for (``io.read``) just before ``FileSystemWriter``
-writes it.  torch writes its own ``.metadata``, so the folder is what its reader expects at this version.
+How: torch's own ``dcp.save`` with no process group (one writer, whole tensors; a loader at any world size
+reads the slices it needs) plans the save and writes ``.metadata``; it sees a state dict of *meta* tensors
+(shapes and dtypes, no bytes).  The bytes go through ``StreamingWriter.write_data``: each tensor item is
+streamed from the checkpoint (``io.read``) as a ``torch.save`` archive (``io.torch_writer``) into one
+``.distcp`` file, at the offset the metadata records - what DCP's reader ``torch.load``s back.
+Measured on the 4-layer benchmark (583 MiB, ZeRO-3): torch's own FileSystemWriter took 6.5 s and 890 MiB
+(it keeps every tensor of a file alive until the file is done, and torch.save copies each), this 1.2 s and
+~250 MiB (torch itself: 220 MiB).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from ..dtypes import torch_dtype
 from ..formats.pickle_policy import TensorRef
-from ..io.read import Reader, torch_tensor
+from ..formats.pickle_writer import NewTensor
+from ..io.read import Reader
+from ..io.torch_writer import write_archive
 from ..plan.consolidate import TensorPlan
 from ..plan.segments import ref_segments
 from ..plan.training_state import TrainingState
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # the top-level keys of get_state_dict's pair, as users save them
+DATA_FILE_SUFFIX = ".distcp"  # torch's name for a DCP data file: <prefix><n>.distcp
 
 
 def step_plan(step: Any) -> TensorPlan | float | None:
@@ -38,11 +46,52 @@ def step_plan(step: Any) -> TensorPlan | float | None:
     return float(step) if isinstance(step, (int, float)) else None
 
 
-def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] | None = None) -> None:
-    """Write ``state`` as a DCP folder at ``out`` (created; must not exist)."""
+class _Window:
+    """A binary file seen from its current position on: a ``torch.save`` archive in the middle of a ``.distcp``
+    file must hold offsets relative to its own start (DCP's reader loads the slice on its own)."""
+
+    def __init__(self, f):
+        self.f, self.base = f, f.tell()
+
+    def tell(self) -> int:
+        return self.f.tell() - self.base
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        return self.f.seek(self.base + pos if whence == os.SEEK_SET else pos, whence) - self.base
+
+    def write(self, data) -> int:
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict[str, Any]:
+    import torch
+
+    tensors = {t.name: lazy(t) for t in state.model.tensors}
+    root: dict[str, Any] = {MODEL_KEY: {**tensors, **{a: tensors[s] for a, s in state.model.aliases.items()}}}
+    if state.params:
+        optim_state = {}
+        for p in state.params:
+            step = step_plan(p.step)
+            entry = {"step": lazy(step) if isinstance(step, TensorPlan) else torch.tensor(step, dtype=torch.float32)} \
+                if step is not None else {}
+            optim_state[p.name] = {**entry, **{k: lazy(t) for k, t in p.moments.items()}}
+        groups = [{**g.settings, "params": list(g.params)} for g in state.groups]
+        root[OPTIM_KEY] = {"state": optim_state, "param_groups": groups}
+    return root
+
+
+def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] | None = None,
+              fsync: bool = True) -> None:
+    """Write ``state`` as a DCP folder at ``out``."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
     sources: dict[int, TensorPlan] = {}
 
@@ -51,37 +100,32 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
         sources[id(meta)] = t
         return meta
 
-    tensors = {t.name: lazy(t) for t in state.model.tensors}
-    model = {**tensors, **{alias: tensors[src] for alias, src in state.model.aliases.items()}}
-    root: dict[str, Any] = {MODEL_KEY: model}
-    if state.params:
-        optim_state = {}
-        for p in state.params:
-            entry = {}
-            step = step_plan(p.step)
-            if isinstance(step, TensorPlan):
-                entry["step"] = lazy(step)
-            elif step is not None:
-                entry["step"] = torch.tensor(step, dtype=torch.float32)
-            entry.update({k: lazy(t) for k, t in p.moments.items()})
-            optim_state[p.name] = entry
-        groups = [{**g.settings, "params": list(g.params)} for g in state.groups]
-        root[OPTIM_KEY] = {"state": optim_state, "param_groups": groups}
+    class StreamingWriter(dcp.FileSystemWriter):
+        """torch's folder writer, but the data file is written by dsckpt, tensor by tensor (module docstring)."""
 
-    with Reader() as reader:
-        class LazyPlanner(DefaultSavePlanner):
-            """Reads each tensor from the checkpoint when the writer asks for it."""
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0{DATA_FILE_SUFFIX}"
+            results = []
+            with open(Path(self.path) / name, "wb") as f, Reader() as reader:
+                for item in plan.items:
+                    offset = f.tell()
+                    planned = sources.get(id(planner.lookup_object(item.index)))
+                    if item.type == WriteItemType.BYTE_IO:
+                        f.write(planner.resolve_data(item).getbuffer())
+                    elif planned is None:  # a tensor made here (a step count that was a number)
+                        torch.save(planner.resolve_data(item), _Window(f))
+                    else:
+                        write_archive(_Window(f), NewTensor(planned.dtype, planned.shape, planned),
+                                      reader.storage_chunks, progress)
+                    length = f.tell() - offset
+                    results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            done: Future = Future()
+            done.set_result(results)
+            return done
 
-            def resolve_data(self, write_item):
-                planned = sources.get(id(self.lookup_object(write_item.index)))
-                if planned is None:
-                    return super().resolve_data(write_item)
-                tensor = torch_tensor(reader, planned)
-                if progress:
-                    progress(planned.nbytes)
-                return tensor
-
-        writer = dcp.FileSystemWriter(str(out), thread_count=1)  # one Reader: its buffers serve one thread
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(root, storage_writer=writer, planner=LazyPlanner())
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(_state_dict(state, lazy), storage_writer=StreamingWriter(str(out), sync_files=fsync))

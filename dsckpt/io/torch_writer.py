@@ -18,7 +18,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from ..formats.crc import crc32_async
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
@@ -74,12 +74,13 @@ def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
     return size
 
 
-def write_archive(path: Path, obj: Any, chunks: Callable[[StorageOut], Iterable[bytes]],
+def write_archive(path: Path | BinaryIO, obj: Any, chunks: Callable[[StorageOut], Iterable[bytes]],
                   progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
-    """Write ``obj`` to ``path`` as torch.save would; returns the storages written (``allow_foreign``:
-    see ``pickle_writer.dumps``)."""
+    """Write ``obj`` to ``path`` (or an open seekable binary stream, whose ``tell()`` the archive's offsets are
+    relative to) as torch.save would; returns the storages written (``allow_foreign``: see ``pickle_writer.dumps``)."""
     pickle_bytes, storages = dumps(obj, allow_foreign)
-    folder = Path(path).name.split(".")[0] or "archive"
+    folder = Path(path).name.split(".")[0] if isinstance(path, (str, os.PathLike)) else ""
+    folder = folder or "archive"  # what torch.save names the root folder of a stream's archive
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(CRC_THREADS) as crc_threads:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):

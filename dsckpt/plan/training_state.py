@@ -65,6 +65,13 @@ def build_training_state(ckpt: Checkpoint, model_dtype: str | None = None, weigh
     model = build_plan(ckpt, model_dtype)
     if weights_only:
         return TrainingState(model, (), ())
+    for rank in ckpt.optimizer_states:
+        for g, group in enumerate(rank.groups):
+            if set(group.moments) != set(ADAM_MOMENTS):
+                raise UnsupportedCheckpointError(
+                    f"{rank.path}: flat group {g} holds no Adam moments ({', '.join(ADAM_MOMENTS)}): convert maps "
+                    "Adam/AdamW state, which this optimizer's has no counterpart of",
+                    hint="--to dcp --weights-only converts the weights")
     fp32 = {t.name: t for t in build_plan(ckpt, "fp32").tensors if t.kind == "param"}
     moments = {state: {t.name: t for t in build_plan(ckpt, state=state).tensors} for state in ADAM_MOMENTS}
     with structure_errors(ckpt):
