@@ -163,6 +163,12 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     sampler = RssSampler()
     before = sampler.rss()
     sampler.start()
+    profile_to = os.environ.get("BENCH_CPROFILE")  # a path prefix: rank 0's cProfile of the load, as text
+    if profile_to and dist.get_rank() == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     if approach.startswith("dsckpt"):
         load_full_weights(trainer.engine, weights)
@@ -170,8 +176,18 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
         transformers_loads(trainer.engine, weights)
     else:
         every_rank_loads(trainer.engine, weights)
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - start
+    if profile_to and dist.get_rank() == 0:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        Path(f"{profile_to}.{approach}.txt").write_text(text.getvalue())
     sampler.running = False
     sampler.join()
     row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed,
