@@ -92,3 +92,7 @@ class StateDictMismatchError(DsckptError):
 
 class VerificationError(DsckptError):
     """A written output does not match its source."""
+
+
+class DistributedError(DsckptError):
+    """A distributed run (torchrun, --nproc) lost a process or disagreed about its input."""

@@ -9,7 +9,8 @@ import is at the top of the module or inside a function (a lazy import is still 
     plan      pure plans: segments, consolidate, reshard, restage
     io        moving bytes: the reader, the writers, staging and publishing outputs
     export    output formats (registry + one module each) and the client-state sidecar
-    api       the public operations: consolidate, reshard, load_into, classify
+    api       the public operations: consolidate, reshard, convert, load_into, classify
+    parallel  the same operations over torch.distributed: many processes, many hosts, node-local files
     analysis  inspect, stats, diff, plot
     runtime   torch + DeepSpeed: training, resume
     cli       the commands
@@ -20,7 +21,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
-LAYERS = ("base", "formats", "zero", "plan", "io", "export", "api", "analysis", "runtime", "cli")
+LAYERS = ("base", "formats", "zero", "plan", "io", "export", "api", "parallel", "analysis", "runtime", "cli")
 BASE = {"errors", "limits", "dtypes", "_version"}
 ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
 MAX_LINES = 400

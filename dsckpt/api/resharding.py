@@ -33,7 +33,7 @@ from ..io.torch_writer import write_archive
 from ..plan.reshard import ReshardPlan
 from ..plan.restage import build_restage_plan
 from ..zero import layout as L
-from ..zero.companions import plan_companions
+from ..zero.companions import Copy, plan_companions
 from ..zero.reader import open_checkpoint
 
 
@@ -65,27 +65,41 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     ckpt = open_checkpoint(checkpoint, tag)
     if not trust:
         L.require_contained(ckpt.layout)
+    prepared = prepare_reshard(ckpt, world_size, stage, ep_size, trust)
+    plan, companions = prepared.plan, prepared.companions
+    out = Path(out_dir)
+    check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
+    if progress_total:
+        progress_total(prepared.total)
+    with staged(fsync) as stage, write_errors(out):
+        tmp = stage.temp_for(out, directory=True)
+        write_files(plan, tmp, plan.files, companions, progress, trust)
+        (tmp / L.LATEST_FILE).write_text(plan.tag)
+        check_written(tmp, plan)
+    files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
+    files += tuple(str(out / copy.name) for copy in companions)
+    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, prepared.total,
+                         prepared.notes, ckpt.zero_stage)
+
+
+@dataclass(frozen=True)
+class PreparedReshard:
+    plan: ReshardPlan  # only allowed classes left in its trees
+    companions: tuple[Copy, ...]  # the files beside the tag, as OUT_DIR gets them
+    notes: tuple[str, ...]
+    total: int  # bytes of tensor data to write
+
+
+def prepare_reshard(ckpt, world_size: int, stage: int | None, ep_size: int | None, trust: bool,
+                    links_checked: bool = False) -> PreparedReshard:
+    """Everything decided before a byte is written (``links_checked``: the caller has refused links out of the
+    checkpoint already, as the distributed run does on each host's own files)."""
     plan = build_restage_plan(ckpt, world_size, stage, ep_size)
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
-                                                  world_size, trust)
-    notes += tuple(companion_notes)
-    out = Path(out_dir)
-    check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
+                                                  world_size, trust, follow_links=links_checked)
     total = sum(s.nbytes for f in plan.files for s in _pickle(f, trust)[1])  # every tree writable before a byte moves
-    if progress_total:
-        progress_total(total)
-    with staged(fsync) as stage, write_errors(out):
-        tmp = stage.temp_for(out, directory=True)
-        write_plan(plan, tmp, progress, trust)
-        for copy in companions:  # the trainer's files beside the tag (trainer_state.json, rng_state_{r}.pth, ...)
-            (tmp / copy.name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(copy.source, tmp / copy.name)
-        _check_written(tmp, plan)
-    files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
-    files += tuple(str(out / copy.name) for copy in companions)
-    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, total, notes,
-                         ckpt.zero_stage)
+    return PreparedReshard(plan, tuple(companions), notes + tuple(companion_notes), total)
 
 
 def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardPlan, tuple[str, ...]]:
@@ -141,18 +155,20 @@ def _pickle(f, trust: bool) -> tuple[bytes, list]:
         raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
 
 
-def write_plan(plan: ReshardPlan, root: Path, progress: Callable[[int], None] | None = None,
-               allow_foreign: bool = False) -> None:
-    """The plan's files under ``root/<tag>/`` and ``root/latest`` (root must exist)."""
+def write_files(plan: ReshardPlan, root: Path, files, companions, progress: Callable[[int], None] | None = None,
+                allow_foreign: bool = False) -> None:
+    """``files`` (of ``plan.files``) under ``root/<tag>/`` and the ``companions`` beside it (root must exist)."""
     tag_dir = root / plan.tag
-    tag_dir.mkdir()
+    tag_dir.mkdir(exist_ok=True)
     with Reader() as reader:
-        for f in plan.files:
+        for f in files:
             write_archive(tag_dir / f.name, f.tree, reader.storage_chunks, progress, allow_foreign)
-    (root / L.LATEST_FILE).write_text(plan.tag)
+    for copy in companions:  # the trainer's files beside the tag (trainer_state.json, rng_state_{r}.pth, ...)
+        (root / copy.name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(copy.source, root / copy.name)
 
 
-def _check_written(root: Path, plan: ReshardPlan) -> None:
+def check_written(root: Path, plan: ReshardPlan) -> None:
     """What DeepSpeed will look for: one complete tag at world size M (read back with dsckpt's reader)."""
     written = open_checkpoint(root)
     written.require_complete()

@@ -67,6 +67,27 @@ def require_runtime(command: str) -> None:
                                 hint="pip install 'dsckpt[runtime]'  (inspect and consolidate work without it)")
 
 
+def require_torch(what: str) -> None:
+    import importlib.util
+
+    try:
+        missing = importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        missing = True
+    if missing:
+        from ..errors import MissingExtraError
+
+        raise MissingExtraError(f"{what} runs processes over torch.distributed: torch is not installed",
+                                hint="pip install torch, or run without it in one process")
+
+
+def quiet_rank() -> bool:
+    """A process of a torchrun-launched run other than rank 0: every process reaches the same verdict
+    (``parallel.group``), rank 0 prints it."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0" \
+        and "LOCAL_RANK" in os.environ
+
+
 def in_launched_rank() -> bool:
     """A rank started by `--nproc` (its launcher already ran the preflight)."""
     from ..runtime.console import ERROR_DIR_ENV
@@ -108,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
 
         if in_launched_rank() and report_rank_error(str(exc), exc.hint):
             sys.exit(EXIT_ERROR)  # the launcher prints it once for all ranks
+        if quiet_rank():
+            sys.exit(EXIT_ERROR)
         _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
     except BrokenPipeError:
         sys.exit(1)

@@ -7,7 +7,7 @@ import click
 
 from ..export.registry import formats, selectable
 from .app import cli, json_document
-from .options import TRUST_HELP, Precision
+from .options import NPROC_HELP, TRUST_HELP, Precision, parallel_group
 
 
 @cli.command()
@@ -34,11 +34,12 @@ from .options import TRUST_HELP, Precision
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, no_fsync, quiet,
-                as_json) -> None:
+                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, no_fsync, nproc,
+                quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
@@ -56,6 +57,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
       dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
+      torchrun --nnodes 4 --nproc-per-node 2 ... -m dsckpt consolidate /local/ckpt /data/model.safetensors
+                  (each host reads its own rank files; OUT is written on rank 0's host)
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
     from tqdm import tqdm
@@ -66,13 +69,27 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
-    bar_off = quiet or as_json or not sys.stderr.isatty()  # piped to a log, a bar's \r frames are noise
+    group = parallel_group(nproc)
+    if group is not None and verify:
+        raise click.UsageError("--verify re-reads OUT in one process: run it without --nproc/torchrun")
+    bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
+        if group is not None:
+            from ..parallel.consolidate import consolidate_distributed
+
+            result = consolidate_distributed(group, checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
+                                             duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix),
+                                             max_shard_size=max_shard_size, client_state=not no_client_state,
+                                             force=force, fsync=not no_fsync, form="hf" if hf else form, config=config,
+                                             trust=trust_checkpoint, progress=bar.update)
+            if group.rank != 0:
+                return
+        else:
+            result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
                      form="hf" if hf else form, config=config, trust=trust_checkpoint, progress=bar.update,

@@ -59,3 +59,30 @@ def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
     return fn
 
 
+
+
+NPROC_HELP = ("Split the work over N local processes (torch.distributed, gloo); under torchrun the processes "
+              "of every host share it instead (docs/cli.md, 'Many processes, many hosts').")
+
+
+def parallel_group(nproc: int):
+    """The process group this command runs on, or None for one process.  ``--nproc N`` re-runs the command
+    under torchrun on N local processes (this process only launches); a process torchrun started joins the
+    group of every process of the run, on every host."""
+    import os
+    import sys
+
+    import atexit
+
+    from ..parallel.group import close_group, init_group, launched
+
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from .app import require_torch
+        from ..runtime import launch
+
+        require_torch("--nproc")
+        sys.exit(launch.launch(nproc))
+    if not launched():
+        return None
+    atexit.register(close_group)
+    return init_group()

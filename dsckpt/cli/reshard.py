@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, json_document
-from .options import TRUST_HELP
+from .options import NPROC_HELP, TRUST_HELP, parallel_group
 
 
 @cli.command()
@@ -23,10 +23,13 @@ from .options import TRUST_HELP
               "replaced, everything else there stays.")
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
+@click.option("--gather", is_flag=True, help="Under torchrun on several hosts: write every target rank's files on rank "
+              "0's host (default: each target rank's files on the host that will run it).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, no_fsync, quiet,
-            as_json) -> None:
+def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, no_fsync, nproc,
+            gather, quiet, as_json) -> None:
     """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks (and --stage).
 
     OUT_DIR is a native DeepSpeed checkpoint (`latest` + one tag): a plain
@@ -44,19 +47,34 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
       dsckpt reshard out/checkpoint-500 out/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
       dsckpt reshard runs/moe runs/moe_ws8 -w 8 --ep-size 4     (DeepSpeed-MoE: experts over 4 ranks)
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5     (the same, then training on)
+      dsckpt reshard runs/demo runs/demo_ws8 -w 8 --nproc 4     (4 processes share the work)
+      torchrun --nnodes 2 --nproc-per-node 4 ... -m dsckpt reshard /local/ckpt /local/ws16 -w 16
+                                       (every host: its own rank files in, its target ranks' files out)
     """
     from tqdm import tqdm
 
     from ..api.resharding import reshard as run
 
-    bar_off = quiet or as_json or not sys.stderr.isatty()  # piped to a log, a bar's \r frames are noise
+    group = parallel_group(nproc)
+    if group is None and gather:
+        raise click.UsageError("--gather places files across hosts: it needs --nproc or torchrun")
+    bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force, fsync=not no_fsync,
-                     trust=trust_checkpoint, progress=bar.update, progress_total=announce)
+        if group is not None:
+            from ..parallel.reshard import reshard_distributed
+
+            result = reshard_distributed(group, checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size,
+                                         force=force, fsync=not no_fsync, trust=trust_checkpoint, gather=gather,
+                                         progress=bar.update)
+            if group.rank != 0:
+                return
+        else:
+            result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
+                         fsync=not no_fsync, trust=trust_checkpoint, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

@@ -74,11 +74,31 @@ def _cast_pool(needed: bool):
 
 def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
                       progress: Progress | None = None) -> None:
-    """Same-dtype tensors: ``copy_file_range`` in this thread.  Cast tensors: chunks handed to a few
-    threads (numpy and pread/pwrite release the GIL), each writing at its precomputed offset."""
-    header, offsets = safetensors_header(tensors, metadata)
-    total = len(header) + sum(t.nbytes for t in tensors)
+    create_safetensors(tensors, path, metadata)
+    fill_safetensors(tensors, path, metadata, progress)
+
+
+def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str]) -> None:
+    """The file at its final size: header written, data zeros (``ftruncate``) until filled."""
+    header, _ = safetensors_header(tensors, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, header, 0)
+        os.ftruncate(fd, len(header) + sum(t.nbytes for t in tensors))
+    finally:
+        os.close(fd)
+
+
+def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
+                     progress: Progress | None = None, part: tuple[int, int] = (0, 1)) -> None:
+    """Write the data of a created file: every tensor, or with ``part=(k, n)`` the k-th of every n (processes of
+    a distributed run each fill their part of one file).  Same-dtype tensors: ``copy_file_range`` in this
+    thread.  Cast tensors: chunks handed to a few threads (numpy and pread/pwrite release the GIL), each
+    writing at its precomputed offset."""
+    header, offsets = safetensors_header(tensors, metadata)
+    k, n = part
+    mine = [(t, rel) for i, (t, rel) in enumerate(zip(tensors, offsets)) if i % n == k]
+    fd = os.open(path, os.O_WRONLY)
 
     def cast_chunk(job, t: TensorPlan) -> int:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
@@ -88,11 +108,9 @@ def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str,
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
-        os.pwrite(fd, header, 0)
-        os.ftruncate(fd, total)
-        with FileCache() as src, _cast_pool(any(t.src_dtype != t.dtype for t in tensors)) as pool:
+        with FileCache() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool:
             pending = []
-            for t, rel in zip(tensors, offsets):
+            for t, rel in mine:
                 pos = len(header) + rel
                 if t.src_dtype == t.dtype:
                     for p in t.pieces:

@@ -47,8 +47,9 @@ class Copy:
 
 
 def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, world_size: int,
-                    trust: bool = False) -> tuple[list[Copy], list[str]]:
-    """What to copy from ``root`` into a checkpoint for ``world_size`` ranks, and notes for the user."""
+                    trust: bool = False, follow_links: bool = False) -> tuple[list[Copy], list[str]]:
+    """What to copy from ``root`` into a checkpoint for ``world_size`` ranks, and notes for the user
+    (``follow_links``: links were checked by the caller - the distributed run's view of other hosts' files)."""
     from .layout import LATEST_FILE, TRUST_HINT, inside
 
     copies, notes, per_rank = [], [], {}
@@ -56,10 +57,10 @@ def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, w
         path = Path(entry.path)
         if entry.name in tags or entry.name == LATEST_FILE or entry.name.startswith("."):
             continue
-        if entry.is_symlink() and not trust and not inside(path.resolve(), root):
+        if entry.is_symlink() and not (trust or follow_links) and not inside(path.resolve(), root):
             raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; not copied",
                                         hint=TRUST_HINT)
-        rank_file = _per_rank(entry.name)
+        rank_file = per_rank_file(entry.name)
         if rank_file is not None:
             per_rank.setdefault(rank_file[0], {})[rank_file[1]] = path
             continue
@@ -79,7 +80,7 @@ def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, w
     return copies, notes
 
 
-def _per_rank(name: str) -> tuple[int, int] | None:
+def per_rank_file(name: str) -> tuple[int, int] | None:
     """(pattern index, rank) of a per-rank file name; rank 0 for HF's world-size-1 name."""
     for i, (pattern, single, _) in enumerate(PER_RANK):
         if name == single:

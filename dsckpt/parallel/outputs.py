@@ -1,0 +1,110 @@
+"""Where a distributed run's outputs land: which processes share a filesystem, temp paths, publishing.
+
+``storage_groups(group, out)``: processes that see the same folder at OUT's parent form one storage group
+(one host with a node-local disk; every process on a shared filesystem).  Found by probing, not by host
+names: the lowest unassigned process creates a probe folder beside OUT named with a token, every process
+that sees it joins that group, until all are assigned.  Each group's leader (its lowest process) owns the
+group's temp output and publishes it.
+
+``Staged``: one temp path per storage group, the same name everywhere (from rank 0), written by the
+group's members; published by the leaders only after every process has agreed that every part is written
+and flushed - so an interrupted run publishes nothing.  On error each leader removes its temp.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..io.output import TEMP_MARK, _merge_into, _remove, fsync_path
+from .group import Group
+
+
+@dataclass(frozen=True)
+class StorageGroups:
+    of: tuple[int, ...]  # process -> its storage group's leader
+
+    def members(self, leader: int) -> list[int]:
+        return [r for r, g in enumerate(self.of) if g == leader]
+
+    @property
+    def leaders(self) -> list[int]:
+        return sorted(set(self.of))
+
+
+def storage_groups(group: Group, out: Path) -> StorageGroups:
+    token = group.broadcast(secrets.token_hex(4) if group.rank == 0 else None, 0)
+    probe = out.parent / f".{out.name}.dsckpt-probe-{token}"
+    of: list[int | None] = [None] * group.size
+    while None in of:
+        leader = of.index(None)
+        error = None
+        if group.rank == leader:
+            try:
+                probe.mkdir()
+                (probe / "leader").write_text(str(leader))
+            except OSError as exc:
+                error = exc
+        group.agree(error)
+        seen = None
+        if of[group.rank] is None:
+            with contextlib.suppress(OSError):
+                seen = leader if (probe / "leader").read_text() == str(leader) else None
+        for rank, answer in enumerate(group.gather(seen)):
+            if answer is not None and of[rank] is None:
+                of[rank] = answer
+        if group.rank == leader:
+            _remove(probe)
+        group.agree(None)  # the probe is gone before the next leader makes its own
+    return StorageGroups(tuple(of))  # type: ignore[arg-type]
+
+
+class Staged:
+    """The temp path of OUT in this process's storage group (see the module docstring)."""
+
+    def __init__(self, group: Group, groups: StorageGroups, out: Path, directory: bool, fsync: bool,
+                 publishing: set[int]):
+        """``publishing``: the storage groups (leaders) that receive a part of OUT; the others write nothing."""
+        self.group, self.groups, self.out, self.directory, self.fsync = group, groups, out, directory, fsync
+        pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
+        self.tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
+        self.leader = groups.of[group.rank]
+        self.leads = self.leader == group.rank and self.leader in publishing
+
+    def create(self) -> None:
+        """The leaders make the temp folder (a file output is created by its writer); all agree."""
+        error = None
+        if self.leads and self.directory:
+            try:
+                self.tmp.mkdir()
+            except OSError as exc:
+                error = exc
+        self.group.agree(error)
+
+    def publish(self) -> None:
+        """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place."""
+        error = None
+        if self.leads and self.fsync:
+            try:
+                fsync_path(self.tmp)
+            except OSError as exc:
+                error = exc
+        self.group.agree(error)
+        error = None
+        if self.leads:
+            try:
+                if self.directory and self.out.is_dir() and not self.out.is_symlink():
+                    _merge_into(self.tmp, self.out)
+                else:
+                    os.replace(self.tmp, self.out)
+                if self.fsync:
+                    fsync_path(self.out.parent, files=False)
+            except OSError as exc:
+                error = exc
+        self.group.agree(error)
+
+    def abort(self) -> None:
+        if self.leads:
+            _remove(self.tmp)

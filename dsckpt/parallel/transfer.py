@@ -1,0 +1,99 @@
+"""Send each process the bytes it will read from files only other processes see (``view``).
+
+``fetch(group, view, wanted)``: ``wanted`` is this process's list of byte ranges of view files (from the
+plans of the outputs it writes).  Every process states its ranges of files it does not see; then all walk
+one global list - receivers in rank order, their ranges in order, 16 MiB at a time - in which the owner
+``send``s and the receiver ``recv``s and writes the bytes into its view file at the same offset.  Walking
+one order with blocking point-to-point calls cannot deadlock: the first pending transfer in that order
+always has both its ends waiting on it.  A failing read or write does not stop the walk (zeros are sent,
+writes skipped); the error is raised after it, in ``Group.agree``, so no process is left waiting.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from ..plan.segments import Segment
+from .group import Group, _comm_errors
+from .view import View
+
+CHUNK = 16 << 20
+
+
+def merged_ranges(segments: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """(rel, offset, nbytes) ranges sorted, overlapping and adjacent ones joined."""
+    out: list[tuple[str, int, int]] = []
+    for rel, offset, n in sorted(segments):
+        if out and out[-1][0] == rel and offset <= out[-1][1] + out[-1][2]:
+            end = max(out[-1][1] + out[-1][2], offset + n)
+            out[-1] = (rel, out[-1][1], end - out[-1][1])
+        elif n:
+            out.append((rel, offset, n))
+    return out
+
+
+def remote_ranges(view: View, pieces: Iterable[object], whole_files: Iterable[Path] = ()) -> list[tuple[str, int, int]]:
+    """The ranges of ``pieces`` (``Segment``s; anything else is ignored) and of ``whole_files`` that lie in
+    files this process does not see."""
+    found = []
+    for piece in pieces:
+        if isinstance(piece, Segment):
+            rel = view.rel(piece.path)
+            if rel is not None and rel not in view.local:
+                found.append((rel, piece.offset, piece.nbytes))
+    for path in whole_files:
+        rel = view.rel(path)
+        if rel is not None and rel not in view.local:
+            found.append((rel, 0, view.path(rel).stat().st_size))
+    return merged_ranges(found)
+
+
+def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
+    """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here."""
+    import torch
+    import torch.distributed as dist
+
+    everyone = group.gather(wanted)
+    received, error = 0, None
+    buffer = torch.empty(CHUNK, dtype=torch.uint8)
+    handles: dict[str, int] = {}
+    try:
+        for receiver, ranges in enumerate(everyone):
+            for rel, offset, n in ranges:
+                owner = view.owners[rel]
+                for start in range(offset, offset + n, CHUNK):
+                    size = min(CHUNK, offset + n - start)
+                    chunk = buffer[:size]
+                    if group.rank == owner:
+                        error = error or _read_into(view.real / rel, start, chunk)
+                        with _comm_errors():
+                            dist.send(chunk, receiver)
+                    elif group.rank == receiver:
+                        with _comm_errors():
+                            dist.recv(chunk, owner)
+                        if error is None:
+                            try:
+                                fd = handles.get(rel) or handles.setdefault(rel, os.open(view.path(rel), os.O_WRONLY))
+                                os.pwrite(fd, chunk.numpy(), start)
+                                received += size
+                            except OSError as exc:
+                                error = exc
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    group.agree(error)
+    return received
+
+
+def _read_into(path: Path, offset: int, chunk) -> OSError | None:
+    try:
+        with open(path, "rb") as fh:
+            view = memoryview(chunk.numpy())
+            got = os.preadv(fh.fileno(), [view], offset)
+        if got != len(view):
+            raise OSError(f"{path}: {got} of {len(view)} bytes at offset {offset} (truncated?)")
+    except OSError as exc:
+        chunk.zero_()
+        return exc
+    return None

@@ -1,0 +1,175 @@
+"""What each process sees of a checkpoint, and a view in which every process sees all of it.
+
+Hosts with node-local disks see different files at the same path (each host its own ranks' files; `latest`
+only on rank 0's). ``build_view(group, ckpt, tag, scratch, trust)``:
+1. survey: every process lists the regular files it sees in CKPT and one folder down (the tag folders), with
+   sizes; a symlink leading out of CKPT is refused here, by the host that has it, unless ``trust``;
+2. owners: a file's owner is the lowest process that sees it; all that see it must agree on its size;
+3. the tag: ``tag``, else what `latest` says, else the only tag folder (as ``zero.layout.discover``);
+4. the view: a folder in ``scratch`` laid out as CKPT (its top-level files and the tag folder).  A file this
+   process sees is a symlink to it (a copy, when small: `latest`, configs); any other is a sparse file of its size holding the owner's metadata bytes
+   (a torch zip: everything but its storages' data; a small file: all of it).
+Every process then opens the same checkpoint model from its view, so every plan is the same everywhere; the
+storage bytes a process will read from a sparse file are sent to it before it writes (``transfer``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import CorruptFileError, DistributedError, DsckptError, TagError, UnsafeCheckpointError
+from ..formats.torchzip import TorchFile
+from ..zero import layout as L
+from .group import Group
+
+SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
+
+
+@dataclass
+class View:
+    root: Path  # open_checkpoint(root, tag) on every process
+    tag: str | None  # None: CKPT is a tag folder itself
+    scratch: Path
+    real: Path  # CKPT as this process sees it
+    owners: dict[str, int] = field(default_factory=dict)  # relative path -> the process that reads it
+    local: set[str] = field(default_factory=set)  # relative paths this process sees itself
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def rel(self, path: Path) -> str | None:
+        """A view path's relative name, or None for a path outside the view."""
+        try:
+            return Path(path).relative_to(self.root).as_posix()
+        except ValueError:
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def real_names(self) -> Iterator[None]:
+        """An error met while reading the view names CKPT, as the user gave it, not the scratch folder."""
+        try:
+            yield
+        except DsckptError as exc:
+            message = str(exc).replace(str(self.root), str(self.real))
+            if message == str(exc):
+                raise
+            raise type(exc)(message, hint=exc.hint) from None
+
+
+def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], str | None]:
+    """Relative path -> size of the regular files seen here (top level and one folder down); a problem."""
+    seen: dict[str, int] = {}
+    if not ckpt.is_dir():
+        return seen, None
+    root = ckpt.resolve()
+    for entry in sorted(os.scandir(ckpt), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            continue
+        inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
+        for item in inner:
+            path = Path(item.path)
+            if item.is_symlink() and not trust and not L.inside(path.resolve(), root):
+                return seen, f"{path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
+            if item.is_file() and not item.name.startswith("."):
+                seen[path.relative_to(ckpt).as_posix()] = item.stat().st_size
+    return seen, None
+
+
+def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path) -> str | None:
+    if any(L.RANK_FILE_RE.match(rel) for rel in files):  # rank files at the top: CKPT is a tag folder
+        return None
+    tags = sorted({rel.split("/")[0] for rel in files if "/" in rel and L.RANK_FILE_RE.match(rel.split("/")[1])})
+    chosen = tag or (latest.strip() if latest else None) or (tags[0] if len(tags) == 1 else None)
+    if chosen is None or chosen not in tags:
+        raise TagError(f"{ckpt}: {'no tag named ' + repr(chosen) if chosen else 'which tag?'} among the tags any "
+                       f"process sees ({', '.join(tags) or 'none'})", hint="--tag TAG names one")
+    return chosen
+
+
+def _skeleton(path: Path, size: int) -> list[tuple[int, bytes]]:
+    """The bytes of ``path`` every process needs to read its metadata: all of a small file; a torch zip's
+    bytes outside its storages; nothing of anything else (its content travels when a writer needs it)."""
+    with open(path, "rb") as fh:
+        if size <= SMALL_FILE:
+            return [(0, fh.read())]
+        try:
+            spans = sorted((loc.offset, loc.offset + loc.nbytes) for loc in TorchFile(path).storages.values())
+        except CorruptFileError:
+            return []
+        out, pos = [], 0
+        for start, end in spans + [(size, size)]:
+            if start > pos:
+                out.append((pos, os.pread(fh.fileno(), start - pos, pos)))
+            pos = max(pos, end)
+        return out
+
+
+def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
+    try:
+        return _skeleton(path, size)
+    except OSError as exc:
+        return f"{path}: reading failed ({exc.strerror or exc})"
+
+
+def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, trust: bool) -> View:
+    surveyed = group.gather(_survey(ckpt, trust))
+    for problem in (p for _, p in surveyed if p):
+        raise UnsafeCheckpointError(problem, hint=L.TRUST_HINT)
+    owners: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for rank, (seen, _) in enumerate(surveyed):
+        for rel, size in seen.items():
+            if rel in sizes and sizes[rel] != size:
+                raise DistributedError(f"{ckpt / rel}: {sizes[rel]:,} bytes on process {owners[rel]} but {size:,} on "
+                                       f"process {rank}: the hosts hold different checkpoints at this path")
+            owners.setdefault(rel, rank)
+            sizes[rel] = size
+    if not sizes:
+        raise DistributedError(f"{ckpt}: no process sees any file there", hint="run the command with the "
+                               "checkpoint's path as each host sees it")
+    latest = owners.get(L.LATEST_FILE)
+    text = group.broadcast((ckpt / L.LATEST_FILE).read_text() if group.rank == latest else None, latest) \
+        if latest is not None else None
+    chosen = _choose_tag(sizes, tag, text, ckpt)
+    wanted = sorted(rel for rel in sizes if "/" not in rel or (chosen is not None and rel.split("/")[0] == chosen))
+    local = set(surveyed[group.rank][0])
+    payloads: dict[str, list[tuple[int, bytes]]] = {}
+    for rel in wanted:  # the owner of a file some process lacks sends its metadata bytes to all
+        if any(rel not in seen for seen, _ in surveyed):
+            owner = owners[rel]
+            payload = group.broadcast(_owned_skeleton(ckpt / rel, sizes[rel]) if group.rank == owner else None, owner)
+            if isinstance(payload, str):  # the owner could not read it: everyone stops here
+                raise DistributedError(f"{payload} [process {owner}]")
+            if rel not in local:
+                payloads[rel] = payload
+    scratch = scratch_parent / f".{ckpt.name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    view = View(scratch / ckpt.name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted))
+    error = None
+    try:  # this process's own files: it alone may fail here, so all agree before going on
+        (view.root / chosen if chosen else view.root).mkdir(parents=True)
+        for rel in wanted:
+            if rel in local and sizes[rel] <= SMALL_FILE:  # a copy: `latest` and companions are read as files
+                shutil.copyfile(ckpt / rel, view.path(rel))
+            elif rel in local:
+                os.symlink((ckpt / rel).resolve(), view.path(rel))
+            else:
+                with open(view.path(rel), "wb") as fh:
+                    fh.truncate(sizes[rel])
+                    for offset, data in payloads[rel]:
+                        os.pwrite(fh.fileno(), data, offset)
+    except OSError as exc:
+        error = exc
+    try:
+        group.agree(error)
+    except BaseException:
+        view.close()
+        raise
+    return view
