@@ -78,15 +78,22 @@ class WeightsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entry(key).shape
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, pin: bool = False) -> torch.Tensor:
+        """One tensor, read into memory of its own: uninitialised (a zero-filled buffer cost a pass over
+        every byte) and, with ``pin``, page-locked, so the copy to a GPU is a DMA the caller need not wait
+        for (torch caches pinned blocks, so the pool stays as large as the tensors alive at once)."""
         e = self._entry(key)
-        buf = bytearray(e.span_bytes)
-        read_range(e.path, e.offset, len(buf), into=buf)
-        return _tensor(buf, e.dtype, e.shape, e.stride)
+        raw = torch.empty(e.span_bytes, dtype=torch.uint8, pin_memory=pin)
+        if e.span_bytes:
+            read_range(e.path, e.offset, e.span_bytes, into=raw.numpy())
+        return _tensor(raw, e.dtype, e.shape, e.stride)
 
 
-def _tensor(buf: bytearray, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
-    flat = torch.frombuffer(buf, dtype=torch_dtype(dtype)) if buf else torch.empty(0, dtype=torch_dtype(dtype))
+def _tensor(raw, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
+    """A tensor over ``raw``'s bytes (a bytearray or a uint8 tensor)."""
+    if isinstance(raw, (bytes, bytearray)):
+        raw = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    flat = raw.view(torch_dtype(dtype))
     if stride is None:
         return flat.reshape(shape)
     return flat.as_strided(shape, stride).clone()

@@ -11,13 +11,18 @@ from pathlib import Path
 from ..errors import CorruptFileError
 
 
-def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: bytearray | None = None) -> bytes | bytearray:
-    """``nbytes`` at ``offset`` of the open file ``fd`` (``path`` names it in errors); ``into`` is
-    filled in place when given (one buffer, no copy)."""
+def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into=None) -> bytes | bytearray:
+    """``nbytes`` at ``offset`` of the open file ``fd`` (``path`` names it in errors); ``into`` (a writable
+    buffer: bytearray, memoryview) is filled in place when given (one buffer, no copy)."""
     if offset < 0 or nbytes < 0:
         raise CorruptFileError(f"{path}: read of {nbytes} bytes at offset {offset} is out of range")
     if into is not None:
-        got = os.preadv(fd, [into], offset) if nbytes else 0
+        view, got = memoryview(into).cast("B"), 0
+        while got < nbytes:  # Linux returns at most 0x7ffff000 bytes per call: a 4 GB tensor takes two
+            n = os.preadv(fd, [view[got:nbytes]], offset + got)
+            if n == 0:
+                break
+            got += n
         data = into
     else:
         data = os.pread(fd, nbytes, offset)
@@ -27,7 +32,7 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: bytea
     return data
 
 
-def read_range(path: Path | str, offset: int, nbytes: int, into: bytearray | None = None) -> bytes | bytearray:
+def read_range(path: Path | str, offset: int, nbytes: int, into=None) -> bytes | bytearray:
     """Open, read exactly one range, close."""
     with open(path, "rb") as fh:
         return pread_exact(fh.fileno(), nbytes, offset, path, into)

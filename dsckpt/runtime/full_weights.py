@@ -86,8 +86,10 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
             by_module.setdefault(id(mod), ([], []))[0 if is_param else 1].append((name, tensor))
     steps = list(by_module.values())
 
-    def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread
-        return {name: src.get(name) for name, _ in steps[i][0] + steps[i][1]}
+    pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in module.parameters())
+
+    def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread; pinned for a DMA to the GPU
+        return {name: src.get(name, pin) for name, _ in steps[i][0] + steps[i][1]}
 
     masters = _MasterSetter(engine)  # 16-bit runs: fp32 masters from the same values, no second read
     loaded = 0
@@ -104,7 +106,7 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
                     if eng.rank() == 0:
                         # to the device first, then cast there (a CPU-side fp32 -> bf16 cast of every tensor
                         # cost more than the copy on an H200); the master below reuses the device copy
-                        values[name] = values[name].to(p.device)
+                        values[name] = values[name].to(p.device, non_blocking=True)
                         p.data.copy_(values[name].to(p.dtype).view(p.shape))
                     if not hasattr(p, "ds_id") and eng.world_size() > 1:
                         dist.broadcast(p.data, 0)  # stages 0-2: replicate rank 0's values
