@@ -41,7 +41,7 @@ test-all: setup
 
 # The edit loop: every test that starts no DeepSpeed ranks (layers, formats, plans, hostile input, CLI contract).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not ranks"
+	$(BIN)/python -m pytest -q -m "not slow and not runtime"
 
 fixtures: setup
 	$(BIN)/python fixtures/make_fixtures.py

@@ -209,7 +209,7 @@ def demo_counts(**model_kwargs) -> dict[str, int]:
 # fixture that trains, and tests marked by hand.
 RANK_MODULES = {"test_runtime_resume", "test_runtime_any_model", "test_trainer_flows"}
 RANK_FIXTURES = {"trained_z3", "oracle", "restaged", "hf_run", "lightning_run", "other_setups", "large_checkpoint",
-                 "odd_weights", "hf_reference"}
+                 "odd_weights", "hf_reference", "odd_runs", "converted"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ universal loader.  The oracles are the programs users run:
   with ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` - against what the ZeRO run recorded
   (reshard_oracle.py's ``before.pt``: ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``);
 * universal: DeepSpeed's own ``ds_to_universal`` output for the same checkpoint (file for file, tree for tree,
-  byte for byte), and stock ``engine.load_checkpoint`` with ``load_universal`` at 1 and 3 ranks.
+  byte for byte), and stock ``engine.load_checkpoint`` with ``load_universal`` at 3 ranks.
 The runs are the odd model's (two param groups with their own settings, a frozen layer, a tied weight, float
 and int buffers, sizes no world size divides), ZeRO-1/2/3 and ZeRO-3 cut into sub-groups, fp32 and bf16.
 """
@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 COMBOS = ("1:32", "2:bf16", "3:bf16", "3:32", "3s:32")  # stage:precision of the odd model's 2-rank runs
 FSDP2_WORLD_SIZES = (1, 2, 3)
-UNIVERSAL_WORLD_SIZES = (1, 3)
+UNIVERSAL_WORLD_SIZES = (3,)  # (1 too, by hand: the same records; one job fewer in the suite)
 LR = 3e-3
 # The first loss after loading is computed before any update, so it depends on the weights alone: FSDP2's fp32
 # forward of the fp32 masters vs the DeepSpeed run's forward (fp32: the same numbers, reduced in another order;
@@ -124,7 +124,9 @@ def test_stock_deepspeed_loads_the_universal_checkpoint(converted, combo, m):
         assert all(abs(got - want) <= 1e-3 * want and math.isfinite(got) for want, got in losses)
 
 
-@pytest.mark.parametrize("name", ["z1_ws3_bf16", "z2_ws2_fp32", "z2_ws3_bf16", "z3_ws3_bf16", "z3_ws1_fp32"])
+@pytest.mark.parametrize("name", ["z1_ws3_bf16", "z2_ws2_fp32", "z3_ws3_bf16",  # (shared with test_universal)
+                                  pytest.param("z2_ws3_bf16", marks=pytest.mark.slow),
+                                  pytest.param("z3_ws1_fp32", marks=pytest.mark.slow)])
 def test_universal_equals_ds_to_universal_file_for_file(name, ds_universal, tmp_path):
     theirs = ds_universal(name)
     proc = run_cli("convert", FIXTURES / name, tmp_path / "u", "--to", "universal", "--json", "--no-fsync")

@@ -120,7 +120,8 @@ def _same_tree(a: Path, b: Path) -> list[str]:
     return [n for n in names if (a / n).read_bytes() != (b / n).read_bytes()]
 
 
-@pytest.mark.parametrize("out", ["m.safetensors", "m.pt", "sharded"])
+@pytest.mark.parametrize("out", ["m.safetensors", pytest.param("m.pt", marks=pytest.mark.slow),
+                                 pytest.param("sharded", marks=pytest.mark.slow)])
 def test_nproc_consolidate_writes_the_same_bytes(single, tmp_path, out):
     """Two local processes: a .safetensors file filled in two parts, the other formats by rank 0."""
     extra = ["--max-shard-size", "20KB"] if out == "sharded" else []
