@@ -121,7 +121,7 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("out", ["m.safetensors", pytest.param("m.pt", marks=pytest.mark.slow),
-                                 pytest.param("sharded", marks=pytest.mark.slow)])
+                                 "sharded"])
 def test_nproc_consolidate_writes_the_same_bytes(single, tmp_path, out):
     """Two local processes: a .safetensors file filled in two parts, the other formats by rank 0."""
     extra = ["--max-shard-size", "20KB"] if out == "sharded" else []

@@ -145,16 +145,20 @@ def shard(tensors: tuple[TensorPlan, ...], max_bytes: int) -> list[list[TensorPl
     return shards
 
 
-def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress | None = None) -> list[str]:
-    """Hugging Face layout: model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
+def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress | None = None,
+                  part: tuple[int, int] = (0, 1)) -> list[str]:
+    """Hugging Face layout: model-0000i-of-0000N.safetensors + model.safetensors.index.json.  With
+    ``part=(k, n)`` (a distributed run's writer k of n): the k-th of every n shards, and the index if k == 0."""
     groups = shard(plan.tensors, max_bytes)
     n = len(groups)
     weight_map, names = {}, []
     for i, group in enumerate(groups, 1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        write_safetensors(group, folder / name, plan.metadata, progress)
+        if (i - 1) % part[1] == part[0]:
+            write_safetensors(group, folder / name, plan.metadata, progress)
         weight_map.update({t.name: name for t in group})
         names.append(name)
-    index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if part[0] == 0:
+        index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names

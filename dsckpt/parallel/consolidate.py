@@ -5,7 +5,8 @@ Steps (each ends with all processes agreeing):
 1. the view and the plan, the same everywhere (``view``; ``api.consolidation``'s format choice and prepare);
 2. writers: the processes of rank 0's storage group (``outputs``).  A single ``.safetensors`` file is split
    by tensors: the leader creates it at its final size with its header, each writer fills every n-th tensor
-   at its offset.  Any other format is written whole by rank 0 (its zip CRCs and indexes run in one order);
+   at its offset; a sharded folder's shards are dealt out (the leader writes the index).  Any other format
+   (``.pt``, ``--hf``, Lightning) is written whole by rank 0 (its zip CRCs run in one order);
 3. each writer receives the source bytes it lacks (``transfer.fetch``) - the other hosts' processes only send;
 4. rank 0 writes the client-state sidecar; leaders publish once every part is written and flushed.
 """
@@ -20,7 +21,8 @@ from ..export.registry import Request, for_output
 from ..export.sidecar import sidecar_paths, write_sidecar
 from ..formats.pickle_policy import TensorRef
 from ..io.output import check_output, staged as local_staging
-from ..io.writer import create_safetensors, fill_safetensors
+from ..export.sharded import INDEX_NAME
+from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..plan.consolidate import build_plan, duplicate_aliases
 from ..plan.segments import ref_segments
 from ..zero.reader import open_checkpoint
@@ -29,7 +31,7 @@ from .outputs import Staged, storage_groups
 from .transfer import fetch, remote_ranges
 from .view import build_view
 
-SPLIT_FORMATS = ("safetensors",)  # formats whose single file the writers fill in parts
+SPLIT_FORMATS = ("safetensors", "sharded")  # one file filled in parts; a folder's shards dealt out
 
 
 def consolidate_distributed(group: Group, checkpoint: str | os.PathLike, out: str | os.PathLike, *,
@@ -53,16 +55,19 @@ def consolidate_distributed(group: Group, checkpoint: str | os.PathLike, out: st
         staged.create()
         writers = groups.members(groups.of[0])
         split = fmt.name in SPLIT_FORMATS and len(writers) > 1
-        mine = [] if group.rank not in writers else \
-            [t for i, t in enumerate(plan.tensors) if writers[i % len(writers)] == group.rank] if split else \
-            list(plan.tensors) if group.rank == 0 else []
+        mine = [] if group.rank not in writers else _tensors_to_write(plan, fmt, prepared, writers, group.rank) \
+            if split else list(plan.tensors) if group.rank == 0 else []
         extra = _paths(prepared.companions) if group.rank == 0 else []
         clients = [p for ref in _tensors(ckpt.client_state) for p in ref_segments(ref)] if group.rank == 0 else []
         fetch(group, view, remote_ranges(view, [p for t in mine for p in t.pieces] + clients, extra))
-        if split:
+        part = (writers.index(group.rank), len(writers)) if group.rank in writers else None
+        if split and fmt.name == "sharded":
+            max_bytes = prepared.request.max_shard_bytes
+            names = group.step(lambda: write_sharded(plan, staged.tmp, max_bytes, progress, part) if part else None)
+            names = group.broadcast(names, 0) + [INDEX_NAME]
+        elif split:
             group.step(lambda: create_safetensors(list(plan.tensors), staged.tmp, plan.metadata)
                        if group.rank == 0 else None)
-            part = (writers.index(group.rank), len(writers)) if group.rank in writers else None
             group.step(lambda: fill_safetensors(list(plan.tensors), staged.tmp, plan.metadata, progress, part)
                        if part else None)
             names = [out.name]
@@ -85,6 +90,15 @@ def consolidate_distributed(group: Group, checkpoint: str | os.PathLike, out: st
     files = tuple(str(p) for p in written + ([sidecar_paths(out)[0]] if sidecar else []))
     return Result(out, fmt.name, len(plan.tensors), plan.nbytes, files, sidecar_paths(out)[0] if sidecar else None,
                   None, prepared.notes)
+
+
+def _tensors_to_write(plan, fmt, prepared, writers: list[int], rank: int) -> list:
+    """The tensors writer ``rank`` writes: every n-th tensor of one file, or the tensors of every n-th shard."""
+    k, n = writers.index(rank), len(writers)
+    if fmt.name == "sharded":
+        shards = shard(plan.tensors, prepared.request.max_shard_bytes)
+        return [t for i, group in enumerate(shards) if i % n == k for t in group]
+    return [t for i, t in enumerate(plan.tensors) if i % n == k]
 
 
 def _plan(view, out: Path, form, dtype, exclude_frozen, request: Request):

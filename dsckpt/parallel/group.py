@@ -65,7 +65,7 @@ class Group:
         """Run ``fn`` here, then agree: its result on every process, or the same error on every process."""
         try:
             result = fn()
-        except (DsckptError, OSError) as exc:
+        except Exception as exc:  # anything: the others must not wait in a collective this process never joins
             self.agree(exc)
             raise
         self.agree(None)

@@ -73,6 +73,8 @@ def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], str | None]:
     for entry in sorted(os.scandir(ckpt), key=lambda e: e.name):
         if entry.name.startswith("."):
             continue
+        if entry.is_symlink() and not trust and not L.inside(Path(entry.path).resolve(), root):
+            return seen, f"{entry.path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
         inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
         for item in inner:
             path = Path(item.path)
