@@ -30,12 +30,14 @@ demo: setup
 	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir $(DEMO_DIR)/ckpt
 	$(BIN)/dsckpt reshard $(DEMO_DIR)/ckpt $(DEMO_DIR)/ckpt_ws3 --world-size 3
 	$(BIN)/dsckpt resume $(DEMO_DIR)/ckpt_ws3 --nproc 3 --steps 5
+	$(BIN)/dsckpt convert $(DEMO_DIR)/ckpt $(DEMO_DIR)/dcp --to dcp
+	$(BIN)/dsckpt convert $(DEMO_DIR)/ckpt $(DEMO_DIR)/universal --to universal
 	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
 
 test: setup
 	$(BIN)/python -m pytest -q
 
-# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix): ~14 min on 2 cores.
+# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix): ~16 min on 2 cores.
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
