@@ -55,8 +55,10 @@ def consolidate_distributed(group: Group, checkpoint: str | os.PathLike, out: st
         staged.create()
         writers = groups.members(groups.of[0])
         split = fmt.name in SPLIT_FORMATS and len(writers) > 1
-        mine = [] if group.rank not in writers else _tensors_to_write(plan, fmt, prepared, writers, group.rank) \
-            if split else list(plan.tensors) if group.rank == 0 else []
+        if split and group.rank in writers:
+            mine = _tensors_to_write(plan, fmt, prepared, writers, group.rank)
+        else:  # not split: rank 0 writes it all
+            mine = list(plan.tensors) if group.rank == 0 else []
         extra = _paths(prepared.companions) if group.rank == 0 else []
         clients = [p for ref in _tensors(ckpt.client_state) for p in ref_segments(ref)] if group.rank == 0 else []
         fetch(group, view, remote_ranges(view, [p for t in mine for p in t.pieces] + clients, extra))
