@@ -99,11 +99,32 @@ def world_size_for(nproc: int) -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "LOCAL_RANK" in os.environ else nproc
 
 
+def _in_group() -> bool:
+    dist = sys.modules.get("torch.distributed")  # (never imported here: inspect and consolidate need no torch)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _exit(code: int) -> None:
+    """Exit; in a process of a distributed run, without interpreter teardown: gloo's threads, still joinable
+    when static destructors run, abort the process ("terminate called without an active exception",
+    measured: ``runtime.engine.shutdown``) and the exit code with it."""
+    if _in_group():
+        dist = sys.modules["torch.distributed"]
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _fail(message: str, hint: str | None, code: int, as_json: bool) -> None:
     click.echo(f"dsckpt: error: {message}" + (f"\nhint: {hint}" if hint else ""), err=True)
     if as_json:
         click.echo(json_document(error=message, hint=hint, exit=code))
-    sys.exit(code)
+    _exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)
+        if _in_group():
+            _exit(0)
     except (click.exceptions.Abort, KeyboardInterrupt, Interrupted):
         if in_launched_rank():  # quiet: the launcher says it once.  No interpreter teardown: gloo's threads
             os._exit(EXIT_INTERRUPTED)  # would print "terminate called without an active exception"
@@ -128,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         from ..runtime.console import report_rank_error
 
         if in_launched_rank() and report_rank_error(str(exc), exc.hint):
-            sys.exit(EXIT_ERROR)  # the launcher prints it once for all ranks
+            _exit(EXIT_ERROR)  # the launcher prints it once for all ranks
         if quiet_rank():
-            sys.exit(EXIT_ERROR)
+            _exit(EXIT_ERROR)
         _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
     except BrokenPipeError:
         sys.exit(1)

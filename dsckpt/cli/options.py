@@ -72,9 +72,7 @@ def parallel_group(nproc: int):
     import os
     import sys
 
-    import atexit
-
-    from ..parallel.group import close_group, init_group, launched
+    from ..parallel.group import init_group, launched
 
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         from .app import require_torch
@@ -82,7 +80,4 @@ def parallel_group(nproc: int):
 
         require_torch("--nproc")
         sys.exit(launch.launch(nproc))
-    if not launched():
-        return None
-    atexit.register(close_group)
-    return init_group()
+    return init_group() if launched() else None  # (left without teardown at exit: cli.app._exit)

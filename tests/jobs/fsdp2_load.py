@@ -74,8 +74,12 @@ def main(root: str, combos: str) -> None:
                            if p.requires_grad}
         if dist.get_rank() == 0:
             torch.save(record, folder / f"fsdp2_ws{dist.get_world_size()}.pt")
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (dsckpt.runtime.engine.shutdown)
