@@ -35,7 +35,7 @@ class Group:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        with _comm_errors():
+        with comm_errors():
             dist.all_gather_object(out, obj)
         return out
 
@@ -43,7 +43,7 @@ class Group:
         import torch.distributed as dist
 
         box = [obj]
-        with _comm_errors():
+        with comm_errors():
             dist.broadcast_object_list(box, src=src)
         return box[0]
 
@@ -78,7 +78,7 @@ def _describe(error: BaseException) -> tuple[str, str, str | None]:
     return "DistributedError", f"{type(error).__name__}: {error}", None
 
 
-class _comm_errors:
+class comm_errors:
     """gloo's failures (a peer gone, a timeout) as one typed error."""
 
     def __enter__(self):
@@ -98,7 +98,7 @@ def init_group() -> Group:
 
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
-        with _comm_errors():
+        with comm_errors():
             dist.init_process_group("gloo", timeout=timeout)
     return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("GROUP_RANK", "0")))
 

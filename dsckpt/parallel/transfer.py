@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..plan.segments import Segment
-from .group import Group, _comm_errors
+from .group import Group, comm_errors
 from .view import View
 
 CHUNK = 16 << 20
@@ -67,10 +67,10 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
                     chunk = buffer[:size]
                     if group.rank == owner:
                         error = error or _read_into(view.real / rel, start, chunk)
-                        with _comm_errors():
+                        with comm_errors():
                             dist.send(chunk, receiver)
                     elif group.rank == receiver:
-                        with _comm_errors():
+                        with comm_errors():
                             dist.recv(chunk, owner)
                         if error is None:
                             try:
