@@ -96,3 +96,16 @@ class VerificationError(DsckptError):
 
 class DistributedError(DsckptError):
     """A distributed run (torchrun, --nproc) lost a process or disagreed about its input."""
+
+
+def missing_modules(*names: str) -> list[str]:
+    """The modules among ``names`` that cannot be imported here (for a ``MissingExtraError``); nothing is imported."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):  # a blocked or broken package counts as absent
+            return True
+
+    return [name for name in names if absent(name)]

@@ -129,15 +129,9 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
 
 
 def _require_torch() -> None:
-    import importlib.util
+    from ..errors import MissingExtraError, missing_modules
 
-    try:
-        missing = importlib.util.find_spec("torch") is None
-    except (ImportError, ValueError):
-        missing = True
-    if missing:
-        from ..errors import MissingExtraError
-
+    if missing_modules("torch"):
         raise MissingExtraError("--to dcp writes through torch.distributed.checkpoint: torch is not installed",
                                 hint="pip install torch  (--to universal needs no torch)")
 

@@ -51,32 +51,18 @@ def cli() -> None:
 
 def require_runtime(command: str) -> None:
     """train/resume need torch and DeepSpeed, which `pip install dsckpt` does not bring."""
-    import importlib.util
+    from ..errors import MissingExtraError, missing_modules
 
-    def absent(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is None
-        except (ImportError, ValueError):
-            return True
-
-    missing = [m for m in ("torch", "deepspeed", "safetensors") if absent(m)]
+    missing = missing_modules("torch", "deepspeed", "safetensors")
     if missing:
-        from ..errors import MissingExtraError
-
         raise MissingExtraError(f"`dsckpt {command}` needs {', '.join(missing)}, not installed",
                                 hint="pip install 'dsckpt[runtime]'  (inspect and consolidate work without it)")
 
 
 def require_torch(what: str) -> None:
-    import importlib.util
+    from ..errors import MissingExtraError, missing_modules
 
-    try:
-        missing = importlib.util.find_spec("torch") is None
-    except (ImportError, ValueError):
-        missing = True
-    if missing:
-        from ..errors import MissingExtraError
-
+    if missing_modules("torch"):
         raise MissingExtraError(f"{what} runs processes over torch.distributed: torch is not installed",
                                 hint="pip install torch, or run without it in one process")
 
