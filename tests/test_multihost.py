@@ -135,6 +135,19 @@ def test_nproc_consolidate_writes_the_same_bytes(single, tmp_path, out):
     assert [p.name for p in tmp_path.iterdir() if "dsckpt" in p.name] == []  # no temp or view left
 
 
+def test_nproc_consolidate_with_force_replaces_only_what_it_wrote(tmp_path):
+    """Into an existing sharded folder: the shards its old index named go, a file dsckpt did not write stays."""
+    out = tmp_path / "sharded"
+    proc = run_cli("consolidate", FIXTURES / Z3, out, "--max-shard-size", "8KB", "--no-fsync", "-q")
+    assert proc.returncode == 0, proc.stderr
+    old = {p.name for p in out.glob("model-*")}
+    (out / "README.md").write_text("mine")
+    proc = run_cli("consolidate", FIXTURES / Z3, out, "--nproc", "2", "--force", "--no-fsync", "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = {p.name for p in out.glob("model-*")}
+    assert len(old) > 1 and new == {"model-00001-of-00001.safetensors"} and (out / "README.md").read_text() == "mine"
+
+
 def test_nproc_reshard_writes_the_same_bytes(single, tmp_path):
     proc = run_cli("reshard", FIXTURES / Z2, tmp_path / "out", "-w", "4", "--nproc", "3", "--no-fsync", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -78,7 +78,8 @@ def consolidate_distributed(group: Group, checkpoint: str | os.PathLike, out: st
                                                if group.rank == 0 else None), 0)
         sidecar = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
         group.step(lambda: _sidecar(ckpt.client_state, out, fsync) if sidecar and group.rank == 0 else None)
-        staged.publish()
+        replaced = fmt.replaced_files(out) if group.rank == 0 else ()  # as the single-process path: the shards
+        staged.publish([out / name for name in replaced if name not in names])  # an old index named, not ours
     except BaseException:
         if staged is not None:
             staged.abort()

@@ -83,8 +83,9 @@ class Staged:
                 error = exc
         self.group.agree(error)
 
-    def publish(self) -> None:
-        """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place."""
+    def publish(self, stale: list[Path] | None = None) -> None:
+        """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place,
+        then remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
         error = None
         if self.leads and self.fsync:
             try:
@@ -99,6 +100,8 @@ class Staged:
                     _merge_into(self.tmp, self.out)
                 else:
                     os.replace(self.tmp, self.out)
+                for path in stale or ():
+                    _remove(path)
                 if self.fsync:
                     fsync_path(self.out.parent, files=False)
             except OSError as exc:
