@@ -102,9 +102,3 @@ def init_group() -> Group:
             dist.init_process_group("gloo", timeout=timeout)
     return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("GROUP_RANK", "0")))
 
-
-def close_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()

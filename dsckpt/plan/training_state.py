@@ -4,7 +4,7 @@ from this plan; neither asks how ZeRO partitioned anything.
 
 ``build_training_state(ckpt)`` is pure (no tensor bytes read):
 1. the model: the consolidation plan (fp32 masters, frozen parameters, buffers, tied aliases;
-   ``plan.consolidate``), floating tensors as ``model_dtype`` when given;
+   ``plan.consolidate``), frozen parameters and buffers in their stored dtypes;
 2. per trainable parameter, the ``exp_avg`` and ``exp_avg_sq`` plans, in the same parameter order;
 3. per parameter, its flat group (``plan.groups``) and through it the group's Adam step and the torch
    param group that owns it (ZeRO-3 sub-groups of one param group share its settings);
@@ -60,9 +60,9 @@ def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
                                          "to convert", hint="--weights-only converts the weights")
 
 
-def build_training_state(ckpt: Checkpoint, model_dtype: str | None = None, weights_only: bool = False) -> TrainingState:
+def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> TrainingState:
     require_convertible(ckpt, weights_only)
-    model = build_plan(ckpt, model_dtype)
+    model = build_plan(ckpt)
     if weights_only:
         return TrainingState(model, (), ())
     for rank in ckpt.optimizer_states:
