@@ -6,9 +6,10 @@ and keeps its traceback.  ``DSCKPT_DEBUG=1`` shows the traceback for dsckpt erro
 from __future__ import annotations
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """Ctrl-C (or a launcher's SIGINT/SIGTERM) ended a run: exit 130.  Not a KeyboardInterrupt, which click
-    would answer with a stray newline on stderr in every process."""
+    would answer with a stray newline on stderr in every process; a BaseException, as KeyboardInterrupt is,
+    so that no library's ``except Exception`` swallows it."""
 
 
 class DsckptError(Exception):

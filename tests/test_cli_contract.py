@@ -263,7 +263,7 @@ def test_ctrl_c_during_a_two_rank_train(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert err.count("Aborted.") == 1 and "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    assert "\r" not in err and "\n\n" not in err and err.endswith("\nAborted.\n") and out == ""
+    assert "\r" not in err and "\n\n" not in err and err.endswith("\nAborted.\n") and out == "", repr(err[-3000:])
     assert not [p for p in os.listdir(save) if "dsckpt-partial" in p]
     report = json.loads(run_cli("inspect", save, "--json").stdout)  # the last published checkpoint is whole
     assert report["problems"] == [] and report["tag"] == (save / "latest").read_text()

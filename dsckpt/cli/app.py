@@ -9,6 +9,7 @@ launcher instead, which prints it once for all ranks.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -113,10 +114,20 @@ def _fail(message: str, hint: str | None, code: int, as_json: bool) -> None:
     _exit(code)
 
 
+def _raise_interrupted(signum, frame) -> None:
+    """SIGINT in a `--nproc` rank.  A rank blocked in a collective runs Python's handler only once its
+    peers' exit has broken the collective, i.e. while gloo's "Connection reset" is being raised (measured:
+    the KeyboardInterrupt then surfaced in contextlib's ``__exit__``, past ``interruptible``, and click
+    printed a stray newline for it).  Interrupted passes click by and ends the rank quietly in ``main``."""
+    raise Interrupted
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args and "--" not in args[:args.index("--json")]
     args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
+    if in_launched_rank():
+        signal.signal(signal.SIGINT, _raise_interrupted)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)
         if _in_group():

@@ -99,7 +99,7 @@ def interruptible(save_dir: str | None):
 
     try:
         yield
-    except (KeyboardInterrupt, SignalException):
+    except (KeyboardInterrupt, SignalException, Interrupted):
         if int(os.environ.get("RANK", "0")) == 0:
             remove_partial_saves(save_dir)
         raise Interrupted from None
