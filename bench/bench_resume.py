@@ -10,7 +10,8 @@ A (dsckpt): ``load_full_weights`` - only rank 0 opens the file, lazily, one modu
 Each rank samples its RSS every 2 ms during the load; the figure is peak-during-load minus RSS
 before the load, so engine setup does not count.  ``--profile`` adds rank 0's seconds per phase
 (``Phases``); ``dsckpt-heap`` / ``dsckpt-<MiB>`` run dsckpt under another glibc mmap threshold
-(docs/performance.md section 6: how the 1 MiB setting cost 15 %).
+(docs/performance.md section 6: how the 1 MiB setting cost 15 %); ``dsckpt-serial`` reads every tensor
+on one thread (issue 25's comparison); ``floor`` copies the file's bytes to the GPU and nothing else.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def every_rank_loads(engine, path: str) -> None:
     import deepspeed
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=True)  # the whole file, on every rank
+    state = load_state(path, mmap=False)  # the whole file, on every rank
     rank = torch.distributed.get_rank()
     for mod_name, mod in engine.module.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -60,6 +61,50 @@ def every_rank_loads(engine, path: str) -> None:
     engine.optimizer.refresh_fp32_params()
 
 
+def load_state(path: str, mmap: bool) -> dict:
+    """The whole file as a state dict, as the peers read it: ``torch.load`` (mmap or not) or, for a
+    ``.safetensors`` file, safetensors' ``load_file`` (which maps the file)."""
+    import torch
+
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def floor_copy(path: str) -> None:
+    """The floor: the file's bytes, page cache -> pinned host memory -> one GPU buffer, 64 MiB pieces read on 8
+    threads and copied without waiting - no parsing, no DeepSpeed.  What any loader of this file pays at least."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    size, piece = os.path.getsize(path), 64 << 20
+    device = torch.empty(size, dtype=torch.uint8, device="cuda")
+    staging = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    events = [None] * len(staging)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(i: int) -> int:
+        start, slot = i * piece, i % len(staging)
+        if events[slot] is not None:
+            events[slot].synchronize()  # the last copy out of this buffer is done
+        n = os.preadv(fd, [memoryview(staging[slot].numpy())[:min(piece, size - start)]], start)
+        return n
+
+    try:
+        with ThreadPoolExecutor(len(staging)) as pool:
+            for first in range(0, -(-size // piece), len(staging)):
+                batch = range(first, min(first + len(staging), -(-size // piece)))
+                for i, n in zip(batch, pool.map(read, batch)):
+                    slot = i % len(staging)
+                    device[i * piece:i * piece + n].copy_(staging[slot][:n], non_blocking=True)
+                    events[slot] = torch.cuda.Event()
+                    events[slot].record()
+    finally:
+        os.close(fd)
+
+
 def transformers_loads(engine, path: str) -> None:
     """Transformers' ZeRO-3 path (``from_pretrained`` under an ``HfDeepSpeedConfig``): rank 0 holds the
     whole state dict, per module ``GatheredParameters(modifier_rank=0)`` + ``_load_from_state_dict``."""
@@ -67,7 +112,7 @@ def transformers_loads(engine, path: str) -> None:
     from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
 
     rank = torch.distributed.get_rank()
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: nothing read yet
+    state = load_state(path, mmap=True)  # mapped: nothing read yet
     if rank != 0:  # the other ranks pass meta tensors of the file's names and dtypes, as from_pretrained does
         state = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
     _load_state_dict_into_zero3_model(engine.module, state)
@@ -143,7 +188,11 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     phases = Phases()
     if os.environ.get("BENCH_PROFILE"):
         phases.install()
-    if approach.startswith("dsckpt-"):  # dsckpt-heap: glibc's own (dynamic) mmap threshold; dsckpt-<MiB>: that one
+    if approach == "dsckpt-serial":  # every tensor read on one thread, as before issue 25's parallel reads
+        import dsckpt.formats.positional as positional
+
+        positional.PARALLEL_READ_BYTES = 1 << 62
+    elif approach.startswith("dsckpt-"):  # dsckpt-heap: glibc's own (dynamic) mmap threshold; dsckpt-<MiB>: that one
         import dsckpt.runtime.full_weights as full_weights
 
         variant = approach.split("-", 1)[1]
@@ -174,6 +223,8 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
         load_full_weights(trainer.engine, weights)
     elif approach == "transformers":
         transformers_loads(trainer.engine, weights)
+    elif approach == "floor":
+        floor_copy(weights)
     else:
         every_rank_loads(trainer.engine, weights)
     if cuda:

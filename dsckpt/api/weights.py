@@ -19,7 +19,7 @@ from ..formats.pickle_policy import TensorRef
 from ..formats.safetensors_file import parse_aliases
 from ..export.registry import Stored
 from .paths import classify
-from ..formats.positional import read_range
+from ..formats.positional import read_range_into
 from ..plan.consolidate import strip_name
 
 
@@ -85,7 +85,7 @@ class WeightsFile:
         e = self._entry(key)
         raw = torch.empty(e.span_bytes, dtype=torch.uint8, pin_memory=pin)
         if e.span_bytes:
-            read_range(e.path, e.offset, e.span_bytes, into=raw.numpy())
+            read_range_into(e.path, e.offset, e.span_bytes, raw.numpy())
         return _tensor(raw, e.dtype, e.shape, e.stride)
 
 

@@ -6,6 +6,7 @@ exactly the bytes a plan names: no mmap, whose touched pages would count in the 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..errors import CorruptFileError
@@ -36,3 +37,35 @@ def read_range(path: Path | str, offset: int, nbytes: int, into=None) -> bytes |
     """Open, read exactly one range, close."""
     with open(path, "rb") as fh:
         return pread_exact(fh.fileno(), nbytes, offset, path, into)
+
+
+# A range this large is read in pieces on several threads (``preadv`` releases the GIL).  One thread
+# copies ~7 GB/s out of the page cache (measured on the lent H200 host): the reads were 0.67 s of a 1.24 s
+# GPU full-weights resume.  Smaller ranges are not worth a hand-off.
+PARALLEL_READ_BYTES = 32 << 20
+_PIECE_BYTES = 16 << 20
+_readers: ThreadPoolExecutor | None = None
+
+
+def read_range_into(path: Path | str, offset: int, nbytes: int, into) -> None:
+    """``read_range`` into a buffer, a large range on several threads at once."""
+    global _readers
+    threads = min(8, os.cpu_count() or 1)
+    if nbytes < PARALLEL_READ_BYTES or threads < 2:
+        read_range(path, offset, nbytes, into)
+        return
+    view = memoryview(into).cast("B")
+    piece = max(_PIECE_BYTES, -(-nbytes // threads))
+    if _readers is None:
+        _readers = ThreadPoolExecutor(threads, thread_name_prefix="dsckpt-read")
+    with open(path, "rb") as fh:
+        fd = fh.fileno()
+        pieces = [_readers.submit(pread_exact, fd, min(piece, nbytes - start), offset + start, path,
+                                  view[start:start + piece]) for start in range(0, nbytes, piece)]
+        wait(pieces)  # every piece ends before the descriptor closes (a reused fd number would be read)
+    for done in pieces:
+        error = done.exception()
+        if isinstance(error, CorruptFileError):  # a piece came short: name the whole range, as one read would
+            raise CorruptFileError(f"{path}: short read of {nbytes} bytes at offset {offset} (file truncated?)")
+        if error:
+            raise error
