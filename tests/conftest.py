@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,16 @@ def run_cli(*args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess
 
 
 def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "jobs" / script), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH})
+    """``tests/jobs/<script>`` on ``nproc`` local ranks, started as `--nproc` starts them (torchrun's
+    environment, no torchrun agent: ~1.7 s less per job on 2 cores); rank outputs interleave."""
+    from dsckpt.runtime.launch import run_ranks
+
+    cmd = [sys.executable, str(ROOT / "tests" / "jobs" / script), *map(str, args)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        codes = run_ranks(cmd, int(nproc), {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}, timeout,
+                          stdout=out, stderr=err, cwd=ROOT)
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0), out.read(), err.read())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

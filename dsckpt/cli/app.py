@@ -118,7 +118,9 @@ def _raise_interrupted(signum, frame) -> None:
     """SIGINT in a `--nproc` rank.  A rank blocked in a collective runs Python's handler only once its
     peers' exit has broken the collective, i.e. while gloo's "Connection reset" is being raised (measured:
     the KeyboardInterrupt then surfaced in contextlib's ``__exit__``, past ``interruptible``, and click
-    printed a stray newline for it).  Interrupted passes click by and ends the rank quietly in ``main``."""
+    printed a stray newline for it).  Interrupted passes click by and ends the rank quietly in ``main``.
+    Later SIGINTs are ignored: the launcher passes a Ctrl-C on, which the terminal may have sent already."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise Interrupted
 
 

@@ -43,7 +43,7 @@ def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
         click.option("--save-dir", type=click.Path(file_okay=False), default=None, help="Where to save checkpoints (default: nowhere; nothing is saved)."),
         click.option("--save-every", type=click.IntRange(min=0), default=0, help="Save every N steps (0: once at the end)."),
         click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Local ranks, started through torch.distributed.run."),
+                     help="Local ranks (started with the environment torchrun gives its workers)."),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--freeze", is_flag=True, help="Built-in model: freeze its first block."),
         click.option("--offload-optimizer/--no-offload-optimizer", default=None, help="ZeRO-Offload of optimizer state (default: the preset's)."),
@@ -67,7 +67,7 @@ NPROC_HELP = ("Split the work over N local processes (torch.distributed, gloo); 
 
 def parallel_group(nproc: int):
     """The process group this command runs on, or None for one process.  ``--nproc N`` re-runs the command
-    under torchrun on N local processes (this process only launches); a process torchrun started joins the
+    on N local processes (``runtime.launch``; this process only launches); a process so started joins the
     group of every process of the run, on every host."""
     import os
     import sys
