@@ -1,6 +1,6 @@
 """A performance regression guard in seconds: `make bench-quick` (CI does not run it).
 
-    python bench/bench_quick.py [--layers 4] [--runs 3]
+    python bench/bench_quick.py [--layers 4] [--runs 3] [--cold]
 
 On the benchmark transformer of bench_consolidate.py at 4 layers (~54M parameters; ZeRO-2 and ZeRO-3
 checkpoints at world size 4, generated once and cached under bench/cache/), in one process, alternating,
@@ -8,6 +8,9 @@ inputs page-cache warm, dirty pages synced before every run (untimed):
   reshard 4 -> 3 ranks (--no-fsync)   against   `cp -r` of the folder it wrote (the same bytes)
   consolidate (--no-fsync)            against   `cp` of the file it wrote
   consolidate / reshard with fsync    against   the same without (the price of durability)
+``--cold``: before every timed run the files it reads are dropped from the page cache
+(``posix_fadvise(DONTNEED)`` after a sync: the checkpoint before reshard/consolidate, the output before its
+``cp``), so both sides read from the disk.
 Prints the median of each ratio and exits 1 when one passes its bound (BOUNDS: the targets of issue 25;
 tiny inputs make ratios noisier than the full benchmarks - rerun before believing a failure).
 """
@@ -38,8 +41,23 @@ BOUNDS = {  # ratio -> the largest median accepted
 }
 
 
-def timed(fn) -> float:
+COLD = False
+
+
+def evict(path: Path) -> None:
+    """Drop ``path``'s pages (a file or every file below a folder) from the page cache."""
+    for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(fn, reads: Path | None = None) -> float:
     settle()
+    if COLD and reads is not None:
+        evict(reads)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -58,7 +76,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="read inputs from the disk, not the page cache")
     args = ap.parse_args()
+    global COLD
+    COLD = args.cold
     scratch = HERE / "out" / "quick"
     scratch.mkdir(parents=True, exist_ok=True)
     ckpts = {stage: generate(stage, args.layers) for stage in (2, 3)}
@@ -68,28 +89,28 @@ def main() -> int:
         for stage, ckpt in ckpts.items():
             out, copy = scratch / f"r{stage}", scratch / f"r{stage}_cp"
             fresh(out, copy)
-            ours = timed(lambda: dsckpt.reshard(ckpt, out, 3, fsync=False))
-            theirs = timed(lambda: cp(out, copy))
+            ours = timed(lambda: dsckpt.reshard(ckpt, out, 3, fsync=False), ckpt)
+            theirs = timed(lambda: cp(out, copy), out)
             ratios[f"reshard z{stage} / cp"].append(ours / theirs)
             sizes[f"reshard z{stage}"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
             if stage == 3:
                 fresh(out)
-                synced = timed(lambda: dsckpt.reshard(ckpt, out, 3, fsync=True))
+                synced = timed(lambda: dsckpt.reshard(ckpt, out, 3, fsync=True), ckpt)
                 ratios["reshard fsync / no-fsync"].append(synced / ours)
             fresh(out, copy)
         ckpt = ckpts[3]
         out, copy = scratch / "c.safetensors", scratch / "c_cp.safetensors"
         fresh(out, copy)
-        ours = timed(lambda: dsckpt.consolidate(ckpt, out, fsync=False, client_state=False))
-        theirs = timed(lambda: cp(out, copy))
+        ours = timed(lambda: dsckpt.consolidate(ckpt, out, fsync=False, client_state=False), ckpt)
+        theirs = timed(lambda: cp(out, copy), out)
         sizes["consolidate z3"] = out.stat().st_size
         fresh(out)
-        synced = timed(lambda: dsckpt.consolidate(ckpt, out, fsync=True, client_state=False))
+        synced = timed(lambda: dsckpt.consolidate(ckpt, out, fsync=True, client_state=False), ckpt)
         ratios["consolidate z3 / cp"].append(ours / theirs)
         ratios["consolidate fsync / no-fsync"].append(synced / ours)
         fresh(out, copy)
     failed = []
-    print(f"bench-quick: {args.layers} layers, {args.runs} alternating runs, medians (min-max); output sizes: "
+    print(f"bench-quick: {args.layers} layers, {args.runs} alternating runs, {'cold' if COLD else 'warm'} cache, medians (min-max); output sizes: "
           + ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in sizes.items()))
     for name, values in ratios.items():
         med = statistics.median(values)
