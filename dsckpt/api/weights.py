@@ -9,8 +9,7 @@ count every touched page of the file).
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..dtypes import torch_dtype
 from ..errors import CheckpointNotFoundError, CorruptFileError
@@ -21,6 +20,9 @@ from ..export.registry import Stored
 from .paths import classify
 from ..formats.positional import read_range_into
 from ..plan.consolidate import strip_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightsFile:
@@ -82,6 +84,8 @@ class WeightsFile:
         """One tensor, read into memory of its own: uninitialised (a zero-filled buffer cost a pass over
         every byte) and, with ``pin``, page-locked, so the copy to a GPU is a DMA the caller need not wait
         for (torch caches pinned blocks, so the pool stays as large as the tensors alive at once)."""
+        import torch  # (here: listing a file's names and shapes - a launcher's preflight - needs no torch)
+
         e = self._entry(key)
         raw = torch.empty(e.span_bytes, dtype=torch.uint8, pin_memory=pin)
         if e.span_bytes:
@@ -91,6 +95,8 @@ class WeightsFile:
 
 def _tensor(raw, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
     """A tensor over ``raw``'s bytes (a bytearray or a uint8 tensor)."""
+    import torch
+
     if isinstance(raw, (bytes, bytearray)):
         raw = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     flat = raw.view(torch_dtype(dtype))

@@ -114,8 +114,9 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
     return json_path
 
 
-def read_sidecar(json_path: Path) -> dict[str, Any]:
-    """Decode a sidecar into Python values; tensors come back as torch tensors."""
+def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
+    """Decode a sidecar into Python values; tensors come back as torch tensors (without ``load_tensors``:
+    as their names, the file checked by dsckpt's reader only - a launcher's preflight, which needs no torch)."""
     from ..formats.safetensors_file import read_json
 
     doc = read_json(json_path, "dsckpt client-state sidecar")
@@ -124,12 +125,14 @@ def read_sidecar(json_path: Path) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     tensors_path = json_path.with_name(json_path.name[: -len(JSON_SUFFIX)] + TENSORS_SUFFIX)
     if tensors_path.exists():
-        from safetensors.torch import load_file
-
         from ..formats.safetensors_file import read_header
 
-        read_header(tensors_path)  # validated by dsckpt's reader before safetensors parses it
-        tensors = load_file(str(tensors_path))
+        header, _ = read_header(tensors_path)  # validated by dsckpt's reader before safetensors parses it
+        tensors = {name: name for name in header if name != "__metadata__"}
+        if load_tensors:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(tensors_path))
     try:
         return decode(doc["client_state"], tensors)
     except CorruptFileError as exc:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..export.sidecar import JSON_SUFFIX, read_sidecar
+
 # Keys the runtime understands, by writer.
 GLOBAL_STEP = "global_step"  # dsckpt, Lightning and HF trainer_state.json all use this name
 EPOCH = "epoch"  # dsckpt/Lightning: an int; HF: a float (fraction of the epoch done)
@@ -111,3 +113,22 @@ def describe(pos: Position) -> str:
         more = f" (+{len(pos.left_alone) - 8} more)" if len(pos.left_alone) > 8 else ""
         parts.append(f"left alone: {', '.join(pos.left_alone[:8])}{more}")
     return "; ".join(parts)
+
+
+def default_sidecar(weights: Path) -> Path | None:
+    candidate = weights.with_name(weights.name + JSON_SUFFIX)
+    return candidate if candidate.exists() else None
+
+
+def read_client_state(weights: Path, client_state: str | None, check_only: bool = False) -> tuple[Any, str | None]:
+    """The client state for a full-weights resume and where it came from (rank 0 reads files).
+    ``check_only``: a sidecar's tensors are validated, not loaded (a `--nproc` parent imports no torch)."""
+    sidecar = Path(client_state) if client_state else default_sidecar(weights)
+    if sidecar is not None:
+        return read_sidecar(sidecar, load_tensors=not check_only), str(sidecar)
+    from ..api.weights import WeightsFile
+
+    embedded = WeightsFile(weights).embedded_state()
+    if embedded:
+        return embedded, f"{weights} (beside its state_dict)"
+    return None, None

@@ -37,7 +37,7 @@ def quiet_deepspeed(verbose: bool = False) -> None:
 
 
 def _options(kwargs: dict[str, Any]):
-    from .train import TrainOptions
+    from .config import TrainOptions
 
     return TrainOptions(**kwargs)
 
@@ -50,9 +50,12 @@ def _stage_of_checkpoint(kwargs: dict[str, Any], ckpt) -> None:
 
 
 def _check_precision(opts) -> None:
+    from .config import precision_of
+
+    if precision_of(opts.deepspeed_config()) == "32":
+        return  # every accelerator trains in fp32: no torch import (a `--nproc` parent stays light)
     import torch
 
-    from .config import precision_of
     from .launch import quiet_accelerator_choice
 
     quiet_accelerator_choice()  # before DeepSpeed is imported: its logger writes to stdout
@@ -93,13 +96,13 @@ def require_writable_folder(folder: Path) -> None:
 def interruptible(save_dir: str | None):
     """Ctrl-C (or a launcher's SIGINT/SIGTERM) in a run: partial saves removed, ``Interrupted`` for
     ``main()`` to report once as ``Aborted.``, exit 130."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from ..errors import Interrupted
 
     try:
         yield
-    except (KeyboardInterrupt, SignalException, Interrupted):
+    except BaseException as exc:  # torch elastic's SignalException by name: importing it costs a torch import
+        if not isinstance(exc, (KeyboardInterrupt, Interrupted)) and type(exc).__name__ != "SignalException":
+            raise
         if int(os.environ.get("RANK", "0")) == 0:
             remove_partial_saves(save_dir)
         raise Interrupted from None
@@ -133,9 +136,9 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
 
         WeightsFile(full_weights, tuple(strip_prefix))  # a missing or broken file fails now
         if client_state != NO_CLIENT_STATE:
-            from .resume import read_client_state
+            from .client_state import read_client_state
 
-            read_client_state(Path(full_weights), client_state)  # so does a broken sidecar
+            read_client_state(Path(full_weights), client_state, check_only=True)  # so does a broken sidecar
     else:
         from ..zero.reader import open_checkpoint
 

@@ -7,6 +7,7 @@ defaults).  Only keys the user did not set are filled in afterwards (batch size,
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 import json
 import os
 from pathlib import Path
@@ -224,3 +225,34 @@ def _apply_precision(config: dict[str, Any], precision: str, *, loss_scale: floa
                           "min_loss_scale": min_loss_scale}
     elif precision == "bf16":
         config["bf16"] = {"enabled": True}
+
+
+@dataclass
+class TrainOptions:
+    model: str | None = None  # "package.module:factory"; None = built-in TinyCausalLM
+    preset: str | None = None
+    stage: int | None = None
+    config: str | None = None
+    precision: str = "32"
+    steps: int = 20
+    save_dir: str | None = None
+    save_every: int = 0  # 0: save once at the end
+    seed: int = 1234
+    batch_size: int = 8
+    lr: float = 3e-3
+    freeze: bool = False  # built-in model: freeze the first block
+    offload_optimizer: bool | None = None  # None: as the preset says
+    offload_parameters: bool | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clip_val: float | None = None
+    user_state: dict[str, Any] = field(default_factory=dict)
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {} if self.stage is None else {"stage": self.stage}
+        for key in ("offload_optimizer", "offload_parameters"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        preset = self.preset or (None if self.stage is not None or self.config else "deepspeed_stage_3")
+        return resolve_config(self.config, preset=preset, precision=self.precision,
+                              gradient_accumulation_steps=self.gradient_accumulation_steps,
+                              gradient_clip_val=self.gradient_clip_val, **kwargs)

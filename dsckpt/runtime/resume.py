@@ -20,30 +20,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import VerificationError
-from ..export.sidecar import JSON_SUFFIX, read_sidecar
 from . import console
 from . import engine as eng
-from .client_state import Position, describe, hf_trainer_state
+from .client_state import Position, describe, hf_trainer_state, read_client_state
 from .full_weights import broadcast_object, get_fp32_master, load_full_weights
 from .moe import ep_rank_of, ep_size_of, global_name, is_moe_model, local_experts
 from .train import Trainer, states_equal
 from ..api.weights import WeightsFile
-
-
-def default_sidecar(weights: Path) -> Path | None:
-    candidate = weights.with_name(weights.name + JSON_SUFFIX)
-    return candidate if candidate.exists() else None
-
-
-def read_client_state(weights: Path, client_state: str | None) -> tuple[Any, str | None]:
-    """The client state for a full-weights resume and where it came from (rank 0 reads files)."""
-    sidecar = Path(client_state) if client_state else default_sidecar(weights)
-    if sidecar is not None:
-        return read_sidecar(sidecar), str(sidecar)
-    embedded = WeightsFile(weights).embedded_state()
-    if embedded:
-        return embedded, f"{weights} (beside its state_dict)"
-    return None, None
 
 
 def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None, strict: bool,

@@ -17,41 +17,10 @@ import torch
 from ..errors import ConfigError
 from . import engine as eng
 from .client_state import Position, interpret
-from .config import resolve_config
+from .config import TrainOptions  # noqa: F401  (its home is torch-free: `--nproc` parents read it)
 from .demo_model import build_demo_model, synthetic_batch
 
 STEPS_PER_EPOCH = 16  # synthetic data has no natural epoch; this makes `epoch` meaningful
-
-
-@dataclass
-class TrainOptions:
-    model: str | None = None  # "package.module:factory"; None = built-in TinyCausalLM
-    preset: str | None = None
-    stage: int | None = None
-    config: str | None = None
-    precision: str = "32"
-    steps: int = 20
-    save_dir: str | None = None
-    save_every: int = 0  # 0: save once at the end
-    seed: int = 1234
-    batch_size: int = 8
-    lr: float = 3e-3
-    freeze: bool = False  # built-in model: freeze the first block
-    offload_optimizer: bool | None = None  # None: as the preset says
-    offload_parameters: bool | None = None
-    gradient_accumulation_steps: int | None = None
-    gradient_clip_val: float | None = None
-    user_state: dict[str, Any] = field(default_factory=dict)
-
-    def deepspeed_config(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {} if self.stage is None else {"stage": self.stage}
-        for key in ("offload_optimizer", "offload_parameters"):
-            if getattr(self, key) is not None:
-                kwargs[key] = getattr(self, key)
-        preset = self.preset or (None if self.stage is not None or self.config else "deepspeed_stage_3")
-        return resolve_config(self.config, preset=preset, precision=self.precision,
-                              gradient_accumulation_steps=self.gradient_accumulation_steps,
-                              gradient_clip_val=self.gradient_clip_val, **kwargs)
 
 
 def load_factory(spec: str | None, freeze: bool = False) -> Callable[[], torch.nn.Module]:
