@@ -98,10 +98,10 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None) -> bool:
     """Until every rank has ended (True) or ``deadline`` (False); once one fails, the rest get
     FAILURE_GRACE_S, then are stopped."""
     failed_at = None
-    while any(p.poll() is None for p in procs):
+    while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop at the first)
         if deadline is not None and time.monotonic() > deadline:
             return False
-        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+        if failed_at is None and any(code not in (None, 0) for code in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             _stop(procs, first=signal.SIGTERM, wait_first=0)

@@ -1,0 +1,83 @@
+"""`--nproc`'s launcher (runtime/launch.py) with plain Python ranks: no torch, a second each.
+
+The DeepSpeed flows through it (train, resume, Ctrl-C mid-save, one error for all ranks) are in
+test_cli_contract and test_runtime_*; these pin what those cannot reach quickly: the environment a rank
+gets, a rank killed by a signal, a signal sent to the launcher alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsckpt.errors import Interrupted
+from dsckpt.runtime import launch
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID")
+
+
+def _script(tmp_path, body: str):
+    path = tmp_path / "rank.py"
+    path.write_text("import json, os, signal, sys, time\nrank = int(os.environ['RANK'])\n" + body)
+    return str(path)
+
+
+def test_every_rank_gets_torchruns_worker_environment(tmp_path):
+    script = _script(tmp_path, f"json.dump({{k: os.environ.get(k) for k in {RANK_ENV!r}}}, "
+                               f"open(sys.argv[1] + f'/env{{rank}}.json', 'w'))\n")
+    assert launch.launch(3, [str(tmp_path)], script=script) == 0
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
+    for r, env in enumerate(envs):
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(r), str(r), "3", "3")
+        assert env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert len({(e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs}) == 1  # one rendezvous for all
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_the_others_are_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "FAILURE_GRACE_S", 0.5)  # rank 0 would wait in a collective: it is stopped
+    script = _script(tmp_path, "if rank == 1: os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
+    started = time.monotonic()
+    with pytest.raises(launch.RankError, match=r"^rank 1 of 2 was killed by SIGKILL$") as caught:
+        launch.launch(2, [], script=script)
+    assert "dmesg" in caught.value.hint and time.monotonic() - started < 30
+
+
+def test_a_typed_rank_error_is_reported_once_with_its_ranks(tmp_path):
+    from dsckpt.runtime.console import ERROR_DIR_ENV
+
+    script = _script(tmp_path, "json.dump({'message': 'bad thing', 'hint': 'fix it'}, "
+                               f"open(os.path.join(os.environ[{ERROR_DIR_ENV!r}], f'rank{{rank}}.json'), 'w'))\n"
+                               "sys.exit(2)\n")
+    with pytest.raises(launch.RankError, match=r"^bad thing$") as caught:
+        launch.launch(2, [], script=script)
+    assert caught.value.hint == "fix it"
+
+
+def test_sigint_to_the_launcher_alone_stops_every_rank(tmp_path):
+    """Not a terminal's Ctrl-C (that reaches every rank itself): `kill -INT` of the launcher only."""
+    script = _script(tmp_path, "open(sys.argv[1] + f'/up{rank}', 'w').close()\ntime.sleep(120)\n")
+    code = ("import sys; from dsckpt.runtime.launch import launch; from dsckpt.errors import Interrupted\n"
+            f"try: launch(2, [{str(tmp_path)!r}], script={script!r})\n"
+            "except Interrupted: sys.exit(130)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(parent.pid, signal.SIGINT)
+        assert parent.wait(timeout=60) == 130
+        leftover = subprocess.run(["pgrep", "-s", str(parent.pid)], capture_output=True, text=True).stdout
+        assert leftover.strip() == ""  # no rank outlives its launcher
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_interrupted_is_not_an_exception_libraries_swallow():
+    assert not issubclass(Interrupted, Exception)  # as KeyboardInterrupt: `except Exception` lets it pass
