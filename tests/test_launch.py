@@ -61,7 +61,8 @@ def test_a_typed_rank_error_is_reported_once_with_its_ranks(tmp_path):
 
 def test_sigint_to_the_launcher_alone_stops_every_rank(tmp_path):
     """Not a terminal's Ctrl-C (that reaches every rank itself): `kill -INT` of the launcher only."""
-    script = _script(tmp_path, "open(sys.argv[1] + f'/up{rank}', 'w').close()\ntime.sleep(120)\n")
+    script = _script(tmp_path, "open(sys.argv[1] + f'/.up{rank}', 'w').write(str(os.getpid()))\n"
+                               "os.replace(sys.argv[1] + f'/.up{rank}', sys.argv[1] + f'/up{rank}')\ntime.sleep(120)\n")
     code = ("import sys; from dsckpt.runtime.launch import launch; from dsckpt.errors import Interrupted\n"
             f"try: launch(2, [{str(tmp_path)!r}], script={script!r})\n"
             "except Interrupted: sys.exit(130)\n")
@@ -70,10 +71,10 @@ def test_sigint_to_the_launcher_alone_stops_every_rank(tmp_path):
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"up{r}").exists() for r in range(2)) and time.monotonic() < deadline:
             time.sleep(0.05)
+        ranks = [int((tmp_path / f"up{r}").read_text()) for r in range(2)]
         os.kill(parent.pid, signal.SIGINT)
         assert parent.wait(timeout=60) == 130
-        leftover = subprocess.run(["pgrep", "-s", str(parent.pid)], capture_output=True, text=True).stdout
-        assert leftover.strip() == ""  # no rank outlives its launcher
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]  # no rank outlives its launcher
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
