@@ -49,26 +49,25 @@ def _stage_of_checkpoint(kwargs: dict[str, Any], ckpt) -> None:
         kwargs["stage"] = ckpt.zero_stage
 
 
-def _check_precision(opts) -> None:
+def _require_supported_precision(config: dict[str, Any]) -> None:
     from .config import precision_of
 
-    if precision_of(opts.deepspeed_config()) == "32":
+    precision = precision_of(config)
+    if precision == "32":
         return  # every accelerator trains in fp32: no torch import (a `--nproc` parent stays light)
     import torch
 
-    from .launch import quiet_accelerator_choice
-
-    quiet_accelerator_choice()  # before DeepSpeed is imported: its logger writes to stdout
+    if "DS_ACCELERATOR" not in os.environ:  # named up front: DeepSpeed's logger would print its choice to stdout
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
     from .precision import require_supported
 
     if not torch.cuda.is_available():  # on a GPU host the ranks check (asking here would hold a CUDA context)
-        require_supported(precision_of(opts.deepspeed_config()))
+        require_supported(precision)
 
 
 def preflight_train(world_size: int, *, saves: bool = True, verbose: bool = False, **kwargs) -> None:
     opts = _options(kwargs)
-    opts.deepspeed_config()  # a bad config or preset fails here
-    _check_precision(opts)
+    _require_supported_precision(opts.deepspeed_config())  # a bad config or preset fails here
     if opts.save_every and not opts.save_dir:
         raise ConfigError("--save-every needs --save-dir")
     if saves and not opts.save_dir:

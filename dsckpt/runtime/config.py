@@ -7,9 +7,9 @@ defaults).  Only keys the user did not set are filled in afterwards (batch size,
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -229,6 +229,7 @@ def _apply_precision(config: dict[str, Any], precision: str, *, loss_scale: floa
 
 @dataclass
 class TrainOptions:
+    """What `dsckpt train`/`resume` are asked for (torch-free: a `--nproc` parent builds it to check the config)."""
     model: str | None = None  # "package.module:factory"; None = built-in TinyCausalLM
     preset: str | None = None
     stage: int | None = None

@@ -42,15 +42,6 @@ def should_launch(nproc: int) -> bool:
     return nproc > 1 and "LOCAL_RANK" not in os.environ
 
 
-def quiet_accelerator_choice() -> None:
-    """Name DeepSpeed's accelerator up front (in a rank: torch is imported there anyway); each rank otherwise
-    warns "Setting accelerator to CPU"."""
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
