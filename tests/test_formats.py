@@ -119,3 +119,54 @@ def test_crc32_in_parts_equals_zlibs():
     with ThreadPoolExecutor(3) as pool:
         for parts in (1, 2, 3):
             assert crc32_async(pool, data, 99, parts)() == zlib.crc32(data, 99)
+
+
+def test_the_fast_crc32_is_zlibs_crc32_and_installed_where_its_wheels_are():
+    """``formats.crc.crc32`` (ISA-L's where the ``isal`` dependency installs) gives zlib's values on buffers of
+    every shape, and the dependency marker really installed it on this platform."""
+    import os
+    import platform
+    import zlib
+
+    from dsckpt.formats import crc
+
+    if platform.machine() in ("x86_64", "aarch64", "AMD64", "arm64"):
+        from isal.isal_zlib import crc32 as isal_crc32
+
+        assert crc.crc32 is isal_crc32
+    for n in (0, 1, 63, 64, 4095, 1 << 20, (1 << 20) + 7):
+        data = os.urandom(n)
+        assert crc.crc32(data) == zlib.crc32(data)
+        assert crc.crc32(memoryview(bytearray(data))[1:], 12345) == zlib.crc32(data[1:], 12345)
+
+
+def test_large_writes_reach_the_kernel_in_one_mib_calls(tmp_path):
+    """``write_all`` / ``pwrite_all`` (formats.positional): every byte lands, in calls of at most WRITE_SLICE
+    (larger write() calls were 20-30x slower on this project's VMs), and a raw file's short writes are resumed."""
+    import os
+
+    from dsckpt.formats.positional import WRITE_SLICE, pwrite_all, write_all
+
+    data = os.urandom(3 * WRITE_SLICE + 12345)
+
+    class ShortWrites:  # a raw stream that takes at most 100,000 bytes per call, as raw files may
+        def __init__(self):
+            self.calls, self.buf = [], bytearray()
+
+        def write(self, piece):
+            self.calls.append(len(piece))
+            taken = bytes(piece[:100_000])
+            self.buf += taken
+            return len(taken)
+
+    out = ShortWrites()
+    assert write_all(out, data) == len(data)
+    assert bytes(out.buf) == data and max(out.calls) <= WRITE_SLICE
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 10 + len(data))
+        assert pwrite_all(fd, memoryview(data), 10) == len(data)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(10) + data

@@ -145,7 +145,7 @@ def check_structure(obj: Any, where: str) -> None:
 
 def check_storage_crcs(path: Path, ranges: list[tuple[int, int]], chunk: int = 64 << 20) -> None:
     """CRC-check every storage of ``path`` that overlaps one of the byte ranges ``(offset, nbytes)``."""
-    import zlib
+    from .crc import crc32
 
     tf = TorchFile(path)
     with open(path, "rb") as fh:
@@ -157,7 +157,7 @@ def check_storage_crcs(path: Path, ranges: list[tuple[int, int]], chunk: int = 6
                 data = os.pread(fh.fileno(), min(chunk, loc.nbytes - pos), loc.offset + pos)
                 if not data:
                     raise CorruptFileError(f"{path}: storage {key!r} is truncated")
-                crc, pos = zlib.crc32(data, crc), pos + len(data)
+                crc, pos = crc32(data, crc), pos + len(data)
             if crc != loc.crc32:
                 raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
 
 from ..formats.crc import crc32_async
+from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
 from .read import Reader
@@ -58,14 +59,14 @@ def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
     if not (hasattr(out, "_crc") and hasattr(out, "_file_size")):
         size = 0
         for chunk in chunks:
-            size += out.write(chunk)
+            size += write_all(out, chunk)
             if progress:
                 progress(len(chunk))
         return size
     crc, size = 0, 0
     for chunk in chunks:
         checksum = crc32_async(crc_threads, chunk, crc, CRC_THREADS)
-        fp.write(chunk)
+        write_all(fp, chunk)
         crc = checksum()
         size += len(chunk)
         if progress:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE
+from ..formats.positional import pwrite_all
 from ..plan.segments import Segment
 from .read import FileCache
 from ..plan.consolidate import Plan, TensorPlan
@@ -58,7 +59,7 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
         try:
             n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
         except OSError:  # filesystems without support: fall back to pread/pwrite
-            n = os.pwrite(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
+            n = pwrite_all(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
         if n == 0:
             raise CorruptFileError("unexpected end of a rank file while copying (truncated?)")
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
@@ -104,7 +105,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_path, src_off, n, dst_off = job
-        os.pwrite(fd, cast_bytes(src.pread(src_path, n, src_off), t.src_dtype, t.dtype), dst_off)
+        pwrite_all(fd, cast_bytes(src.pread(src_path, n, src_off), t.src_dtype, t.dtype), dst_off)
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:

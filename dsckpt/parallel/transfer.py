@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from ..formats.positional import pwrite_all
 from ..plan.segments import Segment
 from .group import Group, comm_errors
 from .view import View
@@ -75,7 +76,7 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
                         if error is None:
                             try:
                                 fd = handles.get(rel) or handles.setdefault(rel, os.open(view.path(rel), os.O_WRONLY))
-                                os.pwrite(fd, chunk.numpy(), start)
+                                pwrite_all(fd, chunk.numpy(), start)
                                 received += size
                             except OSError as exc:
                                 error = exc

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import CorruptFileError, DistributedError, DsckptError, TagError, UnsafeCheckpointError
+from ..formats.positional import pwrite_all
 from ..formats.torchzip import TorchFile
 from ..zero import layout as L
 from .group import Group
@@ -166,7 +167,7 @@ def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, 
                 with open(view.path(rel), "wb") as fh:
                     fh.truncate(sizes[rel])
                     for offset, data in payloads[rel]:
-                        os.pwrite(fh.fileno(), data, offset)
+                        pwrite_all(fh.fileno(), data, offset)
     except OSError as exc:
         error = exc
     try:
