@@ -38,10 +38,13 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--formats", default="pt,safetensors", help="input files to load: pt, safetensors (same tensors)")
     ap.add_argument("--approaches", default="dsckpt,every-rank-loads,transformers,floor")
+    ap.add_argument("--profile", action="store_true", help="rank 0's seconds per phase (bench_resume.Phases) per line")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab),
            "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if args.profile:
+        env["BENCH_PROFILE"] = "1"
     if args.cpu:
         env.update({"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     files = {fmt: args.out / f"weights.{fmt}" for fmt in args.formats.split(",")}
@@ -68,7 +71,10 @@ def main() -> None:
         job_env = {**env, "BENCH_STEPS_AFTER": str(args.steps if approach == "dsckpt" and fmt == "pt" else 0)}
         proc = subprocess.run(cmd, env=job_env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
-            why = proc.stderr.strip().splitlines()[-1][:120] if proc.stderr.strip() else "?"
+            # torchrun's summary ends in a ==== rule: name the exception line, keep the whole stderr beside
+            errors = [l for l in proc.stderr.splitlines() if "Error" in l or "Exception" in l] or proc.stderr.splitlines()
+            why = errors[-1].strip()[:160] if errors else "?"
+            (args.out / f"{approach}.{fmt}.stderr").write_text(proc.stderr)
             line = f"| .{fmt} | {approach} | {run + 1} | failed: {why} | | | |"
         else:
             rows = json.loads(report.read_text())
@@ -77,6 +83,8 @@ def main() -> None:
             line = (f"| .{fmt} | {approach} | {run + 1} | {max(r['seconds'] for r in rows):.2f} | "
                     f"{max(r['growth'] for r in rows) / 2**20:,.0f} | {max(r['gpu_peak'] for r in rows) / 2**20:,.0f} | "
                     f"{f'{steps:.2f}' if steps else '-'} |")
+            if rows[0].get("phases"):
+                line += " rank 0 phases s: " + " ".join(f"{k} {v:.2f}" for k, v in sorted(rows[0]["phases"].items()))
         lines.append(line)
         print(line, flush=True)
     (args.out / "report.md").write_text("\n".join(lines) + "\n")

@@ -123,7 +123,9 @@ class Phases:
     """Seconds per phase of one load on this rank (BENCH_PROFILE=1): where a gap between approaches lies.
 
     gather_enter: ``GatheredParameters`` allgathers; gather_exit: rank 0's broadcast + re-partition;
-    read: dsckpt's reads (on its helper thread, so they overlap the rest); torch_load: the peers' load.
+    read: dsckpt's reads (on its helper thread, so they overlap the rest); wait_read: the loading thread
+    waiting for them; masters: the fp32 master copies (16-bit runs); torch_load: the peers' load.  What the
+    phases leave of the load's time is the copies into the gathered parameters (to the device, cast).
     """
 
     def __init__(self):
@@ -157,9 +159,9 @@ class Phases:
                 phases.add("gather_exit", t)
                 return out
 
-        def timed_get(src, name):
+        def timed_get(src, *args, **kwargs):  # (name, pin)
             t = time.perf_counter()
-            out = original_get(src, name)
+            out = original_get(src, *args, **kwargs)
             phases.add("read", t)
             return out
 
@@ -169,7 +171,30 @@ class Phases:
             phases.add("torch_load", t)
             return out
 
+        original_set = full_weights._MasterSetter.set
+
+        def timed_set(setter, *args):
+            t = time.perf_counter()
+            out = original_set(setter, *args)
+            phases.add("masters", t)
+            return out
+
+        class TimedPool(full_weights.ThreadPoolExecutor):  # times the loading thread's wait for each read
+            def submit(self, *args, **kwargs):
+                future = super().submit(*args, **kwargs)
+                original_result = future.result
+
+                def result(timeout=None):
+                    t = time.perf_counter()
+                    out = original_result(timeout)
+                    phases.add("wait_read", t)
+                    return out
+                future.result = result
+                return future
+
         deepspeed.zero.GatheredParameters = TimedGather
+        full_weights._MasterSetter.set = timed_set
+        full_weights.ThreadPoolExecutor = TimedPool
         full_weights.WeightsFile.get = timed_get
         torch.load = timed_load
 

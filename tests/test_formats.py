@@ -170,3 +170,30 @@ def test_large_writes_reach_the_kernel_in_one_mib_calls(tmp_path):
     finally:
         os.close(fd)
     assert path.read_bytes() == bytes(10) + data
+
+
+def test_the_reader_advises_each_files_ranges_joined_and_reads_the_same_bytes(tmp_path, monkeypatch):
+    """``io.read.Reader`` tells the kernel what a source will read (cold ZeRO-3 reshard 4 -> 3: 0.60 -> 0.42 s),
+    one call per run of nearby pieces of a file, and the bytes it yields are the segments' bytes either way."""
+    import os
+
+    from dsckpt.io import read
+    from dsckpt.plan.segments import Segment, TensorSource, Zeros
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(os.urandom(8 << 20))
+    b.write_bytes(os.urandom(8 << 20))
+    pieces = (Segment(a, 0, 1000), Segment(b, 64, 500), Segment(a, 5000, 3000),  # a: one run (gap < 1 MiB)
+              Zeros(77), Segment(a, 6 << 20, 100), Segment(b, 600, 10))  # a: a second run; b: one run
+    source = TensorSource("U8", "U8", pieces)
+    expected = b"".join(bytes(p.nbytes) if isinstance(p, Zeros) else p.path.read_bytes()[p.offset:p.offset + p.nbytes]
+                        for p in pieces)
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(read.os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)) or real(fd, off, n, how))
+    for advise in (True, False):
+        monkeypatch.setattr(read, "ADVISE", advise)
+        with read.Reader() as reader:
+            assert reader.read(source) == expected
+    assert sorted(advised) == sorted([(0, 8000, os.POSIX_FADV_WILLNEED), (6 << 20, 100, os.POSIX_FADV_WILLNEED),
+                                      (64, 546, os.POSIX_FADV_WILLNEED)])
