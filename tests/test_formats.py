@@ -140,7 +140,7 @@ def test_the_fast_crc32_is_zlibs_crc32_and_installed_where_its_wheels_are():
         assert crc.crc32(memoryview(bytearray(data))[1:], 12345) == zlib.crc32(data[1:], 12345)
 
 
-def test_large_writes_reach_the_kernel_in_one_mib_calls(tmp_path):
+def test_large_writes_reach_the_kernel_in_small_calls(tmp_path):
     """``write_all`` / ``pwrite_all`` (formats.positional): every byte lands, in calls of at most WRITE_SLICE
     (larger write() calls were 20-30x slower on this project's VMs), and a raw file's short writes are resumed."""
     import os

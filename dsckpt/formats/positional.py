@@ -35,11 +35,13 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into=None) 
 
 
 # Writes reach the kernel in calls of at most this size.  Measured on this project's VMs (kernel 6.18,
-# virtio-balloon free page reporting on): 700 MiB written 3 s after memory was freed took 4.9-5.9 s in 2-16 MiB
-# write()/pwrite() calls and 0.14-0.27 s in 64 KiB-1 MiB calls (2 rounds; `copy_file_range`, cp's way, 0.19-0.27 s
-# either way).  A large write gets large page-cache folios, which likely come from the 2 MiB blocks the guest
-# had reported free and the host must fault back in.  It was what made a ZeRO-2 reshard 4-16x `cp` in
-# `make bench-quick`; 1 MiB calls cost nothing measurable elsewhere.
+# virtio-balloon free page reporting on), a 700 MiB file written 3 s after memory was freed: 2-16 MiB calls
+# 4.9-5.9 s, 64 KiB-1 MiB calls 0.14-0.27 s, copy_file_range (cp's way) 0.19-0.27 s.  A large write gets large
+# page-cache folios, which likely come from the 2 MiB blocks the guest had reported free and the host must fault
+# back in.  It was what made a ZeRO-2 reshard 4-16x `cp` in `make bench-quick`.  Tried, not kept: 128 KiB calls
+# (a 5 GB file alone: 11.3 s against 17.5-30 s in 1 MiB calls) made `make bench-quick`'s reshards 1.17x/1.25x
+# `cp` against 1.01x/1.05x, and the 26-layer ZeRO-2 reshard 19.4 s against 9.6 s (the Python loop's calls
+# contend for the GIL with the CRC and read-ahead threads).
 WRITE_SLICE = 1 << 20
 
 
