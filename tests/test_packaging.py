@@ -54,3 +54,21 @@ def test_runtime_commands_name_the_extra():
     proc = blocked_cli("train", "--steps", "1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "pip install 'dsckpt[runtime]'" in proc.stderr
+
+
+def test_without_isal_zlibs_crc_writes_the_same_bytes(tmp_path):
+    """Where isal has no wheel, ``formats.crc`` falls back to zlib's CRC-32: the ``.pt`` and the resharded rank
+    files come out byte for byte as with ISA-L's (the writer's output is deterministic)."""
+    ckpt = FIXTURES / "z3_ws3_bf16"
+    no_isal = BLOCKED.replace(f"{HEAVY!r}", f"{HEAVY + ('isal',)!r}")
+    for name, script in (("with", BLOCKED), ("without", no_isal)):
+        (tmp_path / name).mkdir()
+        for args in (("consolidate", ckpt, tmp_path / name / "m.pt", "--verify", "-q", "--no-client-state"),
+                     ("reshard", ckpt, tmp_path / name / "ws2", "--world-size", "2", "-q")):
+            proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                                  cwd=ROOT)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(p.relative_to(tmp_path / "with") for p in (tmp_path / "with").rglob("*") if p.is_file())
+    assert any(f.suffix == ".pt" for f in files) and len(files) > 3
+    for f in files:
+        assert (tmp_path / "with" / f).read_bytes() == (tmp_path / "without" / f).read_bytes(), f
