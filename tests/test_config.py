@@ -73,3 +73,25 @@ def test_train_options_reach_the_config():
     assert TrainOptions().deepspeed_config()["zero_optimization"]["stage"] == 3  # the default: ZeRO-3
     preset = TrainOptions(preset="deepspeed_stage_2_offload", offload_optimizer=False).deepspeed_config()
     assert "offload_optimizer" not in preset["zero_optimization"]  # an explicit flag beats the preset
+
+
+def test_config_files_that_are_not_json_objects_get_one_typed_error_each(tmp_path, monkeypatch):
+    """One JSON reader (formats.json_file) for DeepSpeed and Hugging Face configs: each broken invariant is named."""
+    from dsckpt.errors import LimitExceededError
+    from dsckpt.export.hf import read_json
+    from dsckpt.runtime.config import load_config
+
+    bad, listed, ok = tmp_path / "bad.json", tmp_path / "list.json", tmp_path / "ok.json"
+    bad.write_text("{not json")
+    listed.write_text("[1, 2]")
+    ok.write_text('{"train_batch_size": 4}')
+    with pytest.raises(ConfigError, match=r"bad.json: not a readable JSON DeepSpeed config \(Expecting"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"list.json: JSON DeepSpeed config must be a JSON object"):
+        load_config(listed)
+    with pytest.raises(ConfigError, match=r"list.json: JSON file must be a JSON object"):
+        read_json(listed)
+    assert load_config(ok) == read_json(ok) == {"train_batch_size": 4}
+    monkeypatch.setenv("DSCKPT_MAX_JSON_BYTES", "10")
+    with pytest.raises(LimitExceededError, match=r"ok.json: the size of the file is 23, above the limit of 10"):
+        load_config(ok)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnsafeCheckpointError
-from ..limits import limit
+from ..formats.json_file import read_json_object
 from ..plan.consolidate import duplicate_aliases
 from ..zero.layout import TRUST_HINT, inside
 from .registry import Format, Listing, Prepared, Progress, Request, by_name, register
@@ -60,15 +60,7 @@ def find_companions(root: Path, config: Path | None = None, trust: bool = False)
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > limit("MAX_JSON_BYTES"):
-            raise ConfigError(f"{path}: larger than {limit('MAX_JSON_BYTES'):,} bytes")
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: not a JSON object")
-    return value
+    return read_json_object(path, "JSON file")
 
 
 def ties_embeddings(companions: Companions) -> bool:

@@ -7,7 +7,6 @@ defaults).  Only keys the user did not set are filled in afterwards (batch size,
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Mapping
 
 from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 from ..errors import ConfigError
+from ..formats.json_file import read_json_object
 
 CONFIG_ENV_VAR = "DSCKPT_DEEPSPEED_CONFIG"
 PRECISIONS = ("32", "16", "bf16")  # what ZeRO trains with; fp64/int8 are not supported by ZeRO
@@ -184,13 +184,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
     path = Path(config)
     if not path.is_file():
         raise ConfigError(f"{path}: DeepSpeed config file not found")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON DeepSpeed config ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object")
-    return data
+    return read_json_object(path, "JSON DeepSpeed config")
 
 
 def precision_of(config: Mapping[str, Any]) -> str:
