@@ -93,5 +93,5 @@ def test_config_files_that_are_not_json_objects_get_one_typed_error_each(tmp_pat
         read_json(listed)
     assert load_config(ok) == read_json(ok) == {"train_batch_size": 4}
     monkeypatch.setenv("DSCKPT_MAX_JSON_BYTES", "10")
-    with pytest.raises(LimitExceededError, match=r"ok.json: the size of the file is 23, above the limit of 10"):
+    with pytest.raises(LimitExceededError, match=r"ok.json: the size of this JSON DeepSpeed config is 23, above the limit of 10"):
         load_config(ok)

@@ -117,7 +117,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> 
 def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
     """Decode a sidecar into Python values; tensors come back as torch tensors (without ``load_tensors``:
     as their names, the file checked by dsckpt's reader only - a launcher's preflight, which needs no torch)."""
-    from ..formats.safetensors_file import read_json
+    from ..formats.json_file import read_json
 
     doc = read_json(json_path, "dsckpt client-state sidecar")
     if not isinstance(doc, dict) or "client_state" not in doc:

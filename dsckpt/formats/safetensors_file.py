@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, UnreadableFileError
 from ..dtypes import ITEMSIZE
+from .json_file import read_json
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
 
@@ -72,19 +73,6 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
 def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A JSON document of bounded size and nesting; any failure is a ``CorruptFileError`` naming it."""
-    from ..limits import check
-
-    try:
-        check("MAX_JSON_BYTES", path.stat().st_size, str(path), f"the size of this {what}")
-        return json.loads(path.read_bytes())
-    except RecursionError:
-        raise CorruptFileError(f"{path}: {what} is nested too deeply") from None
-    except (OSError, ValueError) as exc:
-        raise CorruptFileError(f"{path}: not a readable {what} ({exc})") from None
 
 
 def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
