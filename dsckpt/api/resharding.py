@@ -22,19 +22,22 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_policy import foreign_classes
-from ..formats.pickle_writer import dumps
+from ..formats.pickle_writer import StorageOut, dumps
 from ..io.output import check_output, staged, write_errors
 from ..io.read import Reader
-from ..io.torch_writer import write_archive
+from ..io.torch_writer import write_pickled
 from ..plan.reshard import ReshardPlan
 from ..plan.restage import build_restage_plan
 from ..zero import layout as L
 from ..zero.companions import Copy, plan_companions
 from ..zero.reader import open_checkpoint
+
+
+Pickled = tuple[bytes, list[StorageOut]]  # a rank file's pickle and the storages it names (``dumps``)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         progress_total(prepared.total)
     with staged(fsync) as stage, write_errors(out):
         tmp = stage.temp_for(out, directory=True)
-        write_files(plan, tmp, plan.files, companions, progress, trust)
+        write_files(plan, tmp, plan.files, companions, prepared.pickled, progress)
         (tmp / L.LATEST_FILE).write_text(plan.tag)
         check_written(tmp, plan)
     files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
@@ -88,6 +91,7 @@ class PreparedReshard:
     companions: tuple[Copy, ...]  # the files beside the tag, as OUT_DIR gets them
     notes: tuple[str, ...]
     total: int  # bytes of tensor data to write
+    pickled: Mapping[str, Pickled]  # file name -> its pickle and storages (``dumps``), made once
 
 
 def prepare_reshard(ckpt, world_size: int, stage: int | None, ep_size: int | None, trust: bool,
@@ -98,8 +102,9 @@ def prepare_reshard(ckpt, world_size: int, stage: int | None, ep_size: int | Non
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
                                                   world_size, trust, follow_links=links_checked)
-    total = sum(s.nbytes for f in plan.files for s in _pickle(f, trust)[1])  # every tree writable before a byte moves
-    return PreparedReshard(plan, tuple(companions), notes + tuple(companion_notes), total)
+    pickled = {f.name: _pickle(f, trust) for f in plan.files}  # every tree writable before a byte moves
+    total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
+    return PreparedReshard(plan, tuple(companions), notes + tuple(companion_notes), total, pickled)
 
 
 def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardPlan, tuple[str, ...]]:
@@ -147,7 +152,7 @@ def trusted_notes(trees, loader: str) -> tuple[str, ...]:
             "pickle code",) if found else ()
 
 
-def _pickle(f, trust: bool) -> tuple[bytes, list]:
+def _pickle(f, trust: bool) -> Pickled:
     """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's."""
     try:
         return dumps(f.tree, allow_foreign=trust)
@@ -155,14 +160,15 @@ def _pickle(f, trust: bool) -> tuple[bytes, list]:
         raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
 
 
-def write_files(plan: ReshardPlan, root: Path, files, companions, progress: Callable[[int], None] | None = None,
-                allow_foreign: bool = False) -> None:
-    """``files`` (of ``plan.files``) under ``root/<tag>/`` and the ``companions`` beside it (root must exist)."""
+def write_files(plan: ReshardPlan, root: Path, files, companions, pickled: Mapping[str, Pickled],
+                progress: Callable[[int], None] | None = None) -> None:
+    """``files`` (of ``plan.files``, pickled as ``PreparedReshard.pickled``) under ``root/<tag>/`` and the
+    ``companions`` beside it (root must exist)."""
     tag_dir = root / plan.tag
     tag_dir.mkdir(exist_ok=True)
     with Reader() as reader:
         for f in files:
-            write_archive(tag_dir / f.name, f.tree, reader.storage_chunks, progress, allow_foreign)
+            write_pickled(tag_dir / f.name, pickled[f.name], reader.storage_chunks, progress)
     for copy in companions:  # the trainer's files beside the tag (trainer_state.json, rng_state_{r}.pth, ...)
         (root / copy.name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(copy.source, root / copy.name)

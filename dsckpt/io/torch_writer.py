@@ -1,7 +1,8 @@
 """Stream object trees into ``torch.save``-compatible zip archives, without torch and without holding tensors.
 
 ``write_archive(path, obj, chunks)`` does, in order:
-1. ``pickle_writer.dumps(obj)``: the pickle and the storages it names (keys "0", "1", ...);
+1. ``pickle_writer.dumps(obj)``: the pickle and the storages it names (keys "0", "1", ...) - or takes them
+   done (``write_pickled``);
 2. the zip entries torch writes - ``data.pkl``, ``.format_version``, ``.storage_alignment``,
    ``byteorder`` - under a folder named after the file's stem, as ``torch.save`` names it;
 3. each storage as ``data/<key>``: stored uncompressed, its data 64-byte aligned (as torch aligns
@@ -80,7 +81,15 @@ def write_archive(path: Path | BinaryIO, obj: Any, chunks: Callable[[StorageOut]
                   progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
     """Write ``obj`` to ``path`` (or an open seekable binary stream, whose ``tell()`` the archive's offsets are
     relative to) as torch.save would; returns the storages written (``allow_foreign``: see ``pickle_writer.dumps``)."""
-    pickle_bytes, storages = dumps(obj, allow_foreign)
+    return write_pickled(path, dumps(obj, allow_foreign), chunks, progress)
+
+
+def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]],
+                  chunks: Callable[[StorageOut], Iterable[bytes]],
+                  progress: Callable[[int], None] | None = None) -> list[StorageOut]:
+    """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
+    it before writing (reshard) does not pickle it twice."""
+    pickle_bytes, storages = pickled
     folder = Path(path).name.split(".")[0] if isinstance(path, (str, os.PathLike)) else ""
     folder = folder or "archive"  # what torch.save names the root folder of a stream's archive
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(CRC_THREADS) as crc_threads:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from ..api.resharding import ReshardResult, check_written, prepare_reshard, write_files
-from ..formats.pickle_writer import NewTensor, dumps
+from ..formats.pickle_writer import NewTensor
 from ..io.output import check_output
 from ..plan.segments import storage_source
 from ..zero import layout as L
@@ -70,8 +70,9 @@ def reshard_distributed(group: Group, checkpoint: str | os.PathLike, out_dir: st
             mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
         files = [obj for _, obj in mine if not hasattr(obj, "source")]
         copies = [obj for _, obj in mine if hasattr(obj, "source")]
-        fetch(group, view, remote_ranges(view, _pieces(files), [c.source for c in copies]))
-        group.step(lambda: write_files(plan, staged.tmp, files, copies, progress, trust) if files or copies else None)
+        fetch(group, view, remote_ranges(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
+        group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, progress)
+                   if files or copies else None)
         everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
         group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
         staged.publish()
@@ -92,10 +93,10 @@ def _plan(view, world_size, stage, ep_size, trust):
         return ckpt, prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=True)
 
 
-def _pieces(files) -> list:
+def _pieces(files, pickled) -> list:
     out = []
     for f in files:
-        for storage in dumps(f.tree, allow_foreign=True)[1]:  # (what is written was filtered by the plan)
+        for storage in pickled[f.name][1]:
             source = storage.source
             out += list(source.source.pieces if isinstance(source, NewTensor) else storage_source(source).pieces)
     return out
