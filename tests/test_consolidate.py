@@ -136,6 +136,60 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.parametrize("src_off,dst_off", [(0, 0), (4096, 8192), (64, 200), (4095, 1), (130, 130)])
+def test_copy_range_any_offsets(tmp_path, monkeypatch, src_off, dst_off):
+    """Pages in step go through copy_file_range, out of step through mapped windows (small here, so a range
+    spans several): the bytes land the same either way."""
+    import os
+
+    import dsckpt.io.writer as writer
+
+    monkeypatch.setattr(writer, "MAP_WINDOW", 3 * 4096 + 5)
+    data = os.urandom(50_000)
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(data)
+    dst.write_bytes(b"\0" * (dst_off + 60_000))
+    n = len(data) - src_off - 7
+    with open(src, "rb") as fi, open(dst, "r+b") as fo:
+        writer._copy_range(fi.fileno(), fo.fileno(), n, src_off, dst_off, src)
+    out = dst.read_bytes()
+    assert out[dst_off:dst_off + n] == data[src_off:src_off + n]
+    assert out[:dst_off] == b"\0" * dst_off and out[dst_off + n:] == b"\0" * (60_000 - n)
+
+
+@pytest.mark.parametrize("src_off", [0, 64])  # copy_file_range's path, the mapped path
+def test_copy_range_short_source_names_it(tmp_path, src_off):
+    from dsckpt.errors import CorruptFileError
+    import dsckpt.io.writer as writer
+
+    src, dst = tmp_path / "rank.pt", tmp_path / "dst.bin"
+    src.write_bytes(b"x" * 10_000)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        with pytest.raises(CorruptFileError, match="rank.pt: ends before byte 20064 while being copied"):
+            writer._copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src)
+
+
+def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
+    """A rank file cut short while mapped: the kernel fails the write (EFAULT), no SIGBUS; a typed error."""
+    import os
+
+    from dsckpt.errors import CorruptFileError
+    import dsckpt.io.writer as writer
+
+    src, dst = tmp_path / "rank.pt", tmp_path / "dst.bin"
+    src.write_bytes(os.urandom(100_000))
+    real = writer._write_view
+
+    def truncate_first(*args):
+        os.truncate(src, 4096)
+        return real(*args)
+
+    monkeypatch.setattr(writer, "_write_view", truncate_first)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        with pytest.raises(CorruptFileError, match="rank.pt: shrank while being copied"):
+            writer._copy_range(fi.fileno(), fo.fileno(), 90_000, 64, 0, src)
+
+
 def test_torch_output_streams_aligned_zip64_entries(tmp_path, monkeypatch):
     """Storages are 64-byte aligned even when zipfile adds zip64 fields (forced here with a tiny limit)."""
     import zipfile

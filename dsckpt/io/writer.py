@@ -1,14 +1,17 @@
 """Write safetensors files (single or sharded, Hugging Face's layout) from a plan's byte sources.
 
 The header is computed from the plan before any data moves; the file is then sized and filled at known
-offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy); segments
+offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy) or, where
+source and destination are out of step within a page, from a mapped window of the source (``_copy_range``); segments
 that need a cast go through bounded chunks on a few threads; zero fills are already there (the file is
 sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -16,7 +19,7 @@ from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE
-from ..formats.positional import pwrite_all
+from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..plan.segments import Segment
 from .read import FileCache
 from ..plan.consolidate import Plan, TensorPlan
@@ -54,15 +57,69 @@ def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> t
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int) -> None:
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path) -> None:
+    """``nbytes`` from ``src_off`` of one file (``src_path``, named in errors) to ``dst_off`` of another:
+    ``copy_file_range`` when both offsets sit at the same place within a page, else through a mapped window of
+    the source.
+
+    Measured (2-core VM, ext4, warm cache): copy_file_range moves 4.1-4.3 GB/s page-aligned but 2.1-2.7 GB/s
+    when source and destination are out of step within a page, as nearly every piece of a consolidation is
+    (each rank's partition starts where its zip entry happens to start).  ``pwrite`` from a populated mapping
+    of the source is one copy at any offset: consolidate of the 4-layer benchmark's ZeRO-3 / ZeRO-2
+    checkpoints 0.089 / 0.084 s -> 0.062 / 0.059 s (7 alternating runs, medians; cp of the output
+    0.071 / 0.072 s).  Without MAP_POPULATE each page faults inside the write: 0.127 s.
+    """
+    if (src_off - dst_off) % mmap.PAGESIZE:
+        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path)
     while nbytes:
         try:
             n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
         except OSError:  # filesystems without support: fall back to pread/pwrite
             n = pwrite_all(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
         if n == 0:
-            raise CorruptFileError("unexpected end of a rank file while copying (truncated?)")
+            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
+
+
+MAP_WINDOW = 8 << 20  # mapped at a time: page-cache pages, counted in RSS only while mapped
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (Linux: map every page up front)
+
+
+def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int,
+                 src_path: Path) -> tuple[int, int, int]:
+    """Copy through mapped windows of the source; returns what is left (all of it where the source cannot be
+    mapped, or is shorter than the range: ``copy_file_range`` then copies it, or reports the truncation).
+    Python never reads the mapping itself: a page beyond a file truncated meanwhile fails the ``pwrite``
+    with EFAULT (an OSError), not the process with SIGBUS."""
+    while nbytes:
+        n = min(MAP_WINDOW, nbytes)
+        start = src_off % mmap.PAGESIZE
+        try:
+            window = mmap.mmap(src_fd, start + n, offset=src_off - start, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+        except (OSError, ValueError):  # (ValueError: the range runs past the end of the file)
+            break
+        with window, memoryview(window) as view:
+            whole = _write_view(dst_fd, view, start, n, dst_off)
+        if not whole:
+            raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
+        nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
+    return nbytes, src_off, dst_off
+
+
+def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int) -> bool:
+    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``WRITE_SLICE`` calls; False when the mapped file
+    shrank under it (EFAULT).  Each slice is released before the mapping closes (an exception's frames would
+    otherwise keep it exported)."""
+    done = 0
+    while done < n:
+        with view[start + done:start + min(n, done + WRITE_SLICE)] as piece:
+            try:
+                done += os.pwrite(fd, piece, offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EFAULT:
+                    return False
+                raise
+    return True
 
 
 def _cast_pool(needed: bool):
@@ -116,7 +173,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
                 if t.src_dtype == t.dtype:
                     for p in t.pieces:
                         if isinstance(p, Segment):  # (zero fills: see the module docstring)
-                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos)
+                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path)
                         pos += p.nbytes
                     if progress:
                         progress(t.nbytes)
