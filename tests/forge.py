@@ -82,7 +82,7 @@ def rewrite_tree(path: Path, edit) -> Path:
     source = TorchFile(path)
     tree = edit(dict(source.obj))
 
-    def whole_storage(storage):
+    def whole_storage(storage, then=None):  # (write_archive names the storage it streams next)
         loc = source.locate(storage.source.storage)
         yield read_range(path, loc.offset, loc.nbytes)
 

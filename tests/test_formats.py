@@ -197,3 +197,36 @@ def test_the_reader_advises_each_files_ranges_joined_and_reads_the_same_bytes(tm
             assert reader.read(source) == expected
     assert sorted(advised) == sorted([(0, 8000, os.POSIX_FADV_WILLNEED), (6 << 20, 100, os.POSIX_FADV_WILLNEED),
                                       (64, 546, os.POSIX_FADV_WILLNEED)])
+
+
+def test_the_reader_reads_the_next_storage_ahead_and_never_mixes_buffers(tmp_path):
+    """``storage_chunks(storage, then)`` starts ``then``'s first read early; the bytes stay each storage's own
+    when the read-ahead is used, when an empty storage comes between, when a different storage is asked for
+    instead, and after a stream left half-read (small chunks: every storage spans several)."""
+    import os
+    from types import SimpleNamespace
+
+    from dsckpt.io import read
+    from dsckpt.plan.segments import Segment, TensorSource
+
+    f = tmp_path / "a.bin"
+    data = os.urandom(1 << 20)
+    f.write_bytes(data)
+
+    def storage(offset, nbytes):
+        pieces = (Segment(f, offset, nbytes),) if nbytes else ()
+        return SimpleNamespace(source=SimpleNamespace(source=TensorSource("U8", "U8", pieces)), nbytes=nbytes)
+
+    s1, empty, s2 = storage(0, 70_000), storage(0, 0), storage(100_000, 50_001)
+    s3, s4 = storage(7, 90_000), storage(300_000, 4096)
+    with read.Reader(chunk=16_384) as reader:
+        got = lambda s, then=None: b"".join(bytes(c) for c in reader.storage_chunks(s, then))  # noqa: E731
+        assert got(s1, then=s2) == data[:70_000]
+        assert reader._ahead[0] is s2
+        assert got(empty, then=s2) == b"" and reader._ahead[0] is s2  # an empty storage leaves it in place
+        assert got(s2, then=s3) == data[100_000:150_001]
+        assert got(s4) == data[300_000:304_096]  # not s3, which was read ahead: dropped
+        stream = reader.storage_chunks(s3, then=s1)
+        assert bytes(next(stream)) == data[7:7 + 16_384]  # abandoned after one chunk
+        assert got(s1, then=s3) == data[:70_000]
+        assert got(s3) == data[7:90_007]

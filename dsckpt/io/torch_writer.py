@@ -6,7 +6,7 @@
 2. the zip entries torch writes - ``data.pkl``, ``.format_version``, ``.storage_alignment``,
    ``byteorder`` - under a folder named after the file's stem, as ``torch.save`` names it;
 3. each storage as ``data/<key>``: stored uncompressed, its data 64-byte aligned (as torch aligns
-   it, so memory-mapped loading works), streamed from ``chunks(storage)`` - memory stays O(chunk);
+   it, so memory-mapped loading works), streamed from ``chunks(storage, next storage)`` - memory stays O(chunk);
 4. ``version``.
 Consolidated ``.pt`` files (``write_torch``) and resharded rank files both go through here; the
 results load with torch's weights-only unpickler whenever the tree names only allowlisted globals.
@@ -28,6 +28,8 @@ from ..plan.consolidate import Plan
 from .read import Reader
 
 ALIGN = 64
+# ``Reader.storage_chunks``: a storage's bytes in chunks; the second argument names the storage streamed next
+Chunks = Callable[[StorageOut, "StorageOut | None"], Iterable[bytes]]
 # Each chunk's CRC-32 in this many parts at once, beside the write.  On 2 cores two parts were no faster than
 # one (6 alternating runs on tmpfs, 4 -> 3 ranks: ZeRO-2 0.42 vs 0.56 s, ZeRO-3 0.46 vs 0.42 s - noise), since
 # the write and the prefetch already take the cores; with 4 or more cores zlib's CRC is the longest task.
@@ -77,7 +79,7 @@ def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
     return size
 
 
-def write_archive(path: Path | BinaryIO, obj: Any, chunks: Callable[[StorageOut], Iterable[bytes]],
+def write_archive(path: Path | BinaryIO, obj: Any, chunks: Chunks,
                   progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
     """Write ``obj`` to ``path`` (or an open seekable binary stream, whose ``tell()`` the archive's offsets are
     relative to) as torch.save would; returns the storages written (``allow_foreign``: see ``pickle_writer.dumps``)."""
@@ -85,7 +87,7 @@ def write_archive(path: Path | BinaryIO, obj: Any, chunks: Callable[[StorageOut]
 
 
 def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]],
-                  chunks: Callable[[StorageOut], Iterable[bytes]],
+                  chunks: Chunks,
                   progress: Callable[[int], None] | None = None) -> list[StorageOut]:
     """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
     it before writing (reshard) does not pickle it twice."""
@@ -96,10 +98,14 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
             zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
-        for storage in storages:
+        following, then = [], None  # each storage's next one with bytes (read ahead while it is written)
+        for storage in reversed(storages):
+            following.append(then)
+            then = storage if storage.nbytes else then
+        for storage, then in zip(storages, reversed(following)):
             info = _aligned(zf, f"{folder}/data/{storage.key}", storage.nbytes)
             with zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
-                written = _stream(out, zf.fp, chunks(storage), crc_threads, progress)
+                written = _stream(out, zf.fp, chunks(storage, then), crc_threads, progress)
             if written != storage.nbytes:
                 raise ValueError(f"storage {storage.key} of {path}: {written} bytes written, {storage.nbytes} expected")
         zf.writestr(zipfile.ZipInfo(f"{folder}/version", date_time=ZIP_DATE), b"3\n")
