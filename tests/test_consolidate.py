@@ -190,6 +190,27 @@ def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
             writer._copy_range(fi.fileno(), fo.fileno(), 90_000, 64, 0, src)
 
 
+def test_failed_mapped_write_leaves_nothing(tmp_path, monkeypatch):
+    """A write from a mapped window that fails (disk full) closes the mapping cleanly and is the output's error."""
+    import mmap
+    import os
+
+    import dsckpt.io.writer as writer
+
+    real, used = os.pwrite, []
+
+    def full_disk(fd, data, offset):
+        if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+            used.append(offset)
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", full_disk)
+    with pytest.raises(OutputError, match="m.safetensors: writing failed \\(No space left on device\\)"):
+        consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
+    assert used and [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_torch_output_streams_aligned_zip64_entries(tmp_path, monkeypatch):
     """Storages are 64-byte aligned even when zipfile adds zip64 fields (forced here with a tiny limit)."""
     import zipfile
