@@ -358,3 +358,21 @@ def test_resume_reshard_moves_stage_and_world_size_with_the_optimizer(tmp_path):
     assert "note: resharded ZeRO-3 -> ZeRO-2 from 2 to 3 ranks: weights, optimizer state" in proc.stderr
     result = json.loads(proc.stdout)
     assert (result["schema"], result["start_step"], result["end_step"]) == (1, 3, 4)
+
+
+@pytest.mark.parametrize("fixture", ["z3_ws3_bf16", "z2_ws2_fp32"])
+def test_rank_files_written_on_several_threads_are_the_same_bytes(tmp_path, monkeypatch, fixture):
+    """Hosts with 4+ cores write up to WRITE_THREADS rank files at once (2-core CI writes one at a time): the
+    files are byte for byte the one-thread ones, and progress counts every byte once."""
+    import dsckpt.api.resharding as resharding
+
+    outs, counted = {}, {}
+    for threads in (1, 3):
+        monkeypatch.setattr(resharding, "WRITE_THREADS", threads)
+        seen = []
+        result = reshard(FIXTURES / fixture, tmp_path / f"t{threads}", 2, progress=seen.append)
+        outs[threads] = {p.relative_to(tmp_path / f"t{threads}"): p.read_bytes()
+                         for p in sorted((tmp_path / f"t{threads}").rglob("*")) if p.is_file()}
+        counted[threads] = (sum(seen), result.nbytes)
+    assert outs[1] == outs[3] and len(outs[3]) >= 5
+    assert counted[1] == counted[3] == (counted[1][1], counted[1][1])

@@ -9,7 +9,8 @@ Steps:
    (``trust`` keeps both, loudly);
 4. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
    from ``pickle_writer``, its storages streamed by ``io.read.Reader`` from their byte sources
-   (unchanged tensors copied whole, partitions assembled from the ranks that held them);
+   (unchanged tensors copied whole, partitions assembled from the ranks that held them), up to
+   ``WRITE_THREADS`` files at once;
 5. copy the files beside the tag (``zero.companions``: a trainer's state, per-rank RNG files renumbered
    for M ranks, configs and tokenizers; pickles of foreign classes left out with a note);
 6. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
@@ -38,6 +41,10 @@ from ..zero.reader import open_checkpoint
 
 
 Pickled = tuple[bytes, list[StorageOut]]  # a rank file's pickle and the storages it names (``dumps``)
+# Rank files written at once, each by its own thread and Reader.  One stream of writes into the page cache runs
+# at ~3.2 GB/s (its write calls take 175-185 ms of a 54M ZeRO-3 reshard on the 16-core host, cp's whole copy
+# 170-213 ms); on 2 cores the CRC and read-ahead threads already take the second core.
+WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -166,12 +173,30 @@ def write_files(plan: ReshardPlan, root: Path, files, companions, pickled: Mappi
     ``companions`` beside it (root must exist)."""
     tag_dir = root / plan.tag
     tag_dir.mkdir(exist_ok=True)
-    with Reader() as reader:
-        for f in files:
-            write_pickled(tag_dir / f.name, pickled[f.name], reader.storage_chunks, progress)
+    report = _serialized(progress)
+
+    def write(f) -> None:
+        with Reader() as reader:
+            write_pickled(tag_dir / f.name, pickled[f.name], reader.storage_chunks, report)
+    biggest_first = sorted(files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
+    with ThreadPoolExecutor(WRITE_THREADS) as pool:
+        for done in [pool.submit(write, f) for f in biggest_first]:
+            done.result()
     for copy in companions:  # the trainer's files beside the tag (trainer_state.json, rng_state_{r}.pth, ...)
         (root / copy.name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(copy.source, root / copy.name)
+
+
+def _serialized(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """``progress``, called by one writer thread at a time."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            progress(n)
+    return report
 
 
 def check_written(root: Path, plan: ReshardPlan) -> None:
