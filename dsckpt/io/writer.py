@@ -2,9 +2,9 @@
 
 The header is computed from the plan before any data moves; the file is then sized and filled at known
 offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy) or, where
-source and destination are out of step within a page, from a mapped window of the source (``_copy_range``); segments
-that need a cast go through bounded chunks on a few threads; zero fills are already there (the file is
-sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
+source and destination are out of step within a page, from a mapped window of the source (``_copy_range``);
+segments that need a cast go through bounded chunks on a few threads; zero fills are already there (the file
+is sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
 """
 from __future__ import annotations
 
