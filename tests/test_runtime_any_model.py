@@ -220,3 +220,32 @@ def test_consolidate_fsyncs_unless_told_not_to(monkeypatch, tmp_path):
     calls.clear()
     dsckpt.consolidate("fixtures/z2_ws2_fp32", tmp_path / "n.safetensors", fsync=False)
     assert calls == []
+
+
+MUON_PROBE = """
+import os, sys, torch
+from dsckpt.runtime.engine import MUON_MODULE, import_muon_uncompiled
+os.environ.pop("TORCHDYNAMO_DISABLE", None)
+muon_like = type("MuonWithAuxAdam", (torch.optim.SGD,), {"__module__": "my_muon_fork"})
+import_muon_uncompiled(None)  # DeepSpeed builds the config's optimizer: may be Muon
+import_muon_uncompiled(muon_like([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+left_alone = MUON_MODULE not in sys.modules
+import_muon_uncompiled(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]))
+from deepspeed.runtime.zero.muon import original_muon
+print(left_alone, MUON_MODULE in sys.modules, hasattr(original_muon.muon_update, "_torchdynamo_orig_callable"),
+      "torch._inductor.compile_fx" in sys.modules, "TORCHDYNAMO_DISABLE" in os.environ)
+"""
+
+
+def test_deepspeeds_muon_module_is_imported_uncompiled_for_other_optimizers():
+    """DeepSpeed imports its Muon module in every initialize; for a non-Muon optimizer dsckpt imports it first with
+    torch.compile off (no torch._inductor: ~0.85 s of CPU per rank), and leaves TORCHDYNAMO_DISABLE as it was."""
+    import subprocess
+    import sys
+
+    from conftest import PYTHONPATH
+
+    proc = subprocess.run([sys.executable, "-c", MUON_PROBE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].split() == ["True", "True", "False", "False", "False"], proc.stdout
