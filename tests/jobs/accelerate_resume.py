@@ -69,4 +69,6 @@ def main(output_dir: str, stage: str, steps: str, save_at: str, resume: str | No
 
 if __name__ == "__main__":
     main(*sys.argv[1:5], sys.argv[5] if len(sys.argv) > 5 else None)
-    torch.distributed.destroy_process_group()
+    from job_exit import leave
+
+    leave()

@@ -8,7 +8,6 @@ ROOT/<combo>/fsdp2_ws<M>.pt): every full parameter and buffer, both Adam moments
 counts and each group's settings; then the loss of the next global batch before any update (the DeepSpeed
 run recorded the same batch's loss) and whether one more optimizer step moved every trainable parameter.
 """
-import os
 import sys
 from pathlib import Path
 
@@ -80,6 +79,6 @@ def main(root: str, combos: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (dsckpt.runtime.engine.shutdown)
+    from job_exit import leave
+
+    leave()

@@ -49,4 +49,6 @@ def main(output_dir: str, stage: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     main(sys.argv[1], sys.argv[2])
-    torch.distributed.destroy_process_group()
+    from job_exit import leave
+
+    leave()

@@ -59,4 +59,6 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     main(*sys.argv[1:6], sys.argv[6] if len(sys.argv) > 6 else None)
-    torch.distributed.destroy_process_group()
+    from job_exit import leave
+
+    leave()
