@@ -227,6 +227,10 @@ import os, sys, torch
 from dsckpt.runtime.engine import MUON_MODULE, import_muon_uncompiled
 os.environ.pop("TORCHDYNAMO_DISABLE", None)
 muon_like = type("MuonWithAuxAdam", (torch.optim.SGD,), {"__module__": "my_muon_fork"})
+sys.modules["deepspeed.runtime.zero.muon"] = None  # a DeepSpeed without Muon: the import fails, quietly
+import_muon_uncompiled(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]))
+assert "TORCHDYNAMO_DISABLE" not in os.environ
+del sys.modules["deepspeed.runtime.zero.muon"]
 import_muon_uncompiled(None)  # DeepSpeed builds the config's optimizer: may be Muon
 import_muon_uncompiled(muon_like([torch.nn.Parameter(torch.ones(1))], lr=0.1))
 left_alone = MUON_MODULE not in sys.modules

@@ -148,6 +148,8 @@ def import_muon_uncompiled(optimizer: Any) -> None:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:
         __import__(MUON_MODULE)
+    except ImportError:
+        pass  # an older DeepSpeed without Muon: nothing to import
     finally:
         if before is None:
             del os.environ["TORCHDYNAMO_DISABLE"]
