@@ -24,6 +24,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 MARKER_ENV = "DSCKPT_CORPUS_MARKER"
+TORCHRUN_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -390,7 +391,20 @@ def cases() -> list[Case]:
     for case in out:
         if "reshard" not in case.expect and (expect := _reshard_expect(case)):
             case.expect["reshard"] = expect
+        if "convert" not in case.expect and (expect := _convert_expect(case)):
+            case.expect["convert"] = expect
     return out
+
+
+WRITERS = ("consolidate", "reshard", "convert")
+
+
+def _convert_expect(case: Case) -> str | None:
+    """convert --to universal meets what reshard meets, with the same rule; a run of the MoE or ZeRO-0 fixtures
+    is refused by name whatever it holds, so those cases say nothing new."""
+    if "reshard" not in case.expect or case.fixture.startswith(("moe", "z0")):
+        return None
+    return case.expect["reshard"]
 
 
 def _reshard_expect(case: Case) -> str | None:
@@ -421,8 +435,24 @@ def run_cli(args: list[str], env: dict, max_file_size: int | None = None) -> sub
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
 
+    env = {k: v for k, v in env.items() if k not in TORCHRUN_ENV}  # one process, also when judged inside a rank
     return subprocess.run([sys.executable, "-m", "dsckpt", *args], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=env, preexec_fn=limit if max_file_size else None)
+
+
+def command_line(case: Case, command: str, tmp: Path, target: Path) -> tuple[list[str], Path]:
+    """The arguments of ``dsckpt COMMAND`` for a case, and the OUT it writes."""
+    force = ["--force"] if "--force" in case.consolidate_args else []
+    if command == "inspect":
+        return ["inspect", str(target)], tmp / "out-inspect.safetensors"
+    if command == "consolidate":
+        out = case.output(tmp, target) if case.output else tmp / "out-consolidate.safetensors"
+        return ["consolidate", str(target), str(out), "-q", *case.consolidate_args], out
+    if command in ("reshard", "convert"):
+        out = case.output(tmp, target) if case.output else tmp / f"out-{command}"
+        extra = ["-w", "3"] if command == "reshard" else ["--to", "universal"]
+        return [command, str(target), str(out), *extra, "-q", *force], out
+    return ["resume", "--full-weights", str(target), "--check", "--stage", "3"], tmp / "out-resume.safetensors"
 
 
 def run_case(case: Case, tmp: Path) -> list[Outcome]:
@@ -432,19 +462,10 @@ def run_case(case: Case, tmp: Path) -> list[Outcome]:
     target = case.build(tmp)
     results = []
     for command, expect in case.expect.items():
-        out = case.output(tmp, target) if case.output else tmp / f"out-{command}.safetensors"
+        args, out = command_line(case, command, tmp, target)
         before = out.read_bytes() if out.is_file() else None
-        if command == "inspect":
-            proc = run_cli(["inspect", str(target)], env)
-        elif command == "consolidate":
-            proc = run_cli(["consolidate", str(target), str(out), "-q", *case.consolidate_args], env, case.max_file_size)
-        elif command == "reshard":
-            out = case.output(tmp, target) if case.output else tmp / "out-reshard"
-            force = ["--force"] if "--force" in case.consolidate_args else []
-            proc = run_cli(["reshard", str(target), str(out), "-w", "3", "-q", *force], env, case.max_file_size)
-        else:
-            proc = run_cli(["resume", "--full-weights", str(target), "--check", "--stage", "3"], env)
-        results.append(judge(case, command, expect, proc, out, before))
+        limit = case.max_file_size if command in WRITERS else None
+        results.append(judge(case, command, expect, run_cli(args, env, limit), out, before))
     if case.dangerous and marker.exists():
         results.append(Outcome(case.name, "pickle", "wrong result", "the hostile pickle ran"))
     return results
@@ -461,6 +482,8 @@ def judge(case: Case, command: str, expect: str, proc, out: Path, before: bytes 
             return Outcome(case.name, command, "wrong result", "output differs from the live weights")
         if command == "reshard":
             return judge_resharded(case, out)
+        if command == "convert":
+            return judge_converted(case, out)
         return Outcome(case.name, command, "correct result")
     want_code = 1 if expect == "problem" else 2
     if proc.returncode != want_code or case.names not in text:
@@ -487,6 +510,15 @@ def judge_resharded(case: Case, out: Path) -> Outcome:
     if proc.returncode != 0 or not matches_reference(weights, case.fixture):
         return Outcome(case.name, "reshard", "wrong result", proc.stderr[-300:] or "differs from the live weights")
     return Outcome(case.name, "reshard", "correct result")
+
+
+def judge_converted(case: Case, out: Path) -> Outcome:
+    """A universal checkpoint is right when its weights, read back, equal the live weights."""
+    weights = out.parent / "out-converted.safetensors"
+    proc = run_cli(["consolidate", str(out), str(weights), "-q", "--force"], dict(os.environ))
+    if proc.returncode != 0 or not matches_reference(weights, case.fixture):
+        return Outcome(case.name, "convert", "wrong result", proc.stderr[-300:] or "differs from the live weights")
+    return Outcome(case.name, "convert", "correct result")
 
 
 def matches_reference(out: Path, fixture: str) -> bool:

@@ -7,10 +7,10 @@ import is at the top of the module or inside a function (a lazy import is still 
     formats   bytes on disk: torch zip, pickle policy and writer, safetensors, positional reads, casts
     zero      DeepSpeed's rules: layout, grid, reader, partitioning, optimizer state, companion files
     plan      pure plans: segments, consolidate, reshard, restage
-    io        moving bytes: the reader, the writers, staging and publishing outputs
-    export    output formats (registry + one module each) and the client-state sidecar
-    api       the public operations: consolidate, reshard, convert, load_into, classify
-    parallel  the same operations over torch.distributed: many processes, many hosts, node-local files
+    io        moving bytes: the reader, the writers, staging and publishing outputs (one commit protocol)
+    parallel  the processes of a run (one, or torchrun's over gloo): views, byte transfer, shared publishing
+    export    output formats and convert targets (registries + one module each), the client-state sidecar
+    api       the public operations, one code path for one process or many: consolidate, reshard, convert, ...
     analysis  inspect, stats, diff, plot
     runtime   torch + DeepSpeed: training, resume
     cli       the commands
@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
-LAYERS = ("base", "formats", "zero", "plan", "io", "export", "api", "parallel", "analysis", "runtime", "cli")
+LAYERS = ("base", "formats", "zero", "plan", "io", "parallel", "export", "api", "analysis", "runtime", "cli")
 BASE = {"errors", "limits", "dtypes", "_version"}
 ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
 MAX_LINES = 400
@@ -122,6 +122,21 @@ def test_no_import_cycles():
 def test_modules_stay_small():
     long = {_module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def private_imports() -> list[str]:
+    """``from X import _name`` across modules: another module's private name (a package's own __init__ aside)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dsckpt")):
+                found += [f"{_module_name(path)} imports {node.module or '.'}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return sorted(found)
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []
 
 
 def test_the_checker_sees_violations():

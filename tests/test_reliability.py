@@ -1,4 +1,5 @@
 """The malformed-input corpus (tests/malformed.py), crash consistency and concurrent writers."""
+import json
 import signal
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, ROOT, demo_counts, run_cli
+from conftest import FIXTURES, ROOT, demo_counts, run_cli, run_job
 from malformed import cases, run_case
 from dsckpt.io.output import TEMP_MARK
 
@@ -23,6 +24,17 @@ def test_corpus_is_large_enough():
 def test_malformed_input(case, tmp_path):
     outcomes = run_case(case, tmp_path)
     assert [o for o in outcomes if o.verdict not in ("expected", "correct result")] == []
+
+
+@pytest.mark.runtime  # one job of 2 ranks over gloo (no DeepSpeed) for the whole corpus
+def test_malformed_input_at_two_processes(tmp_path):
+    """Every writing command (consolidate, reshard, convert) meets the corpus on 2 processes with the verdict it
+    gives in one: the same typed error naming the same file, or the same correct output."""
+    run_job("corpus_ranks.py", 2, tmp_path)
+    outcomes = json.loads((tmp_path / "outcomes.json").read_text())
+    assert {o["command"] for o in outcomes} == {"consolidate", "reshard", "convert"}
+    assert len(outcomes) >= 100
+    assert [o for o in outcomes if o["verdict"] not in ("expected", "correct result")] == []
 
 
 @pytest.fixture(scope="module")

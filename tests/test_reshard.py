@@ -134,7 +134,7 @@ def test_sub_groups_that_fall_differently_are_refused(oracle):
     depends on the world size: the odd model at sub_group_size 1500 has 3 sub-groups at 1 or 2 ranks and 2 at 3.
     The move that keeps them (2 -> 1) passes every check above, three sub-groups each way; a move that
     regroups is refused by name (writing it anyway, measured: DeepSpeed's load fails on the optimizer's groups)."""
-    from dsckpt.plan.reshard import stage3_sub_groups
+    from dsckpt.plan.moves import stage3_sub_groups
 
     if "32" not in _capabilities():
         pytest.skip("fp32 is not supported here")
@@ -201,9 +201,8 @@ def test_stock_deepspeed_at_another_stage_restores_every_state(restaged, old, ne
     ours, native = folder / f"ws3_s{new}" / f"step{STEPS}", folder / f"native_ws3_s{new}" / f"step{STEPS}"
     assert sorted(os.listdir(ours)) == sorted(os.listdir(native))  # DeepSpeed's own save at ZeRO-{new}: same files
     src = open_checkpoint(folder / "ckpt")
-    from dsckpt.plan.restage import build_restage_plan
 
-    planned = {f.name: f.tree for f in build_restage_plan(src, 3, new).files}
+    planned = {f.name: f.tree for f in build_reshard_plan(src, 3, new).files}
     for name in sorted(os.listdir(ours)):
         assert tree_differences(TorchFile(ours / name).obj, TorchFile(native / name).obj, name, planned[name]) == []
 

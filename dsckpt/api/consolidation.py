@@ -14,23 +14,30 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import OutputError, VerificationError
-from ..export.registry import Format, Request, for_output
+from ..export.registry import Format, Prepared, Request, companion_paths, for_output
 from ..export.sidecar import sidecar_paths, write_sidecar
+from ..formats.pickle_policy import tensor_refs
 from ..formats.positional import read_range
+from ..formats.safetensors_file import INDEX_NAME
 from ..formats.torchzip import check_storage_crcs
-from ..io.output import check_output, staged, write_errors
+from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader, torch_state_dict
-from ..plan.consolidate import Plan, build_plan, duplicate_aliases
-from ..plan.segments import Segment
-from ..zero.layout import require_contained
+from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
+from ..parallel.group import ONE_PROCESS, Group
+from ..parallel.outputs import Staged, storage_groups
+from ..parallel.transfer import fetch, remote_ranges
+from ..parallel.view import View, build_view
+from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases
+from ..plan.segments import Segment, ref_segments
 from ..zero.reader import open_checkpoint
 
 DEFAULT_SHARD = "5GB"
+SPLIT_FORMATS = ("safetensors", "sharded")  # with several writers: one file filled in parts, a folder's shards dealt out
 
 
 @dataclass(frozen=True)
@@ -59,57 +66,131 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
-                progress: Callable[[int], None] | None = None,
+                group: Group | None = None, progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO checkpoint into ``out``; see the module docstring.
 
     ``form``: a registered format by name ("hf": a folder ``from_pretrained`` loads, with the config and
     tokenizer files found beside the checkpoint or ``config``); default: chosen by OUT's suffix.
     ``trust``: follow symlinks that lead out of the checkpoint (refused by default: they would copy
-    files from elsewhere into the output).
+    files from elsewhere into the output).  ``group``: the processes of a torchrun run sharing the work
+    (``parallel.group.init_group()``); None is one process.  Every process gets the same result or error.
     """
+    group = group or ONE_PROCESS
     fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read
     if config is not None and fmt.name != "hf":
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
                       tuple(strip_prefixes), duplicate_tied, trust)
-    ckpt = open_checkpoint(checkpoint, tag)
-    if not trust:
-        require_contained(ckpt.layout)
-    fmt = fmt.resolve(ckpt.layout.root, request)
-    plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen or fmt.exclude_frozen,
-                      strip_prefixes=tuple(strip_prefixes))
-    if duplicate_tied and fmt.duplicates_tied:
-        plan = duplicate_aliases(plan)
-    prepared = fmt.prepare(ckpt, plan, request)
-    fmt, plan = prepared.format, prepared.plan
     out = Path(out)
-    inputs = [f.path for f in ckpt.layout.all_files]
-    check_output(out, inputs, force, directory=fmt.directory, tree=ckpt.layout.root)
-    replaced = fmt.replaced_files(out)
-    write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
-    for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
-        check_output(path, inputs, force)
-    if verify:
-        check_sources(plan)  # damaged source bytes are caught before anything is written
-    if progress_total:
-        progress_total(plan.nbytes)
-    notes = _notes(ckpt, plan, fmt, strip_prefixes) + prepared.notes
-    with staged(fsync) as stage, write_errors(out):
-        tmp = stage.temp_for(out, directory=fmt.directory)
-        names = fmt.write(prepared, tmp, progress)
-        if verify:
-            verify_output(plan, tmp, fmt)  # before the rename: a failed check leaves nothing at OUT
-        stage.remove_on_commit(out / name for name in replaced if name not in names)
-        if write_client:
-            write_sidecar(ckpt.client_state, out, stage)
-        else:  # (only with --force) a sidecar of the OUT being replaced would restore the wrong counters
-            stage.remove_on_commit(p for p in sidecar_paths(out) if os.path.lexists(p))
+    check_parent(out)  # before the view, which a distributed run makes there
+    view = build_view(group, Path(checkpoint), tag, out.parent, trust)
+    staged = None
+    try:
+        ckpt, prepared, notes = group.step(lambda: _prepare(view, fmt, dtype, exclude_frozen, request))
+        fmt, plan = prepared.format, prepared.plan
+        inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
+        write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
+        group.step(lambda: _check_out(out, inputs, force, fmt.directory, view.real_path(ckpt.layout.root)) if group.rank == 0 else None)
+        if verify:  # damaged source bytes are caught before anything is written, each file by the process that has it
+            group.step(lambda: check_sources(plan, view.owns))
+        if progress_total:
+            progress_total(plan.nbytes)
+        groups = storage_groups(group, out)
+        staged = Staged(group, groups, out, directory=fmt.directory, fsync=fsync, publishing={groups.of[0]})
+        staged.create()
+        names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
+        if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
+            group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
+        replaced = fmt.replaced_files(out) if group.rank == 0 else ()
+        stale = [out / name for name in replaced if name not in names]
+        if group.rank == 0 and not write_client:  # (with --force) an old sidecar would restore the wrong counters
+            stale += [p for p in sidecar_paths(out) if os.path.lexists(p)]
+        with write_errors(out):
+            staged.publish(stale)
+    except BaseException:
+        if staged is not None:
+            staged.abort()
+        raise
+    finally:
+        view.close()
     written = [out / name for name in names] if fmt.directory else [out]
     sidecars = tuple(p for p in sidecar_paths(out) if p.exists()) if write_client else ()
     return Result(out, fmt.name, len(plan.tensors), plan.nbytes, tuple(str(p) for p in written + list(sidecars)),
                   sidecars[0] if sidecars else None, True if verify else None, notes)
+
+
+def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool, request: Request):
+    """The checkpoint, the format's prepared plan and the notes: the same on every process."""
+    ckpt = view.open(request.trust)
+    if not view.direct:  # each host's survey refused links out of the checkpoint; the view's own links lead out
+        request = replace(request, trust=True)
+    with view.real_names():
+        fmt = fmt.resolve(ckpt.layout.root, request)
+        plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen or fmt.exclude_frozen,
+                          strip_prefixes=request.strip_prefixes)
+        if request.duplicate_tied and fmt.duplicates_tied:
+            plan = duplicate_aliases(plan)
+        prepared = fmt.prepare(ckpt, plan, request)
+    return ckpt, prepared, _notes(ckpt, prepared.plan, prepared.format, request.strip_prefixes) + prepared.notes
+
+
+def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree: Path) -> None:
+    check_output(out, inputs, force, directory=directory, tree=tree)
+    for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
+        check_output(path, inputs, force)
+
+
+def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: Staged, write_client: bool,
+           out: Path, progress) -> tuple[list[str], list[TensorPlan]]:
+    """Write OUT's parts into ``staged.tmp``; the names written (the same on every process) and the tensors
+    this process wrote.
+
+    The writers are the processes of rank 0's storage group.  A single ``.safetensors`` file with several
+    writers: rank 0 creates it at its final size with its header, each writer fills every n-th tensor; a
+    sharded folder's shards are dealt out (rank 0 writes the index).  Any other format (``.pt``, ``--hf``,
+    Lightning: their zip CRCs run in one order) and one process: rank 0 writes it whole.  Each writer first
+    receives the source bytes it lacks (``transfer.fetch``); rank 0 stages the client-state sidecar.
+    """
+    fmt, plan = prepared.format, prepared.plan
+    writers = groups.members(groups.of[0])
+    split = fmt.name in SPLIT_FORMATS and len(writers) > 1
+    part = (writers.index(group.rank), len(writers)) if group.rank in writers else None
+    if split and part:
+        mine = _tensors_to_write(plan, fmt, prepared, *part)
+    else:
+        mine = list(plan.tensors) if group.rank == 0 else []
+    extra = companion_paths(prepared.companions) if group.rank == 0 else []
+    clients = [p for ref in tensor_refs(ckpt.client_state) for p in ref_segments(ref)] if group.rank == 0 else []
+    fetch(group, view, remote_ranges(view, [p for t in mine for p in t.pieces] + clients, extra))
+
+    def run(step: Callable[[], Any]) -> Any:
+        def guarded():
+            with write_errors(out):
+                return step()
+        return group.step(guarded)
+
+    if split and fmt.name == "sharded":
+        max_bytes = prepared.request.max_shard_bytes
+        names = run(lambda: write_sharded(plan, staged.tmp, max_bytes, progress, part) if part else None)
+        names = group.broadcast(names, 0) + [INDEX_NAME]
+    elif split:
+        run(lambda: create_safetensors(list(plan.tensors), staged.tmp, plan.metadata) if group.rank == 0 else None)
+        run(lambda: fill_safetensors(list(plan.tensors), staged.tmp, plan.metadata, progress, part) if part else None)
+        names = [out.name]
+    else:
+        names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, progress) if group.rank == 0 else None), 0)
+    run(lambda: write_sidecar(ckpt.client_state, out, staged.staging) if write_client and group.rank == 0 else None)
+    return names, mine
+
+
+def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int) -> list:
+    """The tensors writer ``k`` of ``n`` writes: every n-th tensor of one file, or the tensors of every n-th shard."""
+    if fmt.name == "sharded":
+        shards = shard(plan.tensors, prepared.request.max_shard_bytes)
+        return [t for i, tensors in enumerate(shards) if i % n == k for t in tensors]
+    return [t for i, t in enumerate(plan.tensors) if i % n == k]
 
 
 def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -125,25 +206,27 @@ def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tu
     return tuple(notes)
 
 
-def check_sources(plan: Plan) -> None:
-    """The zip CRC-32 of every storage the plan reads from (raw copies bypass zipfile's own check)."""
+def check_sources(plan: Plan, reads: Callable[[Path], bool] = lambda path: True) -> None:
+    """The zip CRC-32 of every storage the plan reads from (raw copies bypass zipfile's own check); ``reads``:
+    the files to check (a distributed run: those this process holds)."""
     ranges: dict[Path, list[tuple[int, int]]] = {}
     for t in plan.tensors:
         for p in t.pieces:
-            if isinstance(p, Segment):
+            if isinstance(p, Segment) and reads(p.path):
                 ranges.setdefault(p.path, []).append((p.offset, p.nbytes))
     for path, spans in ranges.items():
         check_storage_crcs(path, spans)
 
 
-def verify_output(plan: Plan, out: Path, fmt: Format) -> None:
-    """Re-read OUT through its format's reader and compare every tensor byte for byte with the plan's
-    source pieces (tied aliases stored as views of one storage are compared once)."""
-    expected = {t.name: t for t in plan.tensors}
+def verify_output(plan: Plan, out: Path, fmt: Format, only: set[str] | None = None) -> None:
+    """Re-read OUT through its format's reader and compare every tensor (or those named in ``only``) byte for
+    byte with the plan's source pieces (tied aliases stored as views of one storage are compared once)."""
+    expected = {t.name: t for t in plan.tensors if only is None or t.name in only}
+    others = {t.name for t in plan.tensors} - set(expected)  # another writer's
     seen = set()
     with Reader() as reader:
         for stored in fmt.read(out).tensors:
-            if stored.name in plan.aliases:
+            if stored.name in plan.aliases or stored.name in others:
                 continue
             if stored.name not in expected:
                 raise VerificationError(f"{out}: unexpected tensor {stored.name!r}")

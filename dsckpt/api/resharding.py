@@ -27,16 +27,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..errors import InconsistentCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from ..formats.pickle_policy import foreign_classes
+from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
-from ..io.output import check_output, staged, write_errors
+from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
-from ..plan.reshard import ReshardPlan
-from ..plan.restage import build_restage_plan
+from ..parallel.group import ONE_PROCESS, Group
+from ..parallel.outputs import Staged, StorageGroups, storage_groups
+from ..parallel.transfer import fetch, remote_ranges
+from ..parallel.view import View, build_view
+from ..plan.moves import ReshardPlan
+from ..plan.reshard import build_reshard_plan
+from ..plan.segments import written_source
 from ..zero import layout as L
-from ..zero.companions import Copy, plan_companions
+from ..zero.allowed import allowed_tree, dropped_notes, trusted_notes
+from ..zero.companions import Copy, per_rank_file, plan_companions
 from ..zero.reader import open_checkpoint
 
 
@@ -62,7 +67,7 @@ class ReshardResult:
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
             stage: int | None = None, ep_size: int | None = None, force: bool = False, fsync: bool = True,
-            trust: bool = False,
+            trust: bool = False, group: Group | None = None, gather: bool = False,
             progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ReshardResult:
     """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
@@ -70,26 +75,98 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     (``plan.experts``).
 
     ``trust``: copy pickled objects of any class as recorded and follow links out of the checkpoint
-    (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).
+    (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).  ``group``: the processes of a torchrun
+    run sharing the work (None: one process); target rank r's files are written on the host of process
+    ``r * N // M`` (torchrun numbers processes host by host), or all on rank 0's with ``gather``.
     """
-    ckpt = open_checkpoint(checkpoint, tag)
-    if not trust:
-        L.require_contained(ckpt.layout)
-    prepared = prepare_reshard(ckpt, world_size, stage, ep_size, trust)
-    plan, companions = prepared.plan, prepared.companions
+    group = group or ONE_PROCESS
     out = Path(out_dir)
-    check_output(out, [f.path for f in ckpt.layout.all_files], force, directory=True, tree=ckpt.layout.root)
-    if progress_total:
-        progress_total(prepared.total)
-    with staged(fsync) as stage, write_errors(out):
-        tmp = stage.temp_for(out, directory=True)
-        write_files(plan, tmp, plan.files, companions, prepared.pickled, progress)
-        (tmp / L.LATEST_FILE).write_text(plan.tag)
+    check_parent(out)  # before the view, which a distributed run makes there
+    view = build_view(group, Path(checkpoint), tag, out.parent, trust)
+    staged = None
+    try:
+        ckpt, prepared = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
+        plan = prepared.plan
+        inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
+        group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
+        if progress_total:
+            progress_total(prepared.total)
+        groups = storage_groups(group, out)
+        items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
+        place = Placement(world_size, group, groups, gather)
+        staged = Staged(group, groups, out, directory=True, fsync=fsync,
+                        publishing={g for name, _ in items for g in place.destinations(name)})
+        staged.create()
+        mine = []
+        for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
+            members = groups.members(leader)
+            here = [item for item in items if leader in place.destinations(item[0])]
+            mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
+        files = [obj for _, obj in mine if not isinstance(obj, Copy)]
+        copies = [obj for _, obj in mine if isinstance(obj, Copy)]
+        fetch(group, view, remote_ranges(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
+        everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
+        with write_errors(out):
+            group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, progress)
+                       if files or copies else None)
+            group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
+            staged.publish()
+    except BaseException:
+        if staged is not None:
+            staged.abort()
+        raise
+    finally:
+        view.close()
+    here = [name for name, _ in items if staged.leader in place.destinations(name)]
+    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size,
+                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total, prepared.notes,
+                         ckpt.zero_stage)
+
+
+def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, trust: bool):
+    ckpt = view.open(trust)
+    with view.real_names():
+        return ckpt, prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which storage groups get a written file: target rank r's on the group of process ``r * N // M`` (all on
+    rank 0's with ``gather``); files every rank reads (``latest``, ZeRO-1/2 model states, shared companions) on
+    every group that holds a target rank."""
+    world_size: int
+    group: Group
+    groups: StorageGroups
+    gather: bool
+
+    def destinations(self, name: str) -> list[int]:
+        """The storage groups (leaders) that get ``name``."""
+        if self.gather:
+            return [self.groups.of[0]]
+        hosting = [self.groups.of[r * self.group.size // self.world_size] for r in range(self.world_size)]
+        rank = target_rank(name)
+        return [hosting[rank]] if rank is not None and rank < self.world_size else sorted(set(hosting))
+
+
+def target_rank(name: str) -> int | None:
+    """The target rank a written file belongs to (a rank file or per-rank companion), None when every rank
+    reads it."""
+    match = L.RANK_FILE_RE.match(Path(name).name)
+    if match:
+        return int(match.group("dp")) if match.group("dp") is not None else None
+    found = per_rank_file(Path(name).name)
+    return found[1] if found else None
+
+
+def _pieces(files, pickled: Mapping[str, Pickled]) -> list:
+    return [piece for f in files for storage in pickled[f.name][1] for piece in written_source(storage).pieces]
+
+
+def _finish(tmp: Path, plan: ReshardPlan, complete: bool) -> None:
+    """A leader's last word before publishing: ``latest``; a group holding every rank re-reads the result."""
+    (tmp / L.LATEST_FILE).write_text(plan.tag)
+    if complete:
         check_written(tmp, plan)
-    files = tuple(str(out / plan.tag / f.name) for f in plan.files) + (str(out / L.LATEST_FILE),)
-    files += tuple(str(out / copy.name) for copy in companions)
-    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size, files, prepared.total,
-                         prepared.notes, ckpt.zero_stage)
 
 
 @dataclass(frozen=True)
@@ -105,7 +182,7 @@ def prepare_reshard(ckpt, world_size: int, stage: int | None, ep_size: int | Non
                     links_checked: bool = False) -> PreparedReshard:
     """Everything decided before a byte is written (``links_checked``: the caller has refused links out of the
     checkpoint already, as the distributed run does on each host's own files)."""
-    plan = build_restage_plan(ckpt, world_size, stage, ep_size)
+    plan = build_reshard_plan(ckpt, world_size, stage, ep_size)
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
                                                   world_size, trust, follow_links=links_checked)
@@ -126,37 +203,6 @@ def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardP
         tree = allowed_tree(f.tree, f.template, f.name.endswith(L.OPTIM_STATES_SUFFIX), dropped)
         files.append(replace(f, tree=tree))
     return replace(plan, files=tuple(files)), dropped_notes(dropped)
-
-
-def allowed_tree(tree, where, optimizer: bool, dropped: dict[str, set[str]]):
-    """``tree`` (a rank file's) without its client-state entries that name foreign classes (recorded in
-    ``dropped``); such a class under one of DeepSpeed's own keys, or anywhere in an optimizer file, is refused."""
-    if not isinstance(tree, dict):
-        return tree
-    kept = type(tree)()
-    for key, value in tree.items():
-        found = foreign_classes(value)
-        if found:
-            if key in L.DEEPSPEED_KEYS or optimizer:
-                raise UnsafeCheckpointError(
-                    f"{where}: entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
-                    "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT)
-            dropped.setdefault(str(key), set()).update(found)
-            continue
-        kept[key] = value
-    return kept
-
-
-def dropped_notes(dropped: dict[str, set[str]]) -> tuple[str, ...]:
-    return tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c)[:3])}, whose "
-                 "pickles would run code when DeepSpeed loads OUT_DIR (--trust-checkpoint keeps it)"
-                 for k, c in sorted(dropped.items()))
-
-
-def trusted_notes(trees, loader: str) -> tuple[str, ...]:
-    found = sorted({c for tree in trees for c in foreign_classes(tree)})
-    return (f"--trust-checkpoint: objects of {', '.join(found[:5])} copied as recorded; {loader} runs their "
-            "pickle code",) if found else ()
 
 
 def _pickle(f, trust: bool) -> Pickled:

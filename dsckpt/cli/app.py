@@ -107,11 +107,11 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
-def _fail(message: str, hint: str | None, code: int, as_json: bool) -> None:
+def _fail(message: str, hint: str | None, code: int, as_json: bool) -> int:
     click.echo(f"dsckpt: error: {message}" + (f"\nhint: {hint}" if hint else ""), err=True)
     if as_json:
         click.echo(json_document(error=message, hint=hint, exit=code))
-    _exit(code)
+    return code
 
 
 def _raise_interrupted(signum, frame) -> None:
@@ -126,33 +126,39 @@ def _raise_interrupted(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    as_json = "--json" in args and "--" not in args[:args.index("--json")]
-    args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     if in_launched_rank():
         signal.signal(signal.SIGINT, _raise_interrupted)
+    _exit(run(args))
+
+
+def run(args: list[str]) -> int:
+    """Run one command line in this process and return its exit code (errors printed, as ``main`` prints
+    them); a command that ends the process itself (``--nproc``'s launcher, exit codes 1 and 3) raises
+    ``SystemExit``."""
+    as_json = "--json" in args and "--" not in args[:args.index("--json")]
+    args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)
-        if _in_group():
-            _exit(0)
+        return 0
     except (click.exceptions.Abort, KeyboardInterrupt, Interrupted):
         if in_launched_rank():  # quiet: the launcher says it once.  No interpreter teardown: gloo's threads
             os._exit(EXIT_INTERRUPTED)  # would print "terminate called without an active exception"
         click.echo("Aborted.", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except click.UsageError as exc:
         hint = f"see `{exc.ctx.command_path} --help`" if exc.ctx else "see `dsckpt --help`"
-        _fail(exc.format_message(), hint, exc.exit_code, as_json)
+        return _fail(exc.format_message(), hint, exc.exit_code, as_json)
     except click.ClickException as exc:
-        _fail(exc.format_message(), None, exc.exit_code, as_json)
+        return _fail(exc.format_message(), None, exc.exit_code, as_json)
     except DsckptError as exc:
         if os.environ.get("DSCKPT_DEBUG") == "1":
             raise
         from ..runtime.console import report_rank_error
 
         if in_launched_rank() and report_rank_error(str(exc), exc.hint):
-            _exit(EXIT_ERROR)  # the launcher prints it once for all ranks
+            return EXIT_ERROR  # the launcher prints it once for all ranks
         if quiet_rank():
-            _exit(EXIT_ERROR)
-        _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
+            return EXIT_ERROR
+        return _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
     except BrokenPipeError:
-        sys.exit(1)
+        return 1

@@ -70,30 +70,19 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
     group = parallel_group(nproc)
-    if group is not None and verify:
-        raise click.UsageError("--verify re-reads OUT in one process: run it without --nproc/torchrun")
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        if group is not None:
-            from ..parallel.consolidate import consolidate_distributed
-
-            result = consolidate_distributed(group, checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
-                                             duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix),
-                                             max_shard_size=max_shard_size, client_state=not no_client_state,
-                                             force=force, fsync=not no_fsync, form="hf" if hf else form, config=config,
-                                             trust=trust_checkpoint, progress=bar.update)
-            if group.rank != 0:
-                return
-        else:
-            result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
+        result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     form="hf" if hf else form, config=config, trust=trust_checkpoint, progress=bar.update,
-                     progress_total=announce)
+                     form="hf" if hf else form, config=config, trust=trust_checkpoint, group=group,
+                     progress=bar.update, progress_total=announce)
+    if group is not None and group.rank != 0:
+        return
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

@@ -5,26 +5,27 @@ import sys
 
 import click
 
+from ..export.targets import targets
 from .app import cli, json_document
-from .options import TRUST_HELP
+from .options import NPROC_HELP, TRUST_HELP, parallel_group
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["dcp", "universal"]), required=True,
-              help="dcp: a torch.distributed.checkpoint folder (FSDP2, any world size); universal: DeepSpeed's "
-                   "universal checkpoint (load_universal, any world size).")
+@click.option("--to", "to", type=click.Choice(list(targets())), required=True,
+              help="; ".join(f"{name}: {t.summary}" for name, t in targets().items()) + ".")
 @click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
 @click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
               "everything else there stays.")
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before the rename (scratch work).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, no_fsync, quiet,
-            as_json) -> None:
+def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, no_fsync, nproc,
+            quiet, as_json) -> None:
     """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint.
 
     \b
@@ -48,14 +49,17 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
 
     from ..api.conversion import convert as run
 
-    bar_off = quiet or as_json or not sys.stderr.isatty()
+    group = parallel_group(nproc)
+    bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {to}", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:
         def announce(total: int) -> None:
             bar.total = total
 
         result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only, force=force, fsync=not no_fsync,
-                     trust=trust_checkpoint, progress=bar.update, progress_total=announce)
+                     trust=trust_checkpoint, group=group, progress=bar.update, progress_total=announce)
+    if group is not None and group.rank != 0:
+        return
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

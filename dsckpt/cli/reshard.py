@@ -64,17 +64,11 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
-        if group is not None:
-            from ..parallel.reshard import reshard_distributed
-
-            result = reshard_distributed(group, checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size,
-                                         force=force, fsync=not no_fsync, trust=trust_checkpoint, gather=gather,
-                                         progress=bar.update)
-            if group.rank != 0:
-                return
-        else:
-            result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
-                         fsync=not no_fsync, trust=trust_checkpoint, progress=bar.update, progress_total=announce)
+        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
+                     fsync=not no_fsync, trust=trust_checkpoint, group=group, gather=gather, progress=bar.update,
+                     progress_total=announce)
+    if group is not None and group.rank != 0:
+        return
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

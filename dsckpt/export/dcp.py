@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..dtypes import torch_dtype
+from ..errors import MissingExtraError, missing_modules
 from ..formats.pickle_policy import TensorRef
 from ..formats.pickle_writer import NewTensor
 from ..io.read import Reader
@@ -34,6 +35,7 @@ from ..io.torch_writer import write_archive
 from ..plan.consolidate import TensorPlan
 from ..plan.segments import ref_segments
 from ..plan.training_state import TrainingState
+from .targets import ConvertRequest, PreparedConversion, Target, register_target
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # the top-level keys of get_state_dict's pair, as users save them
 DATA_FILE_SUFFIX = ".distcp"  # torch's name for a DCP data file: <prefix><n>.distcp
@@ -128,4 +130,31 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(_state_dict(state, lazy), storage_writer=StreamingWriter(str(out), sync_files=fsync))
+        dcp.save(_state_dict(state, lazy), storage_writer=StreamingWriter(str(out), sync_files=fsync), no_dist=True)
+
+
+class DcpTarget(Target):
+    name = "dcp"
+    summary = "a torch.distributed.checkpoint folder (FSDP2, any world size)"
+
+    def check(self, request: ConvertRequest) -> None:
+        if missing_modules("torch"):
+            raise MissingExtraError("--to dcp writes through torch.distributed.checkpoint: torch is not installed",
+                                    hint="pip install torch  (--to universal needs no torch)")
+
+    def prepare(self, ckpt, state: TrainingState, request: ConvertRequest, out: Path) -> PreparedConversion:
+        moments = [t for p in state.params for t in p.moments.values()]
+        steps = [s for p in state.params if isinstance(s := step_plan(p.step), TensorPlan)]
+        tensors = len(state.model.tensors) + sum(1 + len(p.moments) for p in state.params)
+        nbytes = state.model.nbytes + sum(t.nbytes for t in moments)
+        pieces = tuple(piece for t in list(state.model.tensors) + moments + steps for piece in t.pieces)
+        notes = ("weights only: no optimizer state written",) if request.weights_only else ()
+        return PreparedConversion(self, ckpt.layout.tag_dir.name, tensors, nbytes, notes, pieces, (), state)
+
+    def write(self, prepared: PreparedConversion, tmp: Path, staging, out: Path, progress) -> list[str]:
+        tmp.rmdir()  # torch's writer makes its own folder
+        write_dcp(prepared.detail, tmp, progress, staging.fsync)
+        return sorted(p.name for p in tmp.iterdir())
+
+
+register_target(DcpTarget())

@@ -18,7 +18,8 @@ from ..formats.json_file import read_json_object
 from ..plan.consolidate import duplicate_aliases
 from ..zero.layout import TRUST_HINT, inside
 from .registry import Format, Listing, Prepared, Progress, Request, by_name, register
-from .sharded import INDEX_NAME, read_sharded, replaced_shards
+from ..formats.safetensors_file import INDEX_NAME
+from .sharded import read_sharded, replaced_shards
 
 CONFIG = "config.json"  # required: from_pretrained builds the model from it
 GENERATION_CONFIG = "generation_config.json"

@@ -22,7 +22,7 @@ import importlib
 import math
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -131,6 +131,17 @@ class Format:
 
 FORMATS: dict[str, Format] = {}
 _builtins_loading = []  # non-empty once the built-ins' import began (their own register() calls re-enter)
+
+
+def companion_paths(record: Any) -> list[Path]:
+    """The files a format's companion record names (an hf export's config and tokenizer files)."""
+    if isinstance(record, Path):
+        return [record]
+    if isinstance(record, (list, tuple)):
+        return [p for r in record for p in companion_paths(r)]
+    if is_dataclass(record):
+        return [p for f in fields(record) for p in companion_paths(getattr(record, f.name))]
+    return []
 
 
 def register(fmt: Format, *, replace: bool = False) -> Format:

@@ -6,16 +6,15 @@ import shlex
 from pathlib import Path
 
 from ..errors import CorruptFileError, OutputError
-from ..formats.safetensors_file import check_shard_names, read_index
+from ..formats.safetensors_file import INDEX_NAME, INDEX_SUFFIX, check_shard_names, read_index
 from .registry import Format, Listing, Prepared, Progress, register
 from .safetensors import read_safetensors
 
-INDEX_NAME = "model.safetensors.index.json"
 SHADOWING_WEIGHTS = ("model.safetensors",)  # from_pretrained reads this before any index: it would hide ours
 
 
 def read_sharded(path: Path) -> Listing:
-    index = path if path.is_file() else next(path.glob("*.index.json"), None)
+    index = path if path.is_file() else next(path.glob(f"*{INDEX_SUFFIX}"), None)
     if index is None:
         raise CorruptFileError(f"{path}: folder holds no *.index.json")
     metadata, weight_map = read_index(index)
@@ -63,7 +62,7 @@ class ShardedFormat(Format):
         return read_sharded(path)
 
     def reads(self, path: Path) -> bool:
-        return path.name.endswith(".index.json") if path.is_file() else path.is_dir() and any(path.glob("*.index.json"))
+        return path.name.endswith(INDEX_SUFFIX) if path.is_file() else path.is_dir() and any(path.glob(f"*{INDEX_SUFFIX}"))
 
     def replaced_files(self, out: Path) -> tuple[str, ...]:
         return replaced_shards(out)

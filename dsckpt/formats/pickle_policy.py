@@ -201,6 +201,17 @@ DEEPSPEED_CLASSES = (
 )
 
 
+def tensor_refs(value: Any) -> list[TensorRef]:
+    """Every tensor in a parsed tree (dicts, lists, tuples), in order."""
+    if isinstance(value, TensorRef):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensor_refs(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensor_refs(v)]
+    return []
+
+
 def foreign_classes(obj: Any) -> set[str]:
     """Class paths in a parsed pickle beyond DeepSpeed's own: loading them with full pickle semantics
     (DeepSpeed's loader, a torch.load without weights_only) would import and call them."""

@@ -11,6 +11,9 @@ from ..errors import CheckpointNotFoundError, CorruptFileError, UnreadableFileEr
 from ..dtypes import ITEMSIZE
 from .json_file import read_json
 
+INDEX_NAME = "model.safetensors.index.json"  # a sharded folder's index, as save_pretrained names it
+INDEX_SUFFIX = ".index.json"
+
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import CorruptFileError, OutputError
+from ..formats.safetensors_file import INDEX_SUFFIX
 
 TEMP_MARK = ".dsckpt-tmp-"
 
@@ -31,11 +32,7 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: b
     ``directory``: OUT will be a folder (sharded output).  ``tree``: the checkpoint root, which OUT
     may not be inside (a file in a tag folder pollutes the checkpoint) nor be.
     """
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"{out}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise OutputError(f"{out}: folder {parent} is not writable")
+    check_parent(out)
     resolved = out.resolve()
     inputs = [Path(src).resolve() for src in inputs]
     if resolved in inputs:
@@ -58,6 +55,15 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: b
             raise OutputError(f"{out}: is a directory; choose a file name or remove it")
 
 
+def check_parent(out: Path) -> None:
+    """OUT's folder exists and is writable (checked before anything - a distributed run's view - goes there)."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{out}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"{out}: folder {parent} is not writable")
+
+
 def _temp_name(out: Path) -> Path:
     return out.parent / f".{out.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -72,7 +78,7 @@ def clean_stale_temps(out: Path) -> list[Path]:
                 continue
             pid = entry.name[len(prefix):].split("-")[0]
             if pid.isdigit() and not _alive(int(pid)):
-                _remove(Path(entry.path))
+                remove_path(Path(entry.path))
                 removed.append(Path(entry.path))
     return removed
 
@@ -87,7 +93,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """A file, link or folder, gone (already gone is fine)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -99,7 +106,7 @@ PUBLISHED_LAST = ("latest",)  # names that point at the rest (DeepSpeed's `lates
 
 
 def _publish_order(name: str) -> tuple[bool, str]:
-    return name in PUBLISHED_LAST or name.endswith(".index.json"), name
+    return name in PUBLISHED_LAST or name.endswith(INDEX_SUFFIX), name
 
 
 def _replace_entry(src: Path, dst: Path) -> None:
@@ -108,7 +115,7 @@ def _replace_entry(src: Path, dst: Path) -> None:
         old = _temp_name(dst)
         os.replace(dst, old)
         os.replace(src, dst)
-        _remove(old)
+        remove_path(old)
     elif dst.is_dir() and not dst.is_symlink():
         raise OSError(f"{dst}: is a folder where dsckpt writes a file; nothing there was changed")
     else:
@@ -138,13 +145,14 @@ def fsync_path(path: Path, *, files: bool = True) -> None:
 
 
 class Staging:
-    """Outputs written to temp paths beside their destinations and published together.
+    """Outputs written to temp paths beside their destinations and published together: the one commit
+    protocol, for one process (``staged``) and for each storage group's leader of a distributed run
+    (``parallel.outputs.Staged``, which agrees between the phases).
 
-    ``temp_for(final)`` hands out a temp path; on success every temp is flushed (with ``fsync``),
-    each temp is renamed to its destination (a folder into an existing one: merged), the first
-    one staged last (OUT after its sidecars), ``remove_on_commit`` paths are deleted; then the
-    folders are flushed.  On any error every
-    temp is deleted and nothing at a destination changes.
+    ``temp_for(final)`` hands out a temp path; ``flush()`` flushes every temp (with ``fsync``);
+    ``publish()`` renames each temp to its destination (a folder into an existing one: merged), the first
+    one staged last (OUT after its sidecars), deletes the ``remove_on_commit`` paths, then flushes the
+    folders.  ``abort()`` deletes every temp: nothing at a destination changes.
     """
 
     def __init__(self, fsync: bool = True):
@@ -152,9 +160,13 @@ class Staging:
         self._items: list[tuple[Path, Path, bool]] = []  # (temp, destination, is a directory)
         self._stale: list[Path] = []
 
-    def temp_for(self, final: Path, directory: bool = False) -> Path:
-        clean_stale_temps(final)
-        tmp = _temp_name(final)
+    def temp_for(self, final: Path, directory: bool = False, tmp: Path | None = None) -> Path:
+        """A temp path for ``final`` (a folder made for ``directory``); ``tmp``: the name, chosen by the
+        caller (a distributed run's, the same on every process), else a fresh one after the temps of dead
+        processes are removed."""
+        if tmp is None:
+            clean_stale_temps(final)
+            tmp = _temp_name(final)
         if directory:
             tmp.mkdir()
         self._items.append((tmp, final, directory))
@@ -163,37 +175,40 @@ class Staging:
     def remove_on_commit(self, paths: Iterable[Path]) -> None:
         self._stale.extend(paths)
 
-    def _commit(self) -> None:
+    def flush(self) -> None:
         if self.fsync:
             for tmp, _, _ in self._items:
                 fsync_path(tmp)
+
+    def publish(self) -> None:
         for tmp, final, directory in reversed(self._items):
             if directory and final.is_dir() and not final.is_symlink():
                 _merge_into(tmp, final)
             else:
                 os.replace(tmp, final)
         for path in self._stale:  # after: what replaces them is in place first
-            _remove(path)
+            remove_path(path)
         if self.fsync:
             folders = {final.parent if str(final.parent) else Path(".") for _, final, _ in self._items}
             folders |= {final for _, final, directory in self._items if directory}  # merged entries live there
             for folder in folders:
                 fsync_path(folder, files=False)
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         for tmp, _, _ in self._items:
-            _remove(tmp)
+            remove_path(tmp)
 
 
 @contextlib.contextmanager
 def staged(fsync: bool = True) -> Iterator[Staging]:
-    """A ``Staging`` that commits when the block succeeds and aborts when it raises."""
+    """A ``Staging`` that is flushed and published when the block succeeds, aborted when it raises."""
     stage = Staging(fsync)
     try:
         yield stage
-        stage._commit()
+        stage.flush()
+        stage.publish()
     except BaseException:
-        stage._abort()
+        stage.abort()
         raise
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE
 from ..formats.positional import WRITE_SLICE, pwrite_all
+from ..formats.safetensors_file import INDEX_NAME
 from ..plan.segments import Segment
 from .read import FileCache
 from ..plan.consolidate import Plan, TensorPlan
@@ -219,5 +220,5 @@ def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress |
         names.append(name)
     if part[0] == 0:
         index = {"metadata": {"total_size": plan.nbytes, **plan.metadata}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return names

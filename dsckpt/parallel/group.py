@@ -1,10 +1,11 @@
-"""The processes of a distributed run: torchrun's environment, a gloo group, one verdict for all.
+"""The processes of a run: one (``ONE_PROCESS``, no torch) or torchrun's over gloo; one verdict for all.
 
 Every phase of a distributed command ends in ``Group.agree(error)``: each process says whether its part
 worked, and if any failed, every process raises the same typed error (the lowest failing rank's, naming
 it), so no process goes on into a collective the others have left.  A process that dies mid-phase makes
 the others' gloo calls fail (or time out, ``DSCKPT_DIST_TIMEOUT`` seconds, default 600): that becomes one
-``DistributedError`` too, and nothing is published.
+``DistributedError`` too, and nothing is published.  The verbs (``api``) take ``group=None`` for one process
+and run the same steps: with one process every collective is the identity and nothing imports torch.
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class Group:
-    rank: int
-    size: int
-    node: int  # torchrun's node rank (GROUP_RANK): processes of one node share a host
+    rank: int = 0
+    size: int = 1
+    node: int = 0  # torchrun's node rank (GROUP_RANK): processes of one node share a host
 
     def gather(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
@@ -40,6 +43,8 @@ class Group:
         return out
 
     def broadcast(self, obj: Any, src: int) -> Any:
+        if self.size == 1:
+            return obj
         import torch.distributed as dist
 
         box = [obj]
@@ -49,6 +54,10 @@ class Group:
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every process if ``error`` was raised on any (re-raised here unchanged)."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
         mine = None if error is None else _describe(error)
         verdicts = self.gather(mine)
         failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
@@ -70,6 +79,9 @@ class Group:
             raise
         self.agree(None)
         return result
+
+
+ONE_PROCESS = Group()
 
 
 def _describe(error: BaseException) -> tuple[str, str, str | None]:

@@ -7,8 +7,9 @@ that sees it joins that group, until all are assigned.  Each group's leader (its
 group's temp output and publishes it.
 
 ``Staged``: one temp path per storage group, the same name everywhere (from rank 0), written by the
-group's members; published by the leaders only after every process has agreed that every part is written
-and flushed - so an interrupted run publishes nothing.  On error each leader removes its temp.
+group's members; published by the leaders (``io.output.Staging``, the one commit protocol) only after every
+process has agreed that every part is written and flushed - so an interrupted run publishes nothing.  On
+error each leader removes its temp.  One process is one group of one: no probe, Staging's own temp name.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io.output import TEMP_MARK, _merge_into, _remove, fsync_path
+from ..io.output import TEMP_MARK, Staging, remove_path
 from .group import Group
 
 
@@ -35,6 +36,8 @@ class StorageGroups:
 
 
 def storage_groups(group: Group, out: Path) -> StorageGroups:
+    if group.size == 1:
+        return StorageGroups((0,))
     token = group.broadcast(secrets.token_hex(4) if group.rank == 0 else None, 0)
     probe = out.parent / f".{out.name}.dsckpt-probe-{token}"
     of: list[int | None] = [None] * group.size
@@ -56,58 +59,42 @@ def storage_groups(group: Group, out: Path) -> StorageGroups:
             if answer is not None and of[rank] is None:
                 of[rank] = answer
         if group.rank == leader:
-            _remove(probe)
+            remove_path(probe)
         group.agree(None)  # the probe is gone before the next leader makes its own
     return StorageGroups(tuple(of))  # type: ignore[arg-type]
 
 
 class Staged:
-    """The temp path of OUT in this process's storage group (see the module docstring)."""
+    """OUT's temp path in this process's storage group, committed by ``io.output.Staging`` (see the module
+    docstring): the leader of each publishing group owns a ``Staging``; every phase ends in agreement."""
 
     def __init__(self, group: Group, groups: StorageGroups, out: Path, directory: bool, fsync: bool,
                  publishing: set[int]):
         """``publishing``: the storage groups (leaders) that receive a part of OUT; the others write nothing."""
-        self.group, self.groups, self.out, self.directory, self.fsync = group, groups, out, directory, fsync
-        pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
-        self.tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
+        self.group, self.out, self.directory = group, out, directory
         self.leader = groups.of[group.rank]
         self.leads = self.leader == group.rank and self.leader in publishing
+        self.staging = Staging(fsync) if self.leads else None  # OUT's temp, and rank 0's sidecars
+        self.tmp: Path | None = None  # one process: Staging names it (and removes dead processes' temps)
+        if group.size > 1:
+            pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
+            self.tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
 
     def create(self) -> None:
         """The leaders make the temp folder (a file output is created by its writer); all agree."""
-        error = None
-        if self.leads and self.directory:
-            try:
-                self.tmp.mkdir()
-            except OSError as exc:
-                error = exc
-        self.group.agree(error)
+        def make() -> None:
+            if self.leads:
+                self.tmp = self.staging.temp_for(self.out, self.directory, self.tmp)
+        self.group.step(make)
 
     def publish(self, stale: list[Path] | None = None) -> None:
-        """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place,
-        then remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
-        error = None
-        if self.leads and self.fsync:
-            try:
-                fsync_path(self.tmp)
-            except OSError as exc:
-                error = exc
-        self.group.agree(error)
-        error = None
+        """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place
+        and remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
         if self.leads:
-            try:
-                if self.directory and self.out.is_dir() and not self.out.is_symlink():
-                    _merge_into(self.tmp, self.out)
-                else:
-                    os.replace(self.tmp, self.out)
-                for path in stale or ():
-                    _remove(path)
-                if self.fsync:
-                    fsync_path(self.out.parent, files=False)
-            except OSError as exc:
-                error = exc
-        self.group.agree(error)
+            self.staging.remove_on_commit(stale or ())
+        self.group.step(lambda: self.staging.flush() if self.leads else None)
+        self.group.step(lambda: self.staging.publish() if self.leads else None)
 
     def abort(self) -> None:
         if self.leads:
-            _remove(self.tmp)
+            self.staging.abort()

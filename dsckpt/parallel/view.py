@@ -9,8 +9,9 @@ only on rank 0's). ``build_view(group, ckpt, tag, scratch, trust)``:
 4. the view: a folder in ``scratch`` laid out as CKPT (its top-level files and the tag folder).  A file this
    process sees is a symlink to it (a copy, when small: `latest`, configs); any other is a sparse file of its size holding the owner's metadata bytes
    (a torch zip: everything but its storages' data; a small file: all of it).
-Every process then opens the same checkpoint model from its view, so every plan is the same everywhere; the
-storage bytes a process will read from a sparse file are sent to it before it writes (``transfer``).
+Every process then opens the same checkpoint model from its view (``View.open``), so every plan is the same
+everywhere; the storage bytes a process will read from a sparse file are sent to it before it writes
+(``transfer``).  One process sees everything: its view is CKPT itself, opened as given.
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import CorruptFileError, DistributedError, DsckptError, TagError, UnsafeCheckpointError
+from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedError, DsckptError, OutputError, TagError,
+                      UnsafeCheckpointError)
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import TorchFile
 from ..zero import layout as L
+from ..zero.reader import Checkpoint, open_checkpoint
 from .group import Group
 
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
@@ -34,11 +37,29 @@ SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, co
 @dataclass
 class View:
     root: Path  # open_checkpoint(root, tag) on every process
-    tag: str | None  # None: CKPT is a tag folder itself
-    scratch: Path
+    tag: str | None  # None: CKPT is a tag folder itself (or, seen directly, what `latest` names)
+    scratch: Path | None  # None: the view is CKPT itself (one process)
     real: Path  # CKPT as this process sees it
     owners: dict[str, int] = field(default_factory=dict)  # relative path -> the process that reads it
     local: set[str] = field(default_factory=set)  # relative paths this process sees itself
+    rank: int = 0  # this process
+
+    def owns(self, path: Path) -> bool:
+        """This process is the one that reads ``path`` (a view path) for everyone."""
+        return self.direct or self.owners.get(self.rel(path) or "") == self.rank
+
+    @property
+    def direct(self) -> bool:
+        return self.scratch is None
+
+    def open(self, trust: bool) -> Checkpoint:
+        """The checkpoint model, the same on every process.  Links out of CKPT are refused unless ``trust``: here
+        for a direct view, by each host's survey otherwise."""
+        with self.real_names():
+            ckpt = open_checkpoint(self.root, self.tag)
+        if self.direct and not trust:
+            L.require_contained(ckpt.layout)
+        return ckpt
 
     def path(self, rel: str) -> Path:
         return self.root / rel
@@ -50,8 +71,15 @@ class View:
         except ValueError:
             return None
 
+    def real_path(self, path: Path) -> Path:
+        """A path of the view as this process sees it in CKPT (a tag folder's checkpoint root: CKPT's parent)."""
+        if self.direct:
+            return Path(path)
+        return self.real.parent / Path(path).relative_to(self.root.parent)
+
     def close(self) -> None:
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     @contextlib.contextmanager
     def real_names(self) -> Iterator[None]:
@@ -59,13 +87,15 @@ class View:
         try:
             yield
         except DsckptError as exc:
+            if self.direct:
+                raise
             message = str(exc).replace(str(self.root), str(self.real))
             if message == str(exc):
                 raise
             raise type(exc)(message, hint=exc.hint) from None
 
 
-def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], str | None]:
+def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], tuple[type[DsckptError], str] | None]:
     """Relative path -> size of the regular files seen here (top level and one folder down); a problem."""
     seen: dict[str, int] = {}
     if not ckpt.is_dir():
@@ -74,16 +104,33 @@ def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], str | None]:
     for entry in sorted(os.scandir(ckpt), key=lambda e: e.name):
         if entry.name.startswith("."):
             continue
-        if entry.is_symlink() and not trust and not L.inside(Path(entry.path).resolve(), root):
-            return seen, f"{entry.path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
+        problem = _link_problem(Path(entry.path), root, ckpt, trust)
+        if problem:
+            return seen, problem
         inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
         for item in inner:
             path = Path(item.path)
-            if item.is_symlink() and not trust and not L.inside(path.resolve(), root):
-                return seen, f"{path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
+            problem = _link_problem(path, root, ckpt, trust) or _rank_file_problem(path)
+            if problem:
+                return seen, problem
             if item.is_file() and not item.name.startswith("."):
                 seen[path.relative_to(ckpt).as_posix()] = item.stat().st_size
     return seen, None
+
+
+def _rank_file_problem(path: Path) -> tuple[type[DsckptError], str] | None:
+    """A rank file's name on something else (a folder, a FIFO, a loop): in ``zero.layout``'s words."""
+    kind = L.file_kind(path) if L.RANK_FILE_RE.match(path.name) else None
+    return (CheckpointNotFoundError, f"{path}: expected a rank file, found {kind}") if kind else None
+
+
+def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> tuple[type[DsckptError], str] | None:
+    """A symlink leading out of CKPT (unless ``trust``); a loop or a dangling link is left to the reader's words."""
+    if not path.is_symlink() or L.file_kind(path) not in (None, "a directory"):
+        return None
+    if not trust and not L.inside(path.resolve(), root):
+        return UnsafeCheckpointError, f"{path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
+    return None
 
 
 def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path) -> str | None:
@@ -91,6 +138,9 @@ def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt
         return None
     tags = sorted({rel.split("/")[0] for rel in files if "/" in rel and L.RANK_FILE_RE.match(rel.split("/")[1])})
     chosen = tag or (latest.strip() if latest else None) or (tags[0] if len(tags) == 1 else None)
+    if not tag and latest and chosen not in tags:
+        raise TagError(f"{ckpt / L.LATEST_FILE}: names tag {chosen!r}, which no process sees (tags: "
+                       f"{', '.join(tags) or 'none'})", hint="--tag TAG names one")
     if chosen is None or chosen not in tags:
         raise TagError(f"{ckpt}: {'no tag named ' + repr(chosen) if chosen else 'which tag?'} among the tags any "
                        f"process sees ({', '.join(tags) or 'none'})", hint="--tag TAG names one")
@@ -123,9 +173,12 @@ def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
 
 
 def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, trust: bool) -> View:
+    if group.size == 1:
+        return View(Path(ckpt), tag, None, Path(ckpt))
+    ckpt, scratch_parent = Path(ckpt).absolute(), Path(scratch_parent).absolute()
     surveyed = group.gather(_survey(ckpt, trust))
-    for problem in (p for _, p in surveyed if p):
-        raise UnsafeCheckpointError(problem, hint=L.TRUST_HINT)
+    for cls, problem in (p for _, p in surveyed if p):
+        raise cls(problem, hint=L.TRUST_HINT if cls is UnsafeCheckpointError else None)
     owners: dict[str, int] = {}
     sizes: dict[str, int] = {}
     for rank, (seen, _) in enumerate(surveyed):
@@ -154,7 +207,8 @@ def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, 
             if rel not in local:
                 payloads[rel] = payload
     scratch = scratch_parent / f".{ckpt.name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
-    view = View(scratch / ckpt.name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted))
+    view = View(scratch / ckpt.name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted),
+                group.rank)
     error = None
     try:  # this process's own files: it alone may fail here, so all agree before going on
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
@@ -169,7 +223,8 @@ def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, 
                     for offset, data in payloads[rel]:
                         pwrite_all(fh.fileno(), data, offset)
     except OSError as exc:
-        error = exc
+        error = OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - this process's view of the "
+                            "checkpoint, made beside OUT; nothing was left there")
     try:
         group.agree(error)
     except BaseException:

@@ -1,5 +1,6 @@
 """The reshard plan across ZeRO stages (``reshard --stage S``): users move from ZeRO-2 to ZeRO-3 when
-they scale up.  Pure bookkeeping, as ``plan.reshard``: per output file, the tree to pickle.
+they scale up.  Pure bookkeeping, as ``plan.reshard`` (which calls ``restaged`` for a stage change): per output
+file, the tree to pickle; the moves it shares with the same-stage plan are ``plan.moves``.
 
 * 1 <-> 2: the same files (DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` runs both and never reads back
   the recorded stage): the plan at M with ``zero_stage`` and the config's stage rewritten.
@@ -35,29 +36,25 @@ from ..zero.reader import Checkpoint
 from ..zero.grid import Coord, rank_file_name
 from .groups import structure_errors
 from .segments import FlatSpace, TensorSource
-from .reshard import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, _bf16, _check_reshardable, _copy,
-                      _new_tensor, _slice_mappings, _stage3_groups, _stage12_groups, _state_tensor, build_reshard_plan,
-                      partition_segments)
+from .moves import (DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, check_reshardable, copy_tree,
+                    is_bf16, new_tensor, partition_segments, slice_mappings_at, stage3_moves, stage12_moves,
+                    state_tensor)
 
 
-def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = None,
-                       ep_size: int | None = None) -> ReshardPlan:
-    """The plan for ``ckpt`` at data-parallel ``world_size`` and ZeRO ``stage`` (default: its own); ``ep_size``:
-    a mixture-of-experts run's new expert-parallel size (same stage only)."""
-    if stage is None or stage == ckpt.zero_stage:
-        return build_reshard_plan(ckpt, world_size, ep_size)
+def restaged(ckpt: Checkpoint, world_size: int, stage: int, same_stage: ReshardPlan | None) -> ReshardPlan:
+    """The plan for ``ckpt`` at ``world_size`` and another ZeRO ``stage``; ``same_stage``: its plan at
+    ``world_size`` and its own stage (``plan.reshard`` builds it; needed for 1 <-> 2 only)."""
     where = ckpt.layout.tag_dir
     if ckpt.experts:
         raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard --stage does not move "
                                          "experts between stages (DeepSpeed 0.19.8 runs native MoE at ZeRO 0-2 only)")
     if stage not in (1, 2, 3):
         raise UnsupportedCheckpointError(f"--stage {stage}: reshard writes ZeRO stage 1, 2 or 3")
-    if ckpt.zero_stage in (1, 2) and stage in (1, 2):
-        plan = build_reshard_plan(ckpt, world_size)
+    if ckpt.zero_stage in (1, 2) and stage in (1, 2) and same_stage is not None:
         files = tuple(replace(f, tree=_with_frozen_records(ckpt, _with_stage(f.tree, stage), stage)
                               if f.name.endswith(L.MODEL_STATES_SUFFIX) else _with_stage(f.tree, stage))
-                      for f in plan.files)
-        return replace(plan, stage=stage, files=files)
+                      for f in same_stage.files)
+        return replace(same_stage, stage=stage, files=files)
     with structure_errors(ckpt):
         if ckpt.zero_stage in (1, 2) and stage == 3:
             return _to_stage3(ckpt, world_size)
@@ -70,7 +67,7 @@ def build_restage_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
 
 def _with_stage(tree: Any, stage: int) -> Any:
     """A file's tree with the recorded stage (optimizer ``zero_stage``, ``ds_config``) saying ``stage``."""
-    tree = _copy(tree)
+    tree = copy_tree(tree)
     osd = tree.get(L.OPTIMIZER_STATE_DICT)
     if isinstance(osd, dict) and isinstance(osd.get(L.ZERO_STAGE), Opaque):
         osd[L.ZERO_STAGE] = type(osd[L.ZERO_STAGE])(stage)  # ZeroStageEnum(stage), recorded as REDUCE
@@ -96,9 +93,9 @@ def _with_frozen_records(ckpt: Checkpoint, tree: Any, stage: int) -> Any:
 # --- 1/2 -> 3 ------------------------------------------------------------------------------------
 def _to_stage3(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
     ckpt.require_complete()
-    _check_reshardable(ckpt, world_size)
+    check_reshardable(ckpt, world_size)
     moves = [GroupMove(m.names, m.source, stage3_group([math.prod(ckpt.trainable[n]) for n in m.names], world_size))
-             for m in _stage12_groups(ckpt, world_size)]
+             for m in stage12_moves(ckpt, world_size)]
     for g, move in enumerate(moves):
         if move.target.partition_numel > DEFAULT_SUB_GROUP_SIZE:
             raise UnsupportedCheckpointError(
@@ -136,7 +133,7 @@ def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: 
     n = math.prod(ckpt.frozen[name])
     move = GroupMove((name,), stage3_group([n], 1), stage3_group([n], world_size))
     where = f"{ckpt.layout.tag_dir}: frozen {name!r}"
-    return _new_tensor(full, move.target.partition_numel,
+    return new_tensor(full, move.target.partition_numel,
                        partition_segments(move, rank, [FlatSpace([full])], move.target.partition_numel, where))
 
 
@@ -150,13 +147,13 @@ def _moved_partitions(ckpt: Checkpoint, moves: list[GroupMove], rank: int, torch
         where = f"{ckpt.layout.tag_dir}: group {g}"
         length = move.target.partition_numel
         spaces = [FlatSpace([rs.groups[g].fp32]) for rs in ckpt.optimizer_states]
-        flats.append(_new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length - trimmed(move),
+        flats.append(new_tensor(ckpt.optimizer_states[0].groups[g].fp32, length - trimmed(move),
                                  partition_segments(move, rank, spaces, length - trimmed(move), where)))
-        group_state = dict(_copy(torch_state.get("state", {}).get(g)) or {})
+        group_state = dict(copy_tree(torch_state.get("state", {}).get(g)) or {})
         for key, value in list(group_state.items()):
             if isinstance(value, TensorRef) and value.numel > 1:
-                per_rank = [FlatSpace([_state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
-                group_state[key] = _new_tensor(value, length, partition_segments(move, rank, per_rank, length,
+                per_rank = [FlatSpace([state_tensor(ckpt, r, g, key, move)]) for r in range(ckpt.world_size)]
+                group_state[key] = new_tensor(value, length, partition_segments(move, rank, per_rank, length,
                                                                                  f"{where} {key}"))
         if group_state:
             state[g] = group_state
@@ -165,7 +162,7 @@ def _moved_partitions(ckpt: Checkpoint, moves: list[GroupMove], rank: int, torch
 
 def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank: int) -> OutputFile:
     template = ckpt.optim_files[min(rank, ckpt.world_size - 1)]
-    osd = _copy(template.obj[L.OPTIMIZER_STATE_DICT])
+    osd = copy_tree(template.obj[L.OPTIMIZER_STATE_DICT])
     torch_state = osd[L.BASE_OPTIMIZER_STATE]
     flats, state = _moved_partitions(ckpt, moves, rank, torch_state, lambda move: 0)
     stage3 = {  # the keys and order of DeepSpeed 0.19.8's stage-3 optimizer state_dict
@@ -179,7 +176,7 @@ def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int
     }
     tree = _with_stage(template.obj, 3)
     tree[L.OPTIMIZER_STATE_DICT] = stage3
-    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(template.path)), template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=is_bf16(template.path)), template.path, tree)
 
 
 # --- 3 -> 1/2 ------------------------------------------------------------------------------------
@@ -189,9 +186,9 @@ def _from_stage3(ckpt: Checkpoint, world_size: int, stage: int) -> ReshardPlan:
     master cast to the trained precision (what DeepSpeed's own step leaves in the 16-bit copy), frozen
     parameters gathered from their stage-3 partitions, buffers as they are."""
     ckpt.require_complete()
-    _check_reshardable(ckpt, world_size)
+    check_reshardable(ckpt, world_size)
     optimizer_groups = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT][L.OPTIMIZER_STATE_DICT]["param_groups"]
-    sub_groups = _stage3_groups(ckpt, ckpt.world_size)
+    sub_groups = stage3_moves(ckpt, ckpt.world_size)
     if len(sub_groups) != len(optimizer_groups):
         raise UnsupportedCheckpointError(
             f"{ckpt.layout.tag_dir}: {len(sub_groups)} ZeRO-3 sub-groups for {len(optimizer_groups)} param groups "
@@ -232,15 +229,15 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
         "dynamic_loss_scale": osd["dynamic_loss_scale"],
         "overflow": osd["overflow"],
         "clip_grad": clip,
-        L.BASE_OPTIMIZER_STATE: {"state": state, "param_groups": _copy(torch_state["param_groups"])},
+        L.BASE_OPTIMIZER_STATE: {"state": state, "param_groups": copy_tree(torch_state["param_groups"])},
         L.SINGLE_PARTITION_OF_FP32_GROUPS: flats,
         L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(stage),
         L.GROUP_PADDINGS: [stage12_trimmed(m.target, rank) for m in moves],
         "param_alignment_paddings": [[0] * len(m.names) for m in moves],  # alignment off: DeepSpeed's default
         L.PARTITION_COUNT: [world_size] * len(moves),
         L.DS_VERSION: template.obj.get(L.DS_VERSION),
-        L.PARAM_SLICE_MAPPINGS: [OrderedDict(_slice_mappings(m, rank, [])) for m in moves],
+        L.PARAM_SLICE_MAPPINGS: [OrderedDict(slice_mappings_at(m, rank, [])) for m in moves],
     }
     tree = _with_stage(template.obj, stage)
     tree[L.OPTIMIZER_STATE_DICT] = stage12
-    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=_bf16(template.path)), template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=is_bf16(template.path)), template.path, tree)

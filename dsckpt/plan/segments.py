@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError
 from ..formats.pickle_policy import TensorRef
+from ..formats.pickle_writer import NewTensor, StorageOut
 from ..formats.torchzip import tensor_byte_range
 
 
@@ -57,6 +58,13 @@ def ref_segments(ref: TensorRef) -> tuple[Segment, ...]:
     """A stored tensor's elements as one byte range (none for an empty tensor)."""
     path, offset, nbytes = tensor_byte_range(ref)
     return (Segment(path, offset, nbytes),) if nbytes else ()
+
+
+def written_source(storage: StorageOut) -> TensorSource:
+    """Where a storage written into a torch zip (``pickle_writer.dumps``) takes its bytes from: a new tensor's
+    pieces, or an unchanged tensor's whole stored storage."""
+    source = storage.source
+    return source.source if isinstance(source, NewTensor) else storage_source(source)
 
 
 def storage_source(ref: TensorRef) -> TensorSource:

@@ -42,13 +42,6 @@ class UniversalPlan:
     files: tuple[UniversalFile, ...]
     copies: tuple[tuple[Path, str], ...]  # (source path, name in the tag folder), copied byte for byte
 
-    @property
-    def nbytes(self) -> int:
-        from ..formats.pickle_writer import dumps
-
-        return sum(s.nbytes for f in self.files for s in dumps(f.tree)[1]) + \
-            sum(src.stat().st_size for src, _ in self.copies)
-
 
 def _param_file(name: str, state: str) -> str:
     return f"{L.UNIVERSAL_DIR}/{name}/{L.UNIVERSAL_STATE_FILES[state]}"
