@@ -377,6 +377,10 @@ def cases() -> list[Case]:
     out += [
         Case("OUT exists, no --force", "output", lambda tmp: copy(tmp, "z2_ws2_fp32"), {"consolidate": E},
              names="taken.safetensors: already exists", output=existing),
+        Case("a 16,610-bit integer in the client state, written as a Lightning .ckpt", "output",
+             torch_save("z2_ws2_fp32", "mp_rank_00_model_states.pt", set_key(("big",), 2 ** 16610)),
+             {"consolidate": E, "reshard": E, "convert": OK}, names="too large to write",
+             output=lambda tmp, src: tmp / "out.ckpt"),
         Case("OUT is an input file", "output", lambda tmp: copy(tmp, "z2_ws2_fp32"), {"consolidate": E},
              names="refusing to write over an input", consolidate_args=("--force",),
              output=lambda tmp, src: src / "step3" / "mp_rank_00_model_states.pt"),

@@ -24,16 +24,21 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.runtime  # starts process groups (no DeepSpeed): kept out of test-fast
 
 
-def _namespaces_work() -> bool:
+def namespaces_refused() -> str | None:
+    """Why this machine cannot simulate hosts with private mount namespaces (None: it can)."""
     try:
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
-                              capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`unshare --mount` could not run: {exc}"
+    if proc.returncode:
+        return f"`unshare --mount` exited {proc.returncode}: {proc.stderr.strip()[:200] or 'no message'}"
+    return None
 
 
-needs_namespaces = pytest.mark.skipif(not _namespaces_work(), reason="this kernel refuses private mount namespaces "
-                                      "(unshare --mount): hosts cannot be simulated")
+REFUSED = namespaces_refused()
+needs_namespaces = pytest.mark.skipif(REFUSED is not None, reason=f"hosts cannot be simulated here ({REFUSED}): "
+                                      "the multi-host tests need private mount namespaces (root, or user namespaces)")
 
 
 def _free_port() -> int:
@@ -237,3 +242,12 @@ def test_a_killed_host_ends_the_run_with_one_error_and_nothing_published(tmp_pat
     assert procs[0].returncode != 0 and len(errors) == 1, err[-3000:]
     assert "a process of the run stopped or cannot be reached" in errors[0] and "nothing was published" in errors[0]
     assert os.listdir(hosts.out(0)) == []  # no output, no temp, no view
+
+
+def test_a_refused_namespace_says_why_in_the_skip_reason(tmp_path, monkeypatch):
+    """Where `unshare` is refused (a container without the privilege), the skip names unshare's own words."""
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert namespaces_refused() == "`unshare --mount` exited 1: unshare: unshare failed: Operation not permitted"

@@ -48,11 +48,15 @@ def large_checkpoint(tmp_path_factory):
 
 
 LARGE_TENSORS = demo_counts(vocab_size=8192, dim=512, n_layers=4, n_heads=8, seq_len=16, tie_embeddings=False)["written"]
+LARGE_BYTES = 80 << 20  # about its fp32 output (84 MB): where the kill points are spread
 
 
 def _kill_trials(ckpt, tmp_path, trials: int) -> dict[str, int]:
-    """Kill consolidate at spread-out moments after its temp output appears; count where each landed."""
+    """Kill consolidate at spread-out points of its write: trial i stops the process (SIGSTOP) once its temp output
+    holds i/trials of the final bytes on disk, records where it stands - a stopped process cannot finish in between
+    - then kills it (SIGKILL); count where each landed."""
     out = tmp_path / "m.safetensors"
+    total = LARGE_BYTES
     landed = {"mid-write": 0, "after the rename": 0, "before writing": 0}
     for i in range(trials):
         if out.exists():
@@ -60,14 +64,15 @@ def _kill_trials(ckpt, tmp_path, trials: int) -> dict[str, int]:
         proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "consolidate", str(ckpt), str(out), "-q",
                                  "--no-client-state"], cwd=ROOT, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
-        while not [p for p in tmp_path.iterdir() if TEMP_MARK in p.name and p.stat().st_size] and proc.poll() is None:
+        while proc.poll() is None and _written(tmp_path) < max(1, total * i // trials):
             assert time.monotonic() < deadline
-            time.sleep(0.001)
-        time.sleep(0.03 * i / trials)  # from the first bytes to past the end
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGSTOP)
         temps = [p for p in tmp_path.iterdir() if TEMP_MARK in p.name]
         landed["after the rename" if out.exists() else "mid-write" if temps else "before writing"] += 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert out.exists() == (not temps)  # stopped mid-write: nothing at OUT; or done, and nothing half-done
         if out.exists():
             assert len(load_file(out)) == LARGE_TENSORS  # complete and valid, or absent
     assert run_cli("consolidate", ckpt, out, "--force", "-q").returncode == 0
@@ -75,10 +80,15 @@ def _kill_trials(ckpt, tmp_path, trials: int) -> dict[str, int]:
     return landed
 
 
+def _written(folder) -> int:
+    """Bytes on disk in the temp outputs in ``folder`` (allocated blocks: a file made at its final size is sparse)."""
+    return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if TEMP_MARK in p.name)
+
+
 def test_kill_9_mid_write(large_checkpoint, tmp_path):
     landed = _kill_trials(large_checkpoint, tmp_path, 6)
     print(f"kill -9 landed: {landed}")
-    assert landed["mid-write"] >= 3  # the kills really hit a half-written file, which never became OUT
+    assert landed["mid-write"] >= 3  # the kills really hit a half-written file (0/6 to 5/6 of it), never OUT
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import opaque_class_paths
 from .registry import Format, Listing, Prepared, Progress, Request, register
 
@@ -55,25 +56,30 @@ class LightningFormat(Format):
 
         if not request.strip_prefixes and plan.tensors and all(t.name.startswith(WRAPPER_PREFIX) for t in plan.tensors):
             plan = strip_prefix(plan, (WRAPPER_PREFIX,))  # Lightning's wrapper, as its own converter strips it
-        _, dropped = checkpoint_tree(OrderedDict(), ckpt.client_state)
-        notes = tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c))}, which dsckpt "
-                      "does not load (OUT stays loadable with torch.load(weights_only=True))" for k, c in dropped.items())
-        return Prepared(self, plan, request, client_state=ckpt.client_state, notes=notes)
+        from ..formats.pickle_writer import NewTensor, dumps
 
-    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
-        """One .ckpt: Lightning's checkpoint dict from the client state, plus ``state_dict``."""
-        from ..formats.pickle_writer import NewTensor
-        from ..io.read import Reader
-        from ..io.torch_writer import write_archive
-
-        plan = prepared.plan
         tensors = {t.name: NewTensor(t.dtype, t.shape, t) for t in plan.tensors}
         state = OrderedDict(tensors)
         for alias, src in plan.aliases.items():
             state[alias] = tensors[src]
-        tree, _ = checkpoint_tree(state, prepared.client_state or {})
+        tree, dropped = checkpoint_tree(state, ckpt.client_state or {})
+        try:  # pickled here, once: a value the format cannot hold is refused before a byte is written
+            pickled = dumps(tree)
+        except ValueError as exc:
+            raise UnsupportedCheckpointError(f"{ckpt.model_files[0].path}: client state: {exc}; it cannot be "
+                                             "written into a Lightning checkpoint",
+                                             hint="write another format (model.safetensors): its client state goes to a sidecar") from None
+        notes = tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c))}, which dsckpt "
+                      "does not load (OUT stays loadable with torch.load(weights_only=True))" for k, c in dropped.items())
+        return Prepared(self, plan, request, client_state=ckpt.client_state, notes=notes, pickled=pickled)
+
+    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+        """One .ckpt: Lightning's checkpoint dict from the client state, plus ``state_dict``."""
+        from ..io.read import Reader
+        from ..io.torch_writer import write_pickled
+
         with Reader() as reader:  # (client-state tensors are copied as stored: their storages' bytes)
-            write_archive(path, tree, reader.storage_chunks, progress)
+            write_pickled(path, prepared.pickled, reader.storage_chunks, progress)
         return [path.name]
 
     def read(self, path: Path) -> Listing:

@@ -84,6 +84,7 @@ class Prepared:
     companions: Any = None  # the format's own record of files to copy (configs, tokenizer)
     client_state: dict[str, Any] | None = None  # for a format that stores it inside OUT
     notes: tuple[str, ...] = ()
+    pickled: Any = None  # a torch-zip format's pickle and storages (``pickle_writer.dumps``): writable, checked early
 
 
 class Format:

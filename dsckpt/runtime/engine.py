@@ -48,7 +48,11 @@ def init_distributed() -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        # bound to its GPU: NCCL otherwise guesses the device from the global rank (and warns of a hang);
+        # DeepSpeed's init_distributed (which takes no device) then adopts this group
+        torch.distributed.init_process_group(backend, device_id=device)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
