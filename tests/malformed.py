@@ -9,9 +9,13 @@ Anything else - a traceback, another exit code, an output that differs - is a fa
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
+import resource
+import signal
 import shutil
 import struct
 import subprocess
@@ -444,6 +448,41 @@ def run_cli(args: list[str], env: dict, max_file_size: int | None = None) -> sub
                           cwd=ROOT, env=env, preexec_fn=limit if max_file_size else None)
 
 
+@contextlib.contextmanager
+def file_size_limit(limit: int | None):
+    """A disk that fills up at ``limit`` bytes per file, for this process only while the command runs."""
+    if limit is None:
+        yield
+        return
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def run_in_process(args: list[str], limit: int | None = None) -> subprocess.CompletedProcess:
+    """``dsckpt ARGS`` through the CLI's own entry (``dsckpt.cli.app.run``) in this process: no interpreter start-up
+    per command; a traceback lands in stderr as it would from a subprocess."""
+    from dsckpt.cli.app import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), file_size_limit(limit):
+        try:
+            code = run(args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # a traceback is a verdict, not the end of the job
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def command_line(case: Case, command: str, tmp: Path, target: Path) -> tuple[list[str], Path]:
     """The arguments of ``dsckpt COMMAND`` for a case, and the OUT it writes."""
     force = ["--force"] if "--force" in case.consolidate_args else []
@@ -469,7 +508,8 @@ def run_case(case: Case, tmp: Path) -> list[Outcome]:
         args, out = command_line(case, command, tmp, target)
         before = out.read_bytes() if out.is_file() else None
         limit = case.max_file_size if command in WRITERS else None
-        results.append(judge(case, command, expect, run_cli(args, env, limit), out, before))
+        proc = run_cli(args, env, limit) if command == "resume" else run_in_process(args, limit)
+        results.append(judge(case, command, expect, proc, out, before))
     if case.dangerous and marker.exists():
         results.append(Outcome(case.name, "pickle", "wrong result", "the hostile pickle ran"))
     return results
@@ -510,7 +550,7 @@ def judge_resharded(case: Case, out: Path) -> Outcome:
     for path in sorted(out.glob("*/*.pt")):
         torch.load(path, weights_only=False)  # TorchCheckpointEngine.load: a laundered payload runs here
     weights = out.parent / "out-resharded.safetensors"
-    proc = run_cli(["consolidate", str(out), str(weights), "-q"], dict(os.environ))
+    proc = run_in_process(["consolidate", str(out), str(weights), "-q"])
     if proc.returncode != 0 or not matches_reference(weights, case.fixture):
         return Outcome(case.name, "reshard", "wrong result", proc.stderr[-300:] or "differs from the live weights")
     return Outcome(case.name, "reshard", "correct result")
@@ -519,7 +559,7 @@ def judge_resharded(case: Case, out: Path) -> Outcome:
 def judge_converted(case: Case, out: Path) -> Outcome:
     """A universal checkpoint is right when its weights, read back, equal the live weights."""
     weights = out.parent / "out-converted.safetensors"
-    proc = run_cli(["consolidate", str(out), str(weights), "-q", "--force"], dict(os.environ))
+    proc = run_in_process(["consolidate", str(out), str(weights), "-q", "--force"])
     if proc.returncode != 0 or not matches_reference(weights, case.fixture):
         return Outcome(case.name, "convert", "wrong result", proc.stderr[-300:] or "differs from the live weights")
     return Outcome(case.name, "convert", "correct result")

@@ -9,13 +9,8 @@ corpus: a process group started per command would cost more than the commands th
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import resource
-import signal
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -23,41 +18,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from malformed import MARKER_ENV, WRITERS, Outcome, cases, command_line, judge  # noqa: E402
+from malformed import MARKER_ENV, WRITERS, Outcome, cases, command_line, judge, run_in_process  # noqa: E402
 
-from dsckpt.cli.app import run  # noqa: E402
 from job_exit import leave  # noqa: E402
-
-
-@contextlib.contextmanager
-def file_size_limit(limit: int | None):
-    """A disk that fills up at ``limit`` bytes per file, for this process only while the command runs."""
-    if limit is None:
-        yield
-        return
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
-        signal.signal(signal.SIGXFSZ, previous)
-
-
-def run_in_process(args: list[str], limit: int | None) -> subprocess.CompletedProcess:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), file_size_limit(limit):
-        try:
-            code = run(args)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # a traceback is a verdict, not the end of the job
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def main(root: Path) -> None:
