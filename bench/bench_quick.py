@@ -20,7 +20,7 @@ project's VMs (virtio-balloon free page reporting), for memory the host had to f
 Prints the median of each ratio and exits 1 when one passes its bound (BOUNDS: the targets of issue 25;
 tiny inputs make ratios noisier than the full benchmarks - rerun before believing a failure), and beside it
 the ratio of each side's fastest run: noise here only ever adds time (on this project's VMs every page freed is
-handed back to the host, and a run that allocates it again can take 3-5x as long: docs/performance.md 17),
+handed back to the host, and a run that allocates it again can take 3-5x as long: docs/dev/performance-log.md 17),
 so best-of-N is the figure to compare between hosts when the medians scatter.
 """
 from __future__ import annotations

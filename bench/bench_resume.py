@@ -10,7 +10,7 @@ A (dsckpt): ``load_full_weights`` - only rank 0 opens the file, lazily, one modu
 Each rank samples its RSS every 2 ms during the load; the figure is peak-during-load minus RSS
 before the load, so engine setup does not count.  ``--profile`` adds rank 0's seconds per phase
 (``Phases``); ``dsckpt-heap`` / ``dsckpt-<MiB>`` run dsckpt under another glibc mmap threshold
-(docs/performance.md section 6: how the 1 MiB setting cost 15 %); ``dsckpt-serial`` reads every tensor
+(docs/dev/performance-log.md section 6: how the 1 MiB setting cost 15 %); ``dsckpt-serial`` reads every tensor
 on one thread (issue 25's comparison); ``floor`` copies the file's bytes to the GPU and nothing else.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 # 0.237 s -> 0.221 s (1 MiB 0.272: the thread hand-off per chunk starts to show).
 CHUNK = 4 << 20
 # Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: measured cold,
-# ZeRO-3 reshard 4 -> 3 ranks 0.595 -> 0.416 s, ZeRO-2 0.659 -> 0.590 s; warm, no change (docs/performance.md 15).
+# ZeRO-3 reshard 4 -> 3 ranks 0.595 -> 0.416 s, ZeRO-2 0.659 -> 0.590 s; warm, no change (docs/dev/performance-log.md 15).
 ADVISE = hasattr(os, "posix_fadvise")
 ADVISE_GAP = 1 << 20  # ranges closer than this are advised as one
 
