@@ -15,10 +15,10 @@ from dsckpt.export import registry
 
 def test_registering_first_keeps_every_built_in():
     """The old registry loaded its built-ins only while empty: a format registered first hid them all."""
-    code = ("import json; from dsckpt.export.registry import Format, register, formats, for_output\n"
+    code = ("import json; from dsckpt.export.registry import Format, register, output_formats, for_output\n"
             "class Mine(Format):\n    name, suffixes = 'mine', ('.mine',)\n"
             "register(Mine())\n"
-            "print(json.dumps([sorted(formats()), for_output('m.safetensors').name, for_output('m.MINE').name]))")
+            "print(json.dumps([sorted(output_formats()), for_output('m.safetensors').name, for_output('m.MINE').name]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names, chosen, mine = json.loads(proc.stdout)
@@ -65,7 +65,7 @@ class RawFormat(registry.Format):
 def test_a_new_format_is_one_class_and_the_whole_pipeline_serves_it(tmp_path):
     import dsckpt
 
-    if "raw-test" not in registry.formats():
+    if "raw-test" not in registry.output_formats():
         registry.register(RawFormat())
     out = tmp_path / "m.rawtest"
     result = dsckpt.consolidate(FIXTURES / "z3_ws3_bf16", out, verify=True, dtype="bf16")  # chosen by suffix
@@ -86,7 +86,7 @@ def test_hf_peft_and_lightning_are_formats_of_their_own():
                                                              registry.Request(1 << 30)) is hf
     assert peft.exclude_frozen and registry.for_output("model.ckpt") is lightning
     assert lightning.stores_client_state and "lightning" in registry.selectable()
-    assert {type(f).__module__ for f in registry.formats().values()} >= {
+    assert {type(f).__module__ for f in registry.output_formats().values()} >= {
         "dsckpt.export.hf", "dsckpt.export.peft", "dsckpt.export.lightning", "dsckpt.export.sharded"}
 
 

@@ -19,8 +19,7 @@ from ..zero.reader import Checkpoint, open_checkpoint
 from .report import table
 
 SCHEMA_VERSION = 1
-# Peak RSS of `consolidate`, flat in model size as far as measured (docs/dev/performance-log.md: 26-57 MiB for
-# fp32 safetensors/.pt outputs at 51M-328M parameters; casts hold up to 4 threads x 3 x 16 MiB chunks more).
+# Peak RSS of `consolidate`, flat in model size as far as measured (docs/performance.md).
 CONSOLIDATE_RSS = 64 << 20
 CONSOLIDATE_CAST_RSS = 256 << 20
 TOP_N = 5

@@ -61,7 +61,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     view = build_view(group, Path(checkpoint), tag, out.parent, trust)
     staged = None
     try:
-        ckpt, prepared = group.step(lambda: _prepare(view, target, request, out))
+        ckpt, prepared = group.step(lambda: _prepare(view, target, request))
         client = bool(ckpt.client_state) and not target.stores_client_state
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
         group.step(lambda: _check_out(out, inputs, force, view.real_path(ckpt.layout.root), client) if group.rank == 0 else None)
@@ -89,12 +89,12 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
                          tuple(str(out / n) for n in names), notes)
 
 
-def _prepare(view: View, target: Target, request: ConvertRequest, out: Path):
+def _prepare(view: View, target: Target, request: ConvertRequest):
     ckpt = view.open(request.trust)
     with view.real_names():
         ckpt.require_complete()
         state = build_training_state(ckpt, weights_only=request.weights_only)
-        return ckpt, target.prepare(ckpt, state, request, out)
+        return ckpt, target.prepare(ckpt, state, request)
 
 
 def _check_out(out: Path, inputs: list[Path], force: bool, tree: Path, client: bool) -> None:
@@ -105,7 +105,7 @@ def _check_out(out: Path, inputs: list[Path], force: bool, tree: Path, client: b
 
 def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt, progress) -> list[str]:
     with write_errors(out):
-        names = prepared.target.write(prepared, staged.tmp, staged.staging, out, progress)
+        names = prepared.target.write(prepared, staged.tmp, staged.staging, progress)
         if client:
             write_sidecar(ckpt.client_state, out, staged.staging)
     return names

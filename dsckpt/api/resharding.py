@@ -46,9 +46,8 @@ from ..zero.reader import open_checkpoint
 
 
 Pickled = tuple[bytes, list[StorageOut]]  # a rank file's pickle and the storages it names (``dumps``)
-# Rank files written at once, each by its own thread and Reader.  One stream of writes into the page cache runs
-# at ~3.2 GB/s (its write calls take 175-185 ms of a 54M ZeRO-3 reshard on the 16-core host, cp's whole copy
-# 170-213 ms); on 2 cores the CRC and read-ahead threads already take the second core.
+# Rank files written at once, each by its own thread and Reader: one stream of writes cannot fill a large host's
+# page cache; on 2 cores the CRC and read-ahead threads already take the second (docs/dev/performance-log.md 17).
 WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from ..export.registry import formats, selectable
+from ..export.registry import output_formats, selectable
 from .app import cli, json_document
 from .options import NPROC_HELP, TRUST_HELP, Precision, parallel_group
 
@@ -24,7 +24,7 @@ from .options import NPROC_HELP, TRUST_HELP, Precision, parallel_group
 @click.option("--format", "form", type=click.Choice(selectable()), default=None,
               help="Output format (default: by OUT's suffix, any case; .ckpt is lightning; no known suffix: a folder). "
                    "A suffix that says another format is refused. "
-                   + "; ".join(f"{name}: {formats()[name].summary}" for name in selectable()) + ".")
+                   + "; ".join(f"{name}: {output_formats()[name].summary}" for name in selectable()) + ".")
 @click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
               "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,

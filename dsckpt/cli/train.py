@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from .options import training_options
-from .app import in_launched_rank, require_runtime, world_size_for, cli
+from .app import in_launched_rank, require_runtime, cli
 
 
 @cli.command()
@@ -23,7 +23,7 @@ def train(nproc: int, as_json: bool, **kwargs) -> None:
     from ..runtime import commands, launch
 
     if not in_launched_rank():
-        commands.preflight_train(world_size_for(nproc), **kwargs)
+        commands.preflight_train(**kwargs)
     with commands.interruptible(kwargs.get("save_dir")):
         if launch.should_launch(nproc):
             sys.exit(launch.launch(nproc))

@@ -15,9 +15,8 @@ reads the slices it needs) plans the save and writes ``.metadata``; it sees a st
 (shapes and dtypes, no bytes).  The bytes go through ``StreamingWriter.write_data``: each tensor item is
 streamed from the checkpoint (``io.read``) as a ``torch.save`` archive (``io.torch_writer``) into one
 ``.distcp`` file, at the offset the metadata records - what DCP's reader ``torch.load``s back.
-Measured on the 4-layer benchmark (583 MiB, ZeRO-3): torch's own FileSystemWriter took 6.5 s and 890 MiB
-(it keeps every tensor of a file alive until the file is done, and torch.save copies each), this 1.2 s and
-~250 MiB (torch itself: 220 MiB).
+torch's own FileSystemWriter keeps every tensor of a data file alive until the file is done, so its memory grows
+with the model (docs/dev/performance-log.md 13).
 """
 from __future__ import annotations
 
@@ -142,7 +141,7 @@ class DcpTarget(Target):
             raise MissingExtraError("--to dcp writes through torch.distributed.checkpoint: torch is not installed",
                                     hint="pip install torch  (--to universal needs no torch)")
 
-    def prepare(self, ckpt, state: TrainingState, request: ConvertRequest, out: Path) -> PreparedConversion:
+    def prepare(self, ckpt, state: TrainingState, request: ConvertRequest) -> PreparedConversion:
         moments = [t for p in state.params for t in p.moments.values()]
         steps = [s for p in state.params if isinstance(s := step_plan(p.step), TensorPlan)]
         tensors = len(state.model.tensors) + sum(1 + len(p.moments) for p in state.params)
@@ -151,7 +150,7 @@ class DcpTarget(Target):
         notes = ("weights only: no optimizer state written",) if request.weights_only else ()
         return PreparedConversion(self, ckpt.layout.tag_dir.name, tensors, nbytes, notes, pieces, (), state)
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging, out: Path, progress) -> list[str]:
+    def write(self, prepared: PreparedConversion, tmp: Path, staging, progress) -> list[str]:
         tmp.rmdir()  # torch's writer makes its own folder
         write_dcp(prepared.detail, tmp, progress, staging.fsync)
         return sorted(p.name for p in tmp.iterdir())

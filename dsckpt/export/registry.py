@@ -164,7 +164,7 @@ def _load_builtins() -> None:
         importlib.import_module(f"{__package__}.{module}")
 
 
-def formats() -> dict[str, Format]:
+def output_formats() -> dict[str, Format]:
     """Every registered format, built-ins first, by name."""
     _load_builtins()
     return FORMATS
@@ -172,7 +172,7 @@ def formats() -> dict[str, Format]:
 
 def selectable() -> list[str]:
     """The names ``--format`` offers."""
-    return [name for name, f in formats().items() if f.selectable]
+    return [name for name, f in output_formats().items() if f.selectable]
 
 
 def names_a_folder(out: str | Path) -> bool:
@@ -183,7 +183,7 @@ def names_a_folder(out: str | Path) -> bool:
 def file_suffix(out: str | Path) -> str:
     """OUT's suffix when it is one a file format claims (any case), else "" (``Qwen2.5-0.5B``: a folder)."""
     suffix = Path(out).suffix.lower()
-    return suffix if any(suffix in f.suffixes + f.accepts for f in formats().values() if not f.directory) else ""
+    return suffix if any(suffix in f.suffixes + f.accepts for f in output_formats().values() if not f.directory) else ""
 
 
 def for_output(out: str | Path, form: str | None = None) -> Format:
@@ -197,8 +197,8 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
     suffix = "" if names_a_folder(out) else file_suffix(out)
     if form is None:
         if suffix:
-            return next(f for f in formats().values() if not f.directory and suffix in f.suffixes)
-        return next(f for f in formats().values() if f.directory and f.default_for_folders)
+            return next(f for f in output_formats().values() if not f.directory and suffix in f.suffixes)
+        return next(f for f in output_formats().values() if f.directory and f.default_for_folders)
     fmt = by_name(form)
     if fmt.directory and suffix:
         raise OutputError(f"{out}: ends in {suffix}, a file suffix, but {fmt.name} writes a folder",
@@ -206,7 +206,7 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
     if not fmt.directory and names_a_folder(out):
         raise OutputError(f"{out}: names a folder, but {fmt.name} writes one file")
     if not fmt.directory and suffix and suffix not in fmt.suffixes + fmt.accepts:
-        owner = next(f.name for f in formats().values() if suffix in f.suffixes)
+        owner = next(f.name for f in output_formats().values() if suffix in f.suffixes)
         raise OutputError(f"{out}: ends in {suffix}, the suffix of {owner} files, but --format {fmt.name} "
                           f"writes {'/'.join(fmt.suffixes + fmt.accepts)}",
                           hint=f"name it {shlex.quote(str(Path(out).with_suffix(fmt.suffixes[0])))}" if fmt.suffixes else None)
@@ -215,7 +215,7 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
 
 def by_name(name: str) -> Format:
     """A format chosen explicitly (``--hf``, ``--format``) rather than by OUT's suffix."""
-    if name not in formats():
+    if name not in output_formats():
         raise OutputError(f"unknown output format {name!r}; known: {', '.join(sorted(FORMATS))}")
     return FORMATS[name]
 
@@ -225,4 +225,4 @@ def for_input(path: Path) -> Format | None:
 
     A DeepSpeed checkpoint is told apart first by ``api.paths.classify``: call that for a user's path.
     """
-    return next((f for f in formats().values() if f.reads(Path(path))), None)
+    return next((f for f in output_formats().values() if f.reads(Path(path))), None)

@@ -48,10 +48,10 @@ class Target:
     def check(self, request: ConvertRequest) -> None:
         """Refuse a request this target cannot serve, before the checkpoint is read."""
 
-    def prepare(self, ckpt, state, request: ConvertRequest, out: Path) -> PreparedConversion:
+    def prepare(self, ckpt, state, request: ConvertRequest) -> PreparedConversion:
         raise NotImplementedError
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging, out: Path,
+    def write(self, prepared: PreparedConversion, tmp: Path, staging,
               progress: Callable[[int], None] | None) -> list[str]:
         raise NotImplementedError
 

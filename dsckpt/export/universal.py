@@ -41,7 +41,7 @@ class UniversalTarget(Target):
             raise OutputError("--weights-only: a universal checkpoint is optimizer state by definition",
                               hint="leave --weights-only out, or use dsckpt consolidate for the weights")
 
-    def prepare(self, ckpt, state, request: ConvertRequest, out: Path) -> PreparedConversion:
+    def prepare(self, ckpt, state, request: ConvertRequest) -> PreparedConversion:
         plan, notes = _carry_only_allowed(build_universal_plan(ckpt, state), ckpt, request.trust)
         pickled = []
         for f in plan.files:
@@ -54,7 +54,7 @@ class UniversalTarget(Target):
         return PreparedConversion(self, plan.tag, tensors, nbytes, tuple(notes), pieces,
                                   tuple(src for src, _ in plan.copies), (plan, pickled))
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging, out: Path, progress) -> list[str]:
+    def write(self, prepared: PreparedConversion, tmp: Path, staging, progress) -> list[str]:
         plan, pickled = prepared.detail
         tag_dir = tmp / plan.tag
         with Reader() as reader:

@@ -1,9 +1,8 @@
 """CRC-32 (zip's, zlib's): the fastest implementation installed, and a buffer's CRC in parts on threads, joined.
 
 ``crc32`` is ISA-L's (the ``isal`` package: carry-less multiply, AVX-512 where the CPU has it) when installed,
-else zlib's.  Measured on this project's 2-core host (64 MiB buffers): zlib 2.0 GB/s, ISA-L 19.6 GB/s, both
-releasing the GIL.  A zip writer checksums every byte it writes: with zlib's, CRC-32 was 45 % of a
-reshard's profile (docs/dev/performance-log.md 12).  CRC-32 is linear over GF(2), so the CRC of ``a + b`` follows
+else zlib's (both release the GIL; ISA-L's is about ten times faster).  A zip writer checksums every byte it
+writes (docs/dev/performance-log.md 12, 15).  CRC-32 is linear over GF(2), so the CRC of ``a + b`` follows
 from the CRCs of ``a`` and ``b`` and ``len(b)`` (zlib's ``crc32_combine``, not exposed by Python's zlib):
 crc(a + b) = crc(a) * x^(8 len(b)) mod P  xor  crc(b), computed here as zlib computes it (reflected
 bit order, P = 0xEDB88320).

@@ -34,14 +34,8 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into=None) 
     return data
 
 
-# Writes reach the kernel in calls of at most this size.  Measured on this project's VMs (kernel 6.18,
-# virtio-balloon free page reporting on), a 700 MiB file written 3 s after memory was freed: 2-16 MiB calls
-# 4.9-5.9 s, 64 KiB-1 MiB calls 0.14-0.27 s, copy_file_range (cp's way) 0.19-0.27 s.  A large write gets large
-# page-cache folios, which likely come from the 2 MiB blocks the guest had reported free and the host must fault
-# back in.  It was what made a ZeRO-2 reshard 4-16x `cp` in `make bench-quick`.  Tried, not kept: 128 KiB calls
-# (a 5 GB file alone: 11.3 s against 17.5-30 s in 1 MiB calls) made `make bench-quick`'s reshards 1.17x/1.25x
-# `cp` against 1.01x/1.05x, and the 26-layer ZeRO-2 reshard 19.4 s against 9.6 s (the Python loop's calls
-# contend for the GIL with the CRC and read-ahead threads).
+# Writes reach the kernel in calls of at most this size: larger calls get large page-cache folios, which a VM that
+# reports free memory to its host must fault back in, many times slower (docs/dev/performance-log.md 15, 17).
 WRITE_SLICE = 1 << 20
 
 
@@ -71,9 +65,8 @@ def read_range(path: Path | str, offset: int, nbytes: int, into=None) -> bytes |
         return pread_exact(fh.fileno(), nbytes, offset, path, into)
 
 
-# A range this large is read in pieces on several threads (``preadv`` releases the GIL).  One thread
-# copies ~7 GB/s out of the page cache (measured on the lent H200 host): the reads were 0.67 s of a 1.24 s
-# GPU full-weights resume.  Smaller ranges are not worth a hand-off.
+# A range this large is read in pieces on several threads (``preadv`` releases the GIL): one thread's copy out of
+# the page cache bounds a GPU resume (docs/dev/performance-log.md 16); smaller ranges are not worth a hand-off.
 PARALLEL_READ_BYTES = 32 << 20
 _PIECE_BYTES = 16 << 20
 _readers: ThreadPoolExecutor | None = None

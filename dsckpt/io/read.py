@@ -8,9 +8,8 @@
 2. a source with a cast is read in whole elements and cast with numpy (``formats.cast``).
 Descriptors are opened once per file (``FileCache``), shared by threads (positional reads need no seek).
 
-A yielded chunk is valid until the next one is requested: copy it to keep it (``read`` does).
-Measured on the 330M ZeRO-2 reshard benchmark (2 cores, warm cache, 4 -> 3 ranks): 8.6 s with one fresh
-64 MiB ``bytes`` per chunk read in turn, 5.1 s with the two reused buffers and the prefetch.
+A yielded chunk is valid until the next one is requested: copy it to keep it (``read`` does).  Reused buffers
+and the prefetch replace a fresh ``bytes`` per chunk read in turn (docs/dev/performance-log.md 12).
 """
 from __future__ import annotations
 
@@ -24,13 +23,11 @@ from ..formats.pickle_policy import TensorRef
 from ..formats.positional import pread_exact
 from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 
-# Per read; two such buffers in flight.  Both fit this host's 32 MiB L3 with room for the page cache's own pages,
-# so the write and the CRC find the bytes the read just put there: reshard 4 -> 3 ranks, 54M parameters, warm,
-# 8 alternating runs, medians: ZeRO-2 0.325 s with 16 MiB, 0.243 s with 4 MiB (1 MiB 0.254, 2 MiB 0.252); ZeRO-3
-# 0.237 s -> 0.221 s (1 MiB 0.272: the thread hand-off per chunk starts to show).
+# Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
+# (docs/dev/performance-log.md 16).
 CHUNK = 4 << 20
-# Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: measured cold,
-# ZeRO-3 reshard 4 -> 3 ranks 0.595 -> 0.416 s, ZeRO-2 0.659 -> 0.590 s; warm, no change (docs/dev/performance-log.md 15).
+# Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: cold reads start
+# sooner (docs/dev/performance-log.md 15).
 ADVISE = hasattr(os, "posix_fadvise")
 ADVISE_GAP = 1 << 20  # ranges closer than this are advised as one
 
@@ -112,8 +109,7 @@ class Reader:
             if i + 1 < len(jobs):  # the other buffer: the caller is done with it
                 pending = self._submit(jobs[i + 1])
             elif then is not None:
-                # Read ahead into the next storage: each one's first read waited on its own otherwise (a 54M
-                # ZeRO-3 reshard, 2 cores, warm: 14-17 ms of ~185 ms waiting for first chunks, 7 with it).
+                # Read ahead into the next storage: each one's first read waited on its own otherwise.
                 following = self._start(_source_of(then))
                 self._ahead = (then, *following) if following else None
             yield current
@@ -138,8 +134,8 @@ class Reader:
 
     def _batches(self, source: ByteSource) -> Iterator[list[tuple[Segment | Zeros, int, int]]]:
         """The source's pieces cut to fill whole buffers: a resharded ZeRO-3 partition is one segment per
-        parameter and source rank (~300 KB each in the 12-layer benchmark); read one by one, the thread
-        hand-offs cost as much as the bytes (measured: 6,100 chunks, 0.7 s waiting of 2.3 s)."""
+        parameter and source rank, often a few hundred KB; read one by one, the thread hand-offs would cost as
+        much as the bytes."""
         batch, size = [], 0
         for piece in source.pieces:
             for start in range(0, piece.nbytes, self.chunk):

@@ -30,10 +30,8 @@ from .read import Reader
 ALIGN = 64
 # ``Reader.storage_chunks``: a storage's bytes in chunks; the second argument names the storage streamed next
 Chunks = Callable[[StorageOut, "StorageOut | None"], Iterable[bytes]]
-# Each chunk's CRC-32 in this many parts at once, beside the write.  On 2 cores two parts were no faster than
-# one (6 alternating runs on tmpfs, 4 -> 3 ranks: ZeRO-2 0.42 vs 0.56 s, ZeRO-3 0.46 vs 0.42 s - noise), since
-# the write and the prefetch already take the cores; with 4 or more cores zlib's CRC is the longest task.
-# (Measured with zlib's CRC; ISA-L's, the default where isal installs, is ~10x faster: formats/crc.py.)
+# Each chunk's CRC-32 in this many parts at once, beside the write: worth it only where cores are left over after
+# the write and the prefetch (docs/dev/performance-log.md 15).
 CRC_THREADS = 2 if (os.cpu_count() or 1) >= 4 else 1
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same input gives the same bytes
 
@@ -55,8 +53,8 @@ def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
     ``formats.crc``) while this thread writes the same chunk; the next chunk is asked for only when both are
     done (the reader reuses its buffers).
 
-    zipfile computes the CRC inside ``write``, in turn with the write: measured on the 4-layer benchmark
-    (778 MiB of ZeRO-2 rank files, 2 cores, warm cache) CRC-32 was 45 % of reshard's time.  Its entry
+    zipfile computes the CRC inside ``write``, in turn with the write (then the larger part of a reshard's
+    time: docs/dev/performance-log.md 12).  Its entry
     writer keeps the running CRC and size in ``_crc`` / ``_file_size`` (Python 3.6 - 3.13) and writes them
     into the headers on close; without those attributes, plain ``write`` is used.
     """

@@ -63,12 +63,9 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
     ``copy_file_range`` when both offsets sit at the same place within a page, else through a mapped window of
     the source.
 
-    Measured (2-core VM, ext4, warm cache): copy_file_range moves 4.1-4.3 GB/s page-aligned but 2.1-2.7 GB/s
-    when source and destination are out of step within a page, as nearly every piece of a consolidation is
-    (each rank's partition starts where its zip entry happens to start).  ``pwrite`` from a populated mapping
-    of the source is one copy at any offset: consolidate of the 4-layer benchmark's ZeRO-3 / ZeRO-2
-    checkpoints 0.089 / 0.084 s -> 0.062 / 0.059 s (7 alternating runs, medians; cp of the output
-    0.071 / 0.072 s).  Without MAP_POPULATE each page faults inside the write: 0.127 s.
+    The kernel's copy runs at half speed when source and destination are out of step within a page, as nearly
+    every piece of a consolidation is (each partition starts where its zip entry happens to); ``pwrite`` from a
+    populated mapping is one copy at any offset (docs/dev/performance-log.md 17).
     """
     if _MAP_POPULATE and (src_off - dst_off) % mmap.PAGESIZE:
         nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path)

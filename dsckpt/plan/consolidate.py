@@ -101,7 +101,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         add(name, ref.shape, ref.dtype, "buffer", ref_segments(ref), ref.dtype)
     ordered = _module_order(ckpt, tensors)
     aliases = {a: s for a, s in ckpt.shared.items() if s in tensors and a not in tensors}
-    plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases, out_dtype))
+    plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
 
 
@@ -211,7 +211,7 @@ def _module_order(ckpt: Checkpoint, tensors: dict[str, TensorPlan]) -> list[Tens
     return order + [t for n, t in tensors.items() if n not in seen]
 
 
-def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, str], out_dtype) -> dict[str, str]:
+def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, str]) -> dict[str, str]:
     import json
 
     meta = {M.FORMAT: M.FORMAT_PT, M.SOURCE_TAG: ckpt.layout.tag, M.ZERO_STAGE: str(ckpt.zero_stage),

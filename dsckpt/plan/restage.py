@@ -167,7 +167,7 @@ def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int
     flats, state = _moved_partitions(ckpt, moves, rank, torch_state, lambda move: 0)
     stage3 = {  # the keys and order of DeepSpeed 0.19.8's stage-3 optimizer state_dict
         L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(3),
-        "loss_scaler": osd["loss_scaler"],
+        L.LOSS_SCALER: osd[L.LOSS_SCALER],
         "dynamic_loss_scale": osd["dynamic_loss_scale"],
         "overflow": osd["overflow"],
         L.PARTITION_COUNT: world_size,
@@ -225,7 +225,7 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
     config = template.obj.get(L.DS_CONFIG)
     clip = config.get("gradient_clipping", 0.0) if isinstance(config, dict) else 0.0
     stage12 = {  # the keys and order of DeepSpeed 0.19.8's stage-1/2 optimizer state_dict
-        "loss_scaler": osd["loss_scaler"],
+        L.LOSS_SCALER: osd[L.LOSS_SCALER],
         "dynamic_loss_scale": osd["dynamic_loss_scale"],
         "overflow": osd["overflow"],
         "clip_grad": clip,
@@ -233,7 +233,7 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
         L.SINGLE_PARTITION_OF_FP32_GROUPS: flats,
         L.ZERO_STAGE: type(osd[L.ZERO_STAGE])(stage),
         L.GROUP_PADDINGS: [stage12_trimmed(m.target, rank) for m in moves],
-        "param_alignment_paddings": [[0] * len(m.names) for m in moves],  # alignment off: DeepSpeed's default
+        L.PARAM_ALIGNMENT_PADDINGS: [[0] * len(m.names) for m in moves],  # alignment off: DeepSpeed's default
         L.PARTITION_COUNT: [world_size] * len(moves),
         L.DS_VERSION: template.obj.get(L.DS_VERSION),
         L.PARAM_SLICE_MAPPINGS: [OrderedDict(slice_mappings_at(m, rank, [])) for m in moves],

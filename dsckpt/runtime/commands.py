@@ -65,8 +65,12 @@ def _require_supported_precision(config: dict[str, Any]) -> None:
         require_supported(precision)
 
 
-def preflight_train(world_size: int, *, saves: bool = True, verbose: bool = False, **kwargs) -> None:
-    opts = _options(kwargs)
+RUN_FLAGS = ("as_json", "verbose", "strict")  # how a run reports or loads: not training options
+
+
+def preflight_train(*, saves: bool = True, **kwargs) -> None:
+    """Refuse a training configuration before any rank starts (``kwargs``: the command's options)."""
+    opts = _options({k: v for k, v in kwargs.items() if k not in RUN_FLAGS})
     _require_supported_precision(opts.deepspeed_config())  # a bad config or preset fails here
     if opts.save_every and not opts.save_dir:
         raise ConfigError("--save-every needs --save-dir")
@@ -120,8 +124,8 @@ def remove_partial_saves(save_dir: str | None) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strict, strip_prefix, check,
-                     reshard, trust_checkpoint, as_json, verbose=False, **kwargs) -> None:
+def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strip_prefix, check,
+                     reshard, trust_checkpoint, **kwargs) -> None:
     if bool(checkpoint) == bool(full_weights):
         raise ConfigError("give either CKPT_DIR or --full-weights FILE, not both or neither")
     if check and not full_weights:
@@ -154,7 +158,7 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
                 f"world size {world_size}; DeepSpeed cannot reshard it",
                 hint=f"add --reshard, or run `dsckpt consolidate {shlex.quote(str(checkpoint))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")
-    preflight_train(world_size, saves=not check, **kwargs)
+    preflight_train(saves=not check, **kwargs)
 
 
 def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:

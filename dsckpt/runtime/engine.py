@@ -141,9 +141,8 @@ def import_muon_uncompiled(optimizer: Any) -> None:
 
     DeepSpeed 0.19.8 imports that module in every ``deepspeed.initialize`` (ZeRO's supported-optimizer check,
     stage 3's and the bf16 optimizer's ``isinstance`` checks), whatever the optimizer; its ``@torch.compile``
-    decorators import ``torch._inductor`` then: 0.85 s of CPU per rank on this project's 2-core host, 1.4 s
-    where ``torch._dynamo`` was not imported yet (cProfile of a 2-rank `train --stage 3` of 4.3 s).  Its
-    kernels run only for a Muon optimizer; for any other one, the decorators left as the identity
+    decorators import ``torch._inductor`` then, about a second of each rank's start-up
+    (docs/dev/performance-log.md section 19).  Its kernels run only for a Muon optimizer; for any other one, the decorators left as the identity
     (``TORCHDYNAMO_DISABLE``, read at decoration) change nothing but the time.
     """
     if optimizer is None or MUON_MODULE in sys.modules or "muon" in type(optimizer).__module__.lower():

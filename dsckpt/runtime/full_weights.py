@@ -40,11 +40,8 @@ def release_memory_promptly() -> None:
     """Fix glibc's mmap threshold at 32 MiB (no-op elsewhere): big freed buffers go back to the OS at once.
 
     glibc raises its mmap threshold after large frees, so the per-module buffers of a load (file
-    reads, gathered parameters) end up on the heap and stay resident.  Measured with
-    bench/bench_resume.py (579 MiB file, world size 4): rank 0 grew by 400-560 MiB with the dynamic
-    threshold.  1 MiB (the first setting) kept growth at 1-33 MiB but made every tensor a fresh mmap,
-    page-faulted in on each use: on a 16-core host (503M parameters, world size 4) loads took 5.1-6.7 s
-    against 3.8-4.1 s at 32 MiB, with 82 MiB growth on rank 0 (docs/dev/performance-log.md section 6).
+    reads, gathered parameters) end up on the heap and stay resident; a threshold as low as 1 MiB makes every
+    tensor a fresh, page-faulted mmap instead (both measured: docs/dev/performance-log.md section 6).
     32 MiB is the highest value glibc's dynamic threshold reaches, so smaller buffers are reused as
     glibc would reuse them; fixing it also keeps the trim threshold fixed, so the heap's free top goes
     back to the OS.  The setting stays for the rest of the process.

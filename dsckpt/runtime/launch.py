@@ -4,10 +4,8 @@
    with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and torchrun's other worker
    variables; a child sees ``LOCAL_RANK`` and runs the work instead of launching again.  Rank 0 hosts the
    rendezvous store (``env://``), on a port the parent found free.
-2. The parent does not import torch.  torchrun did: its agent imports torch before starting the workers,
-   which import it again - measured on this 2-core host, a 2-rank ZeRO-3 `train --steps 2` took 6.4 s
-   under torchrun and 4.4-5.1 s started directly (3 runs each); `import torch` alone is 4.3 s on the
-   lent H200 image.
+2. The parent does not import torch (torchrun's agent does, before its workers import it again: seconds per
+   job, docs/dev/performance-log.md).
 3. It waits for every rank.  When one fails, the others get ``FAILURE_GRACE_S`` to notice (a broken
    collective) and write their own error, then SIGTERM, then SIGKILL: no rank outlives the launch.
 4. Ctrl-C reaches every rank of the terminal's process group; each stops on its own (``interruptible``),

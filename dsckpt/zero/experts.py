@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError
+from . import layout as L
 
 EXPERTS_MARK = ".deepspeed_moe.experts.deepspeed_experts."  # between a layer's path and an expert's local id
 LOCAL_ID = re.compile(re.escape(EXPERTS_MARK) + r"(\d+)\.")
-EXPERT_FILE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
-EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")  # ZeRO-0: per ep rank
 EP_GROUP_NAME = re.compile(r"^ep_size_(\d+)$")  # the optimizer param group DeepSpeed builds for one ep_size
 NUM_EXPERTS = "num_experts"  # model-states key: experts per MoE layer, in layer order
 
@@ -83,10 +82,10 @@ def read_experts(tag_dir: Path, expert_files: tuple[Path, ...], head: dict, para
     where = tag_dir
     files: dict[int, dict[int, Path]] = {}
     for path in expert_files:
-        if EXPERT_OPTIMIZER_FILE.match(path.name):
+        if L.EXPERT_OPTIM_FILE_RE.match(path.name):
             continue  # ZeRO-0's optimizer of one ep rank's experts (the weights are in the expert files)
-        match = EXPERT_FILE.match(path.name)
-        if not match:
+        match = L.EXPERT_MODEL_FILE_RE.match(path.name)
+        if not match or match.group("layer") is None:
             raise UnsupportedCheckpointError(f"{path}: an expert file of an older DeepSpeed layout; not supported")
         files.setdefault(int(match.group("layer")), {})[int(match.group("expert"))] = path
     counts = head.get(NUM_EXPERTS)

@@ -6,10 +6,9 @@ pipeline stage), ``layer_{l}_expert_{e}`` / ``expp_rank_{ep}`` for mixture-of-ex
 ``layer_{l}-model_{tp:02d}`` for pipeline layers.  ``rank_file_name`` builds every such name, so plans
 never spell one; ``zero.layout`` parses them with the regular expressions beside its constants.
 
-Each parameter also has a rule for how its slices along the grid join (``Join``): ZeRO's data-parallel
-slices are flat partitions (``partitioning`` says which elements each rank holds); a tensor-parallel
-slice joins along one dimension or is replicated.  Today dsckpt fills dp (and, with experts, ep); tp and
-pp are recognised and refused by name, and fit this model without another redesign when their time comes.
+ZeRO's data-parallel slices of a parameter are flat partitions (``partitioning`` says which elements each
+rank holds); a tensor-parallel slice will join along one dimension or be replicated.  Today dsckpt fills dp
+(and, with experts, ep); tp and pp are recognised and refused by name.
 """
 from __future__ import annotations
 
@@ -41,17 +40,6 @@ class GridShape:
     def unsupported(self) -> list[str]:
         """The axes dsckpt cannot gather yet, named for a message."""
         return [f"{axis} {size}" for axis, size in (("tensor parallel", self.tp), ("pipeline", self.pp)) if size > 1]
-
-
-@dataclass(frozen=True)
-class Join:
-    """How a parameter's slices along one grid axis make the whole tensor."""
-    axis: Literal["tp", "dp", "ep"]
-    how: Literal["flat", "dim", "replicated"]  # flat: ZeRO partitions of the flattened tensor
-    dim: int | None = None  # for "dim": the dimension the slices are concatenated along
-
-
-ZERO_JOIN = Join("dp", "flat")  # every ZeRO-partitioned parameter
 
 
 def rank_file_name(kind: Literal["model", "optim"], coord: Coord = Coord(), *, per_dp_rank: bool = True,

@@ -29,7 +29,12 @@ RANK_FILE_RE = re.compile(
 PIPELINE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 # Mixture-of-experts: expert weights live outside `module`, one file per expert (older: expert_E_...),
 # their optimizer state in expp_rank_R_... files.
-EXPERT_FILE_RE = re.compile(r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
+EXPERT_MODEL_FILE_RE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPERT_OPTIM_FILE_RE = re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")  # ZeRO-0: per ep rank
+
+
+def is_expert_file(name: str) -> bool:
+    return bool(EXPERT_MODEL_FILE_RE.match(name) or EXPERT_OPTIM_FILE_RE.match(name))
 
 # ds_to_universal's output: the rank model-states files as they were, no optimizer-states files, and
 # zero/<parameter name>/{fp32,exp_avg,exp_avg_sq,step}.pt - each the whole parameter (flat at stage 3;
@@ -148,7 +153,7 @@ def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
             (model if rank_file.kind == "model" else optim).append(rank_file)
         elif PIPELINE_LAYER_RE.match(entry.name):
             pipeline.append(Path(entry.path))
-        elif EXPERT_FILE_RE.match(entry.name):
+        elif is_expert_file(entry.name):
             experts.append(Path(entry.path))
     key = lambda f: (f.mp_rank, -1 if f.dp_rank is None else f.dp_rank)
     return sorted(model, key=key), sorted(optim, key=key), pipeline, experts
