@@ -49,6 +49,8 @@ BOUNDS: dict[str, float | None] = {  # ratio -> the largest median accepted (Non
     "reshard z3 fsync / cp+sync": 1.10,
     "consolidate fsync / no-fsync": None,  # fsync's price, reported: a faster write only makes it look dearer
     "reshard fsync / no-fsync": None,
+    "consolidate crc / no-crc": None,  # the default CRC-32 check of every storage read, its price reported
+    "reshard z3 crc / no-crc": None,
 }
 
 
@@ -148,6 +150,10 @@ def main() -> int:
                            lambda o: dsckpt.consolidate(ckpts[3], o, fsync=False, client_state=False)),
         "consolidate fsync": job(scratch / "c.safetensors", ckpts[3],
                                  lambda o: dsckpt.consolidate(ckpts[3], o, fsync=True, client_state=False)),
+        "consolidate no-crc": job(scratch / "c.safetensors", ckpts[3], lambda o: dsckpt.consolidate(
+            ckpts[3], o, fsync=False, client_state=False, check_crc=False)),
+        "reshard z3 no-crc": job(scratch / "r3", ckpts[3], lambda o: dsckpt.reshard(ckpts[3], o, 3, fsync=False,
+                                                                                   check_crc=False)),
         "cp c": job(scratch / "c_cp.safetensors", refs["c"], lambda o: cp(refs["c"], o)),
         "cp+sync r3": job(scratch / "r3_cps", refs["r3"], lambda o: cp_synced(refs["r3"], o)),
         "cp+sync c": job(scratch / "c_cps.safetensors", refs["c"], lambda o: cp_synced(refs["c"], o)),
@@ -157,7 +163,9 @@ def main() -> int:
              "consolidate fsync / cp+sync": ("consolidate fsync", "cp+sync c"),
              "reshard z3 fsync / cp+sync": ("reshard z3 fsync", "cp+sync r3"),
              "consolidate fsync / no-fsync": ("consolidate fsync", "consolidate"),
-             "reshard fsync / no-fsync": ("reshard z3 fsync", "reshard z3")}
+             "reshard fsync / no-fsync": ("reshard z3 fsync", "reshard z3"),
+             "consolidate crc / no-crc": ("consolidate", "consolidate no-crc"),
+             "reshard z3 crc / no-crc": ("reshard z3", "reshard z3 no-crc")}
     ratios: dict[str, list[float]] = {name: [] for name in BOUNDS}
     seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in BOUNDS}  # (numerator, denominator)
     for run in range(-args.warmup, args.runs):

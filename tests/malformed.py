@@ -86,6 +86,12 @@ def flip(fixture: str, pattern: str, where: str):
             tf = TorchFile(f)
             ref = tf.obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
             pos = tf.storages[ref.storage.key].offset + 7
+        elif where == "Adam moment":  # inside exp_avg_sq: bytes consolidate never reads, reshard carries
+            from dsckpt.formats.torchzip import TorchFile
+
+            tf = TorchFile(f)
+            state = tf.obj["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+            pos = tf.storages[state["exp_avg_sq"].storage.key].offset + 11
         else:
             pos = {"local magic": 1, "central magic": data.rfind(b"PK\x01\x02") + 2,
                    "pickle": pkl.header_offset + 30 + len(pkl.filename) + len(pkl.extra) + pkl.file_size // 2}[where]
@@ -302,6 +308,12 @@ def cases() -> list[Case]:
                         INSP_CONS(P, E), names="zero_pp_rank_0"))
     out.append(Case("bit flip in tensor data, --verify", "bit flip", flip("z2_ws2_fp32", "zero_pp_rank_0_*optim*", "tensor data"),
                     {"consolidate": E}, names="zero_pp_rank_0", consolidate_args=("--verify",)))
+    out.append(Case("bit flip in the fp32 masters, CRC left as it was", "bit flip",
+                    flip("z2_ws2_fp32", "zero_pp_rank_0_*optim*", "tensor data"),
+                    {"consolidate": E, "reshard": E, "convert": E}, names="fails its CRC-32 check"))
+    out.append(Case("bit flip in an Adam moment, CRC left as it was", "bit flip",
+                    flip("z2_ws2_fp32", "zero_pp_rank_1_*optim*", "Adam moment"),
+                    {"consolidate": OK, "reshard": E, "convert": E}, names="fails its CRC-32 check"))
     out += [
         Case("zero-byte model file", "not a checkpoint", replace_with("z2_ws2_fp32", "mp_rank_00_model_states.pt", b""),
              INSP_CONS(E, E), names="mp_rank_00_model_states.pt"),

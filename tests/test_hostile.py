@@ -377,3 +377,37 @@ def test_pickle_memo_index_cannot_allocate(tmp_path):
                           cwd=ROOT, preexec_fn=limit, timeout=60)
     assert proc.returncode == 1 and "MemoryError" not in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# -- 6. damage the zip cannot see: bytes overwritten, CRC-32 record left as it was -------------------
+@pytest.fixture
+def damaged_masters(tmp_path):
+    from malformed import flip
+
+    return flip("z2_ws2_fp32", "zero_pp_rank_0_*optim*", "tensor data")(tmp_path)
+
+
+def test_every_command_that_reads_values_checks_crcs(damaged_masters, tmp_path):
+    """The fp32 masters' bytes changed, their CRC-32 not: every reading command refuses, naming file and storage."""
+    named = ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "fails its CRC-32 check")
+    for args in (("check-finite", damaged_masters), ("diff", damaged_masters, damaged_masters),
+                 ("inspect", damaged_masters, "--stats"), ("consolidate", damaged_masters, tmp_path / "m.pt"),
+                 ("convert", damaged_masters, tmp_path / "u", "--to", "universal")):
+        clean_error(run_cli(*args), *named)
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "u").exists()
+    from dsckpt import load_state_dict
+    from dsckpt.errors import CorruptFileError
+
+    with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
+        load_state_dict(damaged_masters)
+
+
+def test_skip_crc_check_reads_anyway_and_says_so(damaged_masters):
+    proc = run_cli("check-finite", damaged_masters, "--skip-crc-check")
+    assert proc.returncode in (0, 3), proc.stderr
+    assert "note: CRC-32 checks skipped" in proc.stderr
+
+
+@pytest.mark.runtime  # (resume's preflight imports DeepSpeed)
+def test_sharded_resume_refuses_damaged_bytes_before_any_rank_starts(damaged_masters):
+    clean_error(run_cli("resume", damaged_masters, "--steps", "1"), "fails its CRC-32 check")

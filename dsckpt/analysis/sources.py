@@ -13,12 +13,19 @@ from ..errors import UnsupportedCheckpointError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
 from ..api.paths import classify
+from ..io.integrity import check_sources
 from ..plan.segments import Segment
 from .stats import Source
 
 
-def sources(path: str | Path, tag: str | None = None, optimizer: bool = False) -> list[Source]:
-    p = Path(path)
+def sources(path: str | Path, tag: str | None = None, optimizer: bool = False, check_crc: bool = True) -> list[Source]:
+    """Every tensor to analyse; each storage read is CRC-checked first unless ``check_crc`` is False."""
+    out = _sources(Path(path), tag, optimizer)
+    check_sources((p for s in out for p in s.pieces), skip=not check_crc)
+    return out
+
+
+def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
     kind = classify(p)
     if kind.kind == "weights":
         fmt = kind.format

@@ -21,10 +21,9 @@ from typing import Any, Callable, Iterator
 from ..errors import OutputError, VerificationError
 from ..export.registry import Format, Prepared, Request, companion_paths, for_output
 from ..export.sidecar import sidecar_paths, write_sidecar
-from ..formats.pickle_policy import tensor_refs
 from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
-from ..formats.torchzip import check_storage_crcs
+from ..io.integrity import check_sources
 from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
@@ -33,7 +32,7 @@ from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
 from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases
-from ..plan.segments import Segment, ref_segments
+from ..plan.segments import tree_pieces
 from ..zero.reader import open_checkpoint
 
 DEFAULT_SHARD = "5GB"
@@ -66,7 +65,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
-                group: Group | None = None, progress: Callable[[int], None] | None = None,
+                check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO checkpoint into ``out``; see the module docstring.
 
@@ -93,8 +92,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
         write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
         group.step(lambda: _check_out(out, inputs, force, fmt.directory, view.real_path(ckpt.layout.root)) if group.rank == 0 else None)
-        if verify:  # damaged source bytes are caught before anything is written, each file by the process that has it
-            group.step(lambda: check_sources(plan, view.owns))
+        sources = [p for t in plan.tensors for p in t.pieces] + (tree_pieces(ckpt.client_state) if write_client else [])
+        # damaged bytes are caught before anything is written, each file by the process that holds it
+        notes += group.step(lambda: check_sources(sources, view.owns, skip=not check_crc))
         if progress_total:
             progress_total(plan.nbytes)
         groups = storage_groups(group, out)
@@ -162,7 +162,7 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
     else:
         mine = list(plan.tensors) if group.rank == 0 else []
     extra = companion_paths(prepared.companions) if group.rank == 0 else []
-    clients = [p for ref in tensor_refs(ckpt.client_state) for p in ref_segments(ref)] if group.rank == 0 else []
+    clients = tree_pieces(ckpt.client_state) if group.rank == 0 else []
     fetch(group, view, remote_ranges(view, [p for t in mine for p in t.pieces] + clients, extra))
 
     def run(step: Callable[[], Any]) -> Any:
@@ -206,18 +206,6 @@ def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tu
     return tuple(notes)
 
 
-def check_sources(plan: Plan, reads: Callable[[Path], bool] = lambda path: True) -> None:
-    """The zip CRC-32 of every storage the plan reads from (raw copies bypass zipfile's own check); ``reads``:
-    the files to check (a distributed run: those this process holds)."""
-    ranges: dict[Path, list[tuple[int, int]]] = {}
-    for t in plan.tensors:
-        for p in t.pieces:
-            if isinstance(p, Segment) and reads(p.path):
-                ranges.setdefault(p.path, []).append((p.offset, p.nbytes))
-    for path, spans in ranges.items():
-        check_storage_crcs(path, spans)
-
-
 def verify_output(plan: Plan, out: Path, fmt: Format, only: set[str] | None = None) -> None:
     """Re-read OUT through its format's reader and compare every tensor (or those named in ``only``) byte for
     byte with the plan's source pieces (tied aliases stored as views of one storage are compared once)."""
@@ -240,19 +228,22 @@ def verify_output(plan: Plan, out: Path, fmt: Format, only: set[str] | None = No
 
 
 def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype: str | None = None,
-                    exclude_frozen: bool = False, state: str = "fp32") -> dict[str, Any]:
+                    exclude_frozen: bool = False, state: str = "fp32", check_crc: bool = True) -> dict[str, Any]:
     """The consolidated state dict as torch tensors in memory (tied names share one tensor).
 
-    ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.
+    ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.  Every storage
+    read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen, state=state)
+    check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
     return torch_state_dict(plan)
 
 
 def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
-                    dtype: str | None = None) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, tensor)`` one full tensor at a time (memory: the largest tensor)."""
+                    dtype: str | None = None, check_crc: bool = True) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` one full tensor at a time (memory: the largest tensor); CRC-checked first."""
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype)
+    check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
     for t in plan.tensors:
         yield t.name, torch_state_dict(plan, only={t.name})[t.name]
     for alias, target in plan.aliases.items():

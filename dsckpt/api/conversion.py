@@ -21,13 +21,13 @@ from typing import Callable
 
 from ..export.sidecar import sidecar_paths, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
-from ..formats.pickle_policy import tensor_refs
+from ..io.integrity import check_sources
 from ..io.output import check_output, check_parent, write_errors
 from ..parallel.group import ONE_PROCESS, Group
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
-from ..plan.segments import ref_segments
+from ..plan.segments import tree_pieces
 from ..plan.training_state import build_training_state
 
 
@@ -45,7 +45,7 @@ class ConvertResult:
 
 def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, tag: str | None = None,
             weights_only: bool = False, force: bool = False, fsync: bool = True, trust: bool = False,
-            group: Group | None = None, progress: Callable[[int], None] | None = None,
+            check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ConvertResult:
     """Write ``checkpoint`` (one tag) as ``to`` (a registered target: "dcp", "universal") into the folder ``out``.
 
@@ -70,7 +70,8 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
         groups = storage_groups(group, out)
         staged = Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
         staged.create()
-        clients = [p for ref in tensor_refs(ckpt.client_state) for p in ref_segments(ref)] if client else []
+        clients = tree_pieces(ckpt.client_state) if client else []
+        crc_notes = group.step(lambda: check_sources(list(prepared.pieces) + clients, view.owns, skip=not check_crc))
         wanted = remote_ranges(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
         fetch(group, view, wanted)
         names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, progress)
@@ -83,7 +84,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
         raise
     finally:
         view.close()
-    notes = prepared.notes + ((f"client state (not part of the {target.name} layout) in "
+    notes = prepared.notes + crc_notes + ((f"client state (not part of the {target.name} layout) in "
                                f"{sidecar_paths(out)[0].name}",) if client else ())
     return ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,
                          tuple(str(out / n) for n in names), notes)

@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
+from ..io.integrity import check_sources
 from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
@@ -66,7 +67,7 @@ class ReshardResult:
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
             stage: int | None = None, ep_size: int | None = None, force: bool = False, fsync: bool = True,
-            trust: bool = False, group: Group | None = None, gather: bool = False,
+            trust: bool = False, check_crc: bool = True, group: Group | None = None, gather: bool = False,
             progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ReshardResult:
     """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
@@ -88,6 +89,8 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         plan = prepared.plan
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
         group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
+        crc_notes = group.step(lambda: check_sources(_pieces(plan.files, prepared.pickled), view.owns,
+                                                      skip=not check_crc))
         if progress_total:
             progress_total(prepared.total)
         groups = storage_groups(group, out)
@@ -118,7 +121,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         view.close()
     here = [name for name, _ in items if staged.leader in place.destinations(name)]
     return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size,
-                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total, prepared.notes,
+                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total, prepared.notes + crc_notes,
                          ckpt.zero_stage)
 
 

@@ -6,6 +6,7 @@ import sys
 import click
 
 from .app import cli, json_document
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 EXIT_NON_FINITE = 3
 
@@ -14,8 +15,9 @@ EXIT_NON_FINITE = 3
 @click.argument("path", type=click.Path())
 @click.option("--tag", default=None, help="Tag of a checkpoint (default: what `latest` names).")
 @click.option("--optimizer", is_flag=True, help="Check Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document: {finite, tensors, offending}.")
-def check_finite(path: str, tag: str | None, optimizer: bool, as_json: bool) -> None:
+def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool) -> None:
     """Exit 0 when every value is finite; exit 3 listing the tensors with NaN or Inf.
 
     \b
@@ -28,7 +30,8 @@ def check_finite(path: str, tag: str | None, optimizer: bool, as_json: bool) -> 
     from ..analysis.sources import sources
     from ..analysis.stats import compute_stats
 
-    stats = compute_stats(sources(path, tag, optimizer))
+    stats = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check))
+    crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
         click.echo(json_document(path=str(path), finite=not bad, tensors=len(stats), offending=bad))

@@ -7,7 +7,7 @@ import click
 
 from ..export.registry import output_formats, selectable
 from .app import cli, json_document
-from .options import NPROC_HELP, TRUST_HELP, Precision, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, Precision, parallel_group
 
 
 @cli.command()
@@ -33,13 +33,14 @@ from .options import NPROC_HELP, TRUST_HELP, Precision, parallel_group
               "writes are replaced, everything else there stays.")
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
-                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, no_fsync, nproc,
-                quiet, as_json) -> None:
+                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, skip_crc_check,
+                no_fsync, nproc, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
     \b
@@ -79,7 +80,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     form="hf" if hf else form, config=config, trust=trust_checkpoint, group=group,
+                     form="hf" if hf else form, config=config, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group,
                      progress=bar.update, progress_total=announce)
     if group is not None and group.rank != 0:
         return

@@ -7,7 +7,7 @@ import click
 
 from ..export.targets import targets
 from .app import cli, json_document
-from .options import NPROC_HELP, TRUST_HELP, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 
 
 @cli.command()
@@ -20,12 +20,13 @@ from .options import NPROC_HELP, TRUST_HELP, parallel_group
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
               "everything else there stays.")
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before the rename (scratch work).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, no_fsync, nproc,
-            quiet, as_json) -> None:
+def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, skip_crc_check,
+            no_fsync, nproc, quiet, as_json) -> None:
     """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint.
 
     \b
@@ -57,7 +58,7 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
             bar.total = total
 
         result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only, force=force, fsync=not no_fsync,
-                     trust=trust_checkpoint, group=group, progress=bar.update, progress_total=announce)
+                     trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, progress=bar.update, progress_total=announce)
     if group is not None and group.rank != 0:
         return
     for note in result.notes:

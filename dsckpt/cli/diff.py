@@ -6,6 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 
 @cli.command()
@@ -19,8 +20,9 @@ from .app import EXIT_PROBLEMS, cli, json_document
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="A PNG of the relative change per tensor, by layer (needs dsckpt[plot]).")
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool,
-         plot: str | None) -> None:
+         plot: str | None, skip_crc_check: bool) -> None:
     """Per tensor: max |a-b|, relative L2 change, equal or not; names on one side only.
 
     \b
@@ -34,7 +36,9 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     from ..analysis.report import render_diff
     from ..analysis.sources import sources
 
-    report = compare(sources(a, tag_a, optimizer), sources(b, tag_b, optimizer), atol, rtol)
+    check = not skip_crc_check
+    report = compare(sources(a, tag_a, optimizer, check), sources(b, tag_b, optimizer, check), atol, rtol)
+    crc_skipped_note(skip_crc_check)
     if plot:
         from pathlib import Path
 

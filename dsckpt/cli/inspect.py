@@ -6,6 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 
 @cli.command()
@@ -18,8 +19,9 @@ from .app import EXIT_PROBLEMS, cli, json_document
 @click.option("--top", type=click.IntRange(min=1), default=None, help="With --stats: tensors listed by norm [default: 20].")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="With --stats: a PNG of the norm per tensor, by layer (needs dsckpt[plot]).")
+@click.option("--skip-crc-check", is_flag=True, help="With --stats: " + SKIP_CRC_HELP)
 def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int,
-            plot: str | None) -> None:
+            plot: str | None, skip_crc_check: bool) -> None:
     """Summarize a checkpoint, or a consolidated file, from metadata alone.
 
     \b
@@ -37,7 +39,8 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
 
     from ..analysis.inspect import render, summarize
 
-    needs_stats = [flag for flag, given in (("--optimizer", optimizer), ("--top", top is not None), ("--plot", plot))
+    needs_stats = [flag for flag, given in (("--optimizer", optimizer), ("--top", top is not None), ("--plot", plot),
+                                                    ("--skip-crc-check", skip_crc_check))
                    if given]
     if needs_stats and not stats:
         raise click.UsageError(f"{', '.join(needs_stats)} work on the values: add --stats")
@@ -48,7 +51,8 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
         from ..analysis.sources import sources
         from ..analysis.stats import compute_stats
 
-        records = compute_stats(sources(path, tag, optimizer))
+        records = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check))
+        crc_skipped_note(skip_crc_check)
         if plot:
             from pathlib import Path
 

@@ -5,6 +5,8 @@ import click
 
 from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 
+SKIP_CRC_HELP = ("Do not check each storage read against the CRC-32 in its zip record (checked by default: a "
+                 "damaged byte is refused, naming the file); a note says it was skipped.")
 TRUST_HELP = ("Trust whoever wrote CHECKPOINT: copy pickled objects of any class as recorded and follow symlinks "
               "out of it (default: such client-state entries are left out with a note, such links refused).")
 
@@ -81,3 +83,11 @@ def parallel_group(nproc: int):
         require_torch("--nproc")
         sys.exit(launch.launch(nproc))
     return init_group() if launched() else None  # (left without teardown at exit: cli.app._exit)
+
+
+def crc_skipped_note(skipped: bool) -> None:
+    """The loud word a command says when it read without CRC checks."""
+    if skipped:
+        from ..io.integrity import SKIPPED_NOTE
+
+        click.echo(f"note: {SKIPPED_NOTE}", err=True)

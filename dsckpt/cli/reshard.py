@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, json_document
-from .options import NPROC_HELP, TRUST_HELP, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 
 
 @cli.command()
@@ -22,14 +22,15 @@ from .options import NPROC_HELP, TRUST_HELP, parallel_group
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")
 @click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--gather", is_flag=True, help="Under torchrun on several hosts: write every target rank's files on rank "
               "0's host (default: each target rank's files on the host that will run it).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, no_fsync, nproc,
-            gather, quiet, as_json) -> None:
+def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, skip_crc_check,
+            no_fsync, nproc, gather, quiet, as_json) -> None:
     """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks (and --stage).
 
     OUT_DIR is a native DeepSpeed checkpoint (`latest` + one tag): a plain
@@ -65,7 +66,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
         result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
-                     fsync=not no_fsync, trust=trust_checkpoint, group=group, gather=gather, progress=bar.update,
+                     fsync=not no_fsync, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, gather=gather, progress=bar.update,
                      progress_total=announce)
     if group is not None and group.rank != 0:
         return

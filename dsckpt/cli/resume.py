@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .options import training_options
+from .options import SKIP_CRC_HELP, training_options
 from .app import in_launched_rank, require_runtime, world_size_for, cli
 
 
@@ -22,6 +22,7 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--reshard", is_flag=True, help="CHECKPOINT at another world size or (with --stage) ZeRO stage: rewrite "
               "it for this run first (optimizer state kept between ZeRO stages 1-3; from ZeRO-0 its consolidated weights, "
               "optimizer fresh).")
+@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--trust-checkpoint", is_flag=True,
               help="Let DeepSpeed unpickle CHECKPOINT its own way, without weights_only (its pickles may run code). "
                    "Default: refuse classes beyond DeepSpeed's own.")

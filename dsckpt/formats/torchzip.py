@@ -143,23 +143,10 @@ def check_structure(obj: Any, where: str) -> None:
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def check_storage_crcs(path: Path, ranges: list[tuple[int, int]], chunk: int = 64 << 20) -> None:
-    """CRC-check every storage of ``path`` that overlaps one of the byte ranges ``(offset, nbytes)``."""
-    from .crc import crc32
-
-    tf = TorchFile(path)
+def is_torch_zip(path: Path) -> bool:
+    """``path`` starts as a zip does (a rank file; not a safetensors file)."""
     with open(path, "rb") as fh:
-        for key, loc in tf.storages.items():
-            if not any(o < loc.offset + loc.nbytes and loc.offset < o + n for o, n in ranges):
-                continue
-            crc, pos = 0, 0
-            while pos < loc.nbytes:
-                data = os.pread(fh.fileno(), min(chunk, loc.nbytes - pos), loc.offset + pos)
-                if not data:
-                    raise CorruptFileError(f"{path}: storage {key!r} is truncated")
-                crc, pos = crc32(data, crc), pos + len(data)
-            if crc != loc.crc32:
-                raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)")
+        return fh.read(len(_LOCAL_MAGIC)) == _LOCAL_MAGIC
 
 
 def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError
-from ..formats.pickle_policy import TensorRef
+from ..formats.pickle_policy import TensorRef, tensor_refs
 from ..formats.pickle_writer import NewTensor, StorageOut
 from ..formats.torchzip import tensor_byte_range
 
@@ -58,6 +58,11 @@ def ref_segments(ref: TensorRef) -> tuple[Segment, ...]:
     """A stored tensor's elements as one byte range (none for an empty tensor)."""
     path, offset, nbytes = tensor_byte_range(ref)
     return (Segment(path, offset, nbytes),) if nbytes else ()
+
+
+def tree_pieces(tree: object) -> list[Piece]:
+    """The byte pieces of every tensor in a parsed tree (a client state's tensors, as stored)."""
+    return [piece for ref in tensor_refs(tree) for piece in ref_segments(ref)]
 
 
 def written_source(storage: StorageOut) -> TensorSource:

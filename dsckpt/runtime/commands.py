@@ -36,10 +36,13 @@ def quiet_deepspeed(verbose: bool = False) -> None:
     warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 
+RUN_FLAGS = ("as_json", "verbose", "strict", "skip_crc_check")  # how a run reads or reports: not training options
+
+
 def _options(kwargs: dict[str, Any]):
     from .config import TrainOptions
 
-    return TrainOptions(**kwargs)
+    return TrainOptions(**{k: v for k, v in kwargs.items() if k not in RUN_FLAGS})
 
 
 def _stage_of_checkpoint(kwargs: dict[str, Any], ckpt) -> None:
@@ -65,12 +68,9 @@ def _require_supported_precision(config: dict[str, Any]) -> None:
         require_supported(precision)
 
 
-RUN_FLAGS = ("as_json", "verbose", "strict")  # how a run reports or loads: not training options
-
-
 def preflight_train(*, saves: bool = True, **kwargs) -> None:
     """Refuse a training configuration before any rank starts (``kwargs``: the command's options)."""
-    opts = _options({k: v for k, v in kwargs.items() if k not in RUN_FLAGS})
+    opts = _options(kwargs)
     _require_supported_precision(opts.deepspeed_config())  # a bad config or preset fails here
     if opts.save_every and not opts.save_dir:
         raise ConfigError("--save-every needs --save-dir")
@@ -147,6 +147,10 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
 
         ckpt = open_checkpoint(checkpoint, tag=tag)
         ckpt.require_complete()
+        if not kwargs.get("skip_crc_check"):  # DeepSpeed's loader reads every storage without checking them
+            from ..io.integrity import check_files
+
+            check_files(f.path for f in ckpt.layout.all_files)
         _stage_of_checkpoint(kwargs, ckpt)
         if not trust_checkpoint:  # --reshard too: its copy goes through DeepSpeed's loader
             from .safe_load import check_checkpoint_classes

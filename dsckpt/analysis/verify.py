@@ -1,0 +1,123 @@
+"""`dsckpt verify`: what an operator runs before deleting the originals - is every tag whole, undamaged, finite and
+resumable?
+
+Steps, per tag (``--tag T``, ``latest``'s by default, every tag with ``all_tags``):
+1. the layout and the typed model (``zero.reader``): every problem it records - missing or extra rank files, files
+   of two runs mixed, partition counts that disagree with the world size - and the files that world size needs;
+2. the plans a consolidation builds for the weights and for each optimizer moment (``plan.consolidate``): shapes
+   and partition sizes consistent across the ranks;
+3. every storage of every rank file against its zip CRC-32, each failure listed (``io.integrity``);
+4. finiteness of the fp32 masters, frozen parameters and buffers, and of the optimizer's moments (``stats``);
+5. the files beside the tags a trainer needs to resume from the folder: an HF Trainer's ``trainer_state.json`` and
+   one ``rng_state_{rank}.pth`` per rank, an Accelerate folder's ``random_states_0.pkl``, a Lightning run's loop
+   state in the client state.
+A finding is a problem (exit 1); a checkpoint that cannot be read at all is an error (exit 2).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DsckptError
+from ..io.integrity import crc_failures
+from ..plan.consolidate import build_plan
+from ..zero.reader import Checkpoint, open_checkpoint
+from .sources import Source
+from .stats import compute_stats
+
+HF_TRAINER_STATE = "trainer_state.json"
+HF_CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+ACCELERATE_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed
+LIGHTNING_LOOP_KEYS = ("epoch", "global_step", "loops")  # what Trainer.fit(ckpt_path=) restores from
+
+
+@dataclass
+class TagReport:
+    tag: str
+    zero_stage: int | None = None
+    world_size: int | None = None
+    files: int = 0
+    storages_checked: int = 0
+    tensors_checked: int = 0
+    problems: list[dict[str, str]] = field(default_factory=list)  # {"check", "message"}
+
+    def add(self, check: str, message: str) -> None:
+        self.problems.append({"check": check, "message": message})
+
+
+def verify(path: str | Path, tag: str | None = None, all_tags: bool = False) -> list[TagReport]:
+    """One report per tag verified (see the module docstring); raises only when nothing can be read."""
+    first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
+    tags = first.layout.tags if all_tags else (first.layout.tag,)
+    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None) for t in tags]
+
+
+def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
+    report = TagReport(tag)
+    try:
+        ckpt = ckpt or open_checkpoint(path, tag)
+    except DsckptError as exc:
+        report.add("structure", str(exc))
+        return report
+    report.zero_stage, report.world_size = ckpt.zero_stage, ckpt.world_size
+    files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files)
+    report.files = len(files)
+    for problem in ckpt.problems:  # step 1
+        report.add("structure", problem.message)
+    sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
+    failures = crc_failures(files)  # step 3
+    report.storages_checked = sum(len(ckpt_file.storages) for ckpt_file in ckpt.model_files + ckpt.optim_files)
+    for failure in failures:
+        report.add("crc", str(failure))
+    if sources and not failures:  # step 4 (damaged bytes say nothing about finiteness)
+        stats = compute_stats(sources)
+        report.tensors_checked = len(stats)
+        for s in stats:
+            if not s.finite:
+                report.add("finite", f"{s.name}: {s.nan:,} NaN, {s.inf:,} Inf of {s.count:,} values")
+    for message in _companion_problems(ckpt):  # step 5
+        report.add("companions", message)
+    return report
+
+
+def _planned_sources(ckpt: Checkpoint, report: TagReport) -> list[Source]:
+    states = ("fp32",) + (("exp_avg", "exp_avg_sq") if ckpt.zero_stage and not ckpt.universal else ())
+    out = []
+    for state in states:
+        try:
+            plan = build_plan(ckpt, state=state)
+        except DsckptError as exc:
+            report.add("structure", f"{state}: {exc}")
+            continue
+        prefix = "" if state == "fp32" else f"{state}/"
+        out += [Source(prefix + t.name, t.kind if state == "fp32" else state, t.src_dtype, t.shape, t.pieces)
+                for t in plan.tensors if state == "fp32" or t.kind == "param"]
+    return out
+
+
+def _companion_problems(ckpt: Checkpoint) -> list[str]:
+    root, world = ckpt.layout.root, ckpt.world_size
+    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    out = []
+    hf = HF_TRAINER_STATE in names or HF_CHECKPOINT_DIR.match(root.name)
+    if hf:
+        if HF_TRAINER_STATE not in names:
+            out.append(f"{root}: no {HF_TRAINER_STATE}; Trainer.train(resume_from_checkpoint=) reads it")
+        wanted = ["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            out.append(f"{root}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} missing; the Trainer "
+                       "resumes those ranks with fresh random states (not the uninterrupted run's)")
+    if ckpt.layout.tag == ACCELERATE_TAG and any(n.startswith("random_states_") for n in names) \
+            and "random_states_0.pkl" not in names:
+        out.append(f"{root}: no random_states_0.pkl; Accelerate's load_state restores the random states from it")
+    client = ckpt.client_state or {}
+    if "pytorch-lightning_version" in client:
+        missing = [k for k in LIGHTNING_LOOP_KEYS if k not in client]
+        if missing:
+            out.append(f"{ckpt.layout.tag_dir}: a Lightning checkpoint without {', '.join(missing)} in its client "
+                       "state; Trainer.fit(ckpt_path=) cannot restore the loop")
+    if ckpt.layout.latest is None:
+        out.append(f"{root}: no `latest` file; DeepSpeed's load_checkpoint(DIR) needs it, or an explicit tag")
+    return out

@@ -1,0 +1,66 @@
+"""`dsckpt verify`: every check on real DeepSpeed checkpoints, each broken in the one way it must catch."""
+import json
+import math
+
+import pytest
+
+from conftest import FIXTURES, run_cli
+from malformed import copy, flip, remove, torch_save
+
+
+def verified(path, *args):
+    proc = run_cli("verify", path, "--json", *args)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("fixture", ["z1_ws2_fp32", "z2_ws3_bf16", "z3_ws3_bf16", "z0_ws2_bf16", "moe_z2_ws2_ep2_fp32"])
+def test_a_sound_checkpoint_passes(fixture):
+    code, doc = verified(FIXTURES / fixture)
+    assert code == 0 and doc["ok"], doc
+    tag = doc["tags"][0]
+    assert tag["problems"] == [] and tag["storages_checked"] > 0 and tag["tensors_checked"] > 0
+
+
+def test_damaged_moments_are_named(tmp_path):
+    code, doc = verified(flip("z2_ws2_fp32", "zero_pp_rank_1_*optim*", "Adam moment")(tmp_path))
+    assert code == 1 and not doc["ok"]
+    [problem] = doc["tags"][0]["problems"]
+    assert problem["check"] == "crc" and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in problem["message"]
+
+
+def test_a_missing_rank_file_is_a_structure_problem(tmp_path):
+    code, doc = verified(remove("z3_ws3_bf16", "bf16_zero_pp_rank_2_*optim*")(tmp_path))
+    assert code == 1 and [p["check"] for p in doc["tags"][0]["problems"]][:1] == ["structure"]
+    assert "rank 2" in doc["tags"][0]["problems"][0]["message"]
+
+
+def test_non_finite_masters_and_moments_are_listed(tmp_path):
+    def poison(obj):
+        import torch
+
+        osd = obj["optimizer_state_dict"]
+        with torch.no_grad():
+            osd["single_partition_of_fp32_groups"][0][3] = math.nan
+            osd["base_optimizer_state"]["state"][0]["exp_avg"][5] = math.inf
+
+    code, doc = verified(torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*", poison, need_unsafe=True)(tmp_path))
+    found = [p for p in doc["tags"][0]["problems"] if p["check"] == "finite"]
+    assert code == 1 and len(found) == 2
+    assert any("NaN" in p["message"] and not p["message"].startswith("exp_avg") for p in found)
+    assert any(p["message"].startswith("exp_avg/") and "1 Inf" in p["message"] for p in found)
+
+
+def test_an_hf_trainer_folder_needs_its_trainer_state_and_rng_files(tmp_path):
+    root = copy(tmp_path, "z2_ws2_fp32").rename(tmp_path / "checkpoint-3")
+    (root / "rng_state_0.pth").write_bytes(b"")
+    code, doc = verified(root)
+    messages = [p["message"] for p in doc["tags"][0]["problems"] if p["check"] == "companions"]
+    assert code == 1 and len(messages) == 2
+    assert "trainer_state.json" in messages[0] and "rng_state_1.pth" in messages[1]
+
+
+def test_every_tag_and_unreadable_input(tmp_path):
+    code, doc = verified(FIXTURES / "z2_ws2_fp32", "--all-tags")
+    assert code == 0 and [t["tag"] for t in doc["tags"]] == ["step3"]
+    proc = run_cli("verify", tmp_path / "nowhere")
+    assert proc.returncode == 2 and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
