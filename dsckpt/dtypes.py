@@ -53,6 +53,27 @@ def canonical(name: str) -> str:
     return BY_LABEL[name]
 
 
+OUTPUT_DTYPES = ("fp32", "bf16", "fp16")  # what a consolidated output may be cast to
+
+
+def output_dtype(value: object) -> str | None:
+    """The canonical name of a requested output dtype: a word ``--dtype`` takes (``"bf16"``, ``"bfloat16"``,
+    ``"32"``...; any case) or a torch dtype (``torch.bfloat16``); None keeps each tensor's own.  Anything else is
+    a ``ConfigError`` in Python's words."""
+    from .errors import ConfigError
+
+    if value is None:
+        return None
+    text = str(value).lower()
+    word = PRECISION_WORDS.get(text.removeprefix("torch.")) if text.startswith("torch.") or isinstance(value, str) \
+        else None
+    if word is None:
+        raise ConfigError(f"dtype={value!r}: a consolidated output is cast to a floating-point type: one of "
+                          f"{', '.join(repr(w) for w in OUTPUT_DTYPES)} (or 'float32', 'bfloat16', 'float16', "
+                          "torch.float32, torch.bfloat16, torch.float16); None keeps each tensor's own")
+    return BY_LABEL[word]
+
+
 def label(name: str) -> str:
     """``"BF16"`` -> ``"bf16"`` (what inspect prints and errors say)."""
     return DTYPES[name].label if name in DTYPES else name

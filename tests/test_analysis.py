@@ -104,7 +104,7 @@ def test_diff_reports_changes_and_exit_codes(tmp_path):
     old = struct.unpack("<f", b.read_bytes()[where:where + 4])[0]
     _plant(b, where, struct.pack("<f", old + 0.5))
     report = json.loads(run_cli("diff", a, b, "--json").stdout)
-    changed = [t for t in report["tensors"] if not t["equal"]]
+    changed = [t for t in report["tensor_list"] if not t["equal"]]
     assert [t["name"] for t in changed] == ["norm.bias"]
     assert changed[0]["max_abs_diff"] == pytest.approx(0.5, abs=1e-6) and changed[0]["rel_l2"] > 0
     assert run_cli("diff", a, b).returncode == 1
@@ -113,7 +113,7 @@ def test_diff_reports_changes_and_exit_codes(tmp_path):
     assert run_cli("diff", a, tmp_path / "missing.safetensors").returncode == 2
     assert json.loads(run_cli("diff", FIXTURES / "z2_ws2_fp32", a, "--json").stdout)["identical"]
     other = run_cli("diff", FIXTURES / "z3_ws2_fp32", FIXTURES / "z3_ws3_bf16", "--json")  # two runs
-    assert other.returncode == 1 and any(not t["equal"] for t in json.loads(other.stdout)["tensors"])
+    assert other.returncode == 1 and any(not t["equal"] for t in json.loads(other.stdout)["tensor_list"])
 
 
 @pytest.mark.runtime

@@ -172,10 +172,10 @@ def test_names_people_use(tmp_path):
                              ("weights.PT", (), "torch"), ("lt.pt", ("--format", "lightning"), "lightning")):
         proc = run_cli("consolidate", ckpt, tmp_path / name, *args, "--json")
         assert proc.returncode == 0, (name, proc.stderr)
-        assert json.loads(proc.stdout)["form"] == form, name
+        assert json.loads(proc.stdout)["format"] == form, name
         assert (tmp_path / name).is_dir() == (form in ("hf", "sharded"))
     proc = run_cli("consolidate", ckpt, f"{tmp_path / 'looks.safetensors'}/", "--json")  # a trailing slash: a folder
-    assert proc.returncode == 0 and json.loads(proc.stdout)["form"] == "sharded"
+    assert proc.returncode == 0 and json.loads(proc.stdout)["format"] == "sharded"
     assert json.loads(run_cli("inspect", tmp_path / "model.SAFETENSORS", "--json").stdout)["kind"] == "safetensors"
 
 
@@ -192,15 +192,28 @@ def test_every_json_document_has_a_schema_and_true_paths(tmp_path):
         proc = run_cli(*args, "--json")
         assert proc.returncode == 0, (name, proc.stderr)
         docs[name] = json.loads(proc.stdout)
-        assert docs[name]["schema"] == 1, name
+        assert docs[name]["schema"] == 2, name
     for name in ("consolidate", "sharded", "reshard", "convert"):
         assert all(Path(f).is_file() and ".dsckpt-tmp-" not in f for f in docs[name]["files"]), name
     assert str(tmp_path / "sharded" / "model.safetensors.index.json") in docs["sharded"]["files"]
     assert str(tmp_path / "m.safetensors.client_state.json") in docs["consolidate"]["files"]
+    # one name and one shape per concept (docs/cli.md, schema 2)
+    docs["inspect file"] = json.loads(run_cli("inspect", tmp_path / "m.safetensors", "--json").stdout)
+    for name, doc in docs.items():
+        assert not {"stage", "source_stage", "form", "tensor_count", "nbytes", "path", "sidecar"} & set(doc), name
+        assert isinstance(doc.get("tensors", 0), int) and all(isinstance(f, str) for f in doc.get("files", [])), name
+        if name not in ("diff",):
+            assert doc["input"] in (str(src), str(tmp_path / "m.safetensors")), name
+    for name in ("consolidate", "reshard", "convert", "inspect", "stats", "check-finite"):
+        assert docs[name]["tag"] == "step3", name
+    assert (docs["diff"]["tag_a"], docs["diff"]["tag_b"]) == ("step3", None)
+    assert docs["reshard"]["zero_stage"] == docs["convert"]["zero_stage"] == docs["inspect"]["zero_stage"] == 2
+    assert set(docs["inspect file"]["dtypes"]) == {"fp32", "int64"} and docs["inspect"]["dtype"] == "fp32"
+    assert {s["dtype"] for s in docs["stats"]["stats"]} <= {"fp32", "int64"}
 
     proc = run_cli("consolidate", tmp_path / "missing", tmp_path / "x.safetensors", "--json")
     assert proc.returncode == 2 and "dsckpt: error:" in proc.stderr
-    assert json.loads(proc.stdout) == {"schema": 1, "error": f"{tmp_path / 'missing'}: no such file or directory",
+    assert json.loads(proc.stdout) == {"schema": 2, "error": f"{tmp_path / 'missing'}: no such file or directory",
                                        "hint": None, "exit": 2}
     usage = json.loads(run_cli("reshard", src, "--json").stdout)
     assert usage["exit"] == 2 and "OUT_DIR" in usage["error"] and usage["hint"]
@@ -227,7 +240,7 @@ def test_optimizer_against_a_weights_file_is_refused_and_precisions_have_one_voc
     src = FIXTURES / "z2_ws2_fp32"
     assert run_cli("consolidate", src, tmp_path / "m.safetensors", "-q").returncode == 0
     clean_error(run_cli("diff", src, tmp_path / "m.safetensors", "--optimizer"), "holds weights only")
-    for word, dtype in (("bfloat16", "BF16"), ("16", "F16"), ("float32", "F32")):
+    for word, dtype in (("bfloat16", "bf16"), ("16", "fp16"), ("float32", "fp32")):
         proc = run_cli("consolidate", src, tmp_path / f"{word}.safetensors", "--dtype", word, "--json")
         assert proc.returncode == 0, proc.stderr
         assert json.loads(run_cli("inspect", tmp_path / f"{word}.safetensors", "--json").stdout)["dtypes"].get(dtype)

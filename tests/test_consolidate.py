@@ -254,7 +254,7 @@ def test_new_user_trial_notes_and_refusals(tmp_path, fixture_copy):
     totals, done = [], []
     result = consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors", strip_prefixes=("nothing.",),
                          progress=done.append, progress_total=totals.append)
-    assert totals == [result.nbytes] and sum(done) == result.nbytes  # the bar has a total and reaches it
+    assert totals == [result.bytes] and sum(done) == result.bytes  # the bar has a total and reaches it
     assert any("--strip-prefix 'nothing.' matched no tensor name" in n for n in result.notes)
     assert any("tied weights are stored once (head.weight = embed.weight)" in n and "--duplicate-tied" in n
                for n in result.notes)
@@ -265,3 +265,29 @@ def test_new_user_trial_notes_and_refusals(tmp_path, fixture_copy):
         consolidate(root, root, force=True)
     proc = run_cli("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "c.safetensors", "--strip-prefix", "x.")
     assert proc.returncode == 0 and "note: --strip-prefix 'x.' matched no tensor name" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat", torch.int8, torch.float64, 16.0])
+def test_api_refuses_dtypes_no_output_takes(dtype, tmp_path):
+    """What --dtype refuses, the API refuses too, in Python's words, before anything is written."""
+    from dsckpt.errors import ConfigError
+
+    for call in (lambda: load_state_dict(FIXTURES / "z2_ws2_fp32", dtype=dtype),
+                 lambda: next(iter_state_dict(FIXTURES / "z2_ws2_fp32", dtype=dtype)),
+                 lambda: consolidate(FIXTURES / "z2_ws2_fp32", tmp_path / "m.safetensors", dtype=dtype)):
+        with pytest.raises(ConfigError, match=r"dtype=.*one of 'fp32', 'bf16', 'fp16'"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "BF16", "bf16"])
+def test_api_takes_torch_dtypes_and_the_cli_words(dtype):
+    sd = load_state_dict(FIXTURES / "z2_ws2_fp32", dtype=dtype)
+    assert {t.dtype for t in sd.values() if t.is_floating_point()} == {torch.bfloat16}
+
+
+def test_one_string_is_one_prefix(tmp_path):
+    consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "a.safetensors", strip_prefixes="blocks.")
+    consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "b.safetensors", strip_prefixes=("blocks.",))
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert sorted(a) == sorted(b) and any(k.startswith("0.") for k in a) and "embed.weight" in a

@@ -69,7 +69,7 @@ def test_a_new_format_is_one_class_and_the_whole_pipeline_serves_it(tmp_path):
         registry.register(RawFormat())
     out = tmp_path / "m.rawtest"
     result = dsckpt.consolidate(FIXTURES / "z3_ws3_bf16", out, verify=True, dtype="bf16")  # chosen by suffix
-    assert result.form == "raw-test" and result.verified
+    assert result.format == "raw-test" and result.verified
     reference = dsckpt.load_state_dict(FIXTURES / "z3_ws3_bf16", dtype="bf16")
     listing = RawFormat().read(out)
     data = out.read_bytes()

@@ -145,7 +145,7 @@ def test_lightning_export_loads_in_lightning(lightning_run, tmp_path):
     out = tmp_path / "model.ckpt"
     proc = run_cli("consolidate", lightning_run / "ds", out, "--format", "lightning", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["form"] == "lightning"
+    assert json.loads(proc.stdout)["format"] == "lightning"
     raw = torch.load(out, weights_only=True)  # no class beyond torch's safe ones
     shown = json.loads(run_cli("inspect", out, "--json").stdout)["lightning"]
     assert (shown["epoch"], shown["global_step"], shown["hyper_parameters"]) == (raw["epoch"], 2, ["lr", "note"])

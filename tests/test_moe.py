@@ -65,8 +65,8 @@ def test_stats_diff_and_check_finite_cover_the_experts(tmp_path):
     ckpt = FIXTURES / "moe_z2_ws2_ep2_fp32"
     dsckpt.consolidate(ckpt, tmp_path / "m.safetensors")
     diff = json.loads(run_cli("diff", ckpt, tmp_path / "m.safetensors", "--json").stdout)
-    assert diff["only_a"] == [] and diff["only_b"] == [] and all(t["equal"] for t in diff["tensors"])
-    assert sum(".deepspeed_experts.3." in t["name"] for t in diff["tensors"]) == 8  # 2 layers x 4 tensors
+    assert diff["only_a"] == [] and diff["only_b"] == [] and all(t["equal"] for t in diff["tensor_list"])
+    assert sum(".deepspeed_experts.3." in t["name"] for t in diff["tensor_list"]) == 8  # 2 layers x 4 tensors
     stats = json.loads(run_cli("inspect", ckpt, "--stats", "--optimizer", "--json").stdout)
     names = {t["name"] for t in stats["stats"]}
     assert "exp_avg/moe2.deepspeed_moe.experts.deepspeed_experts.3.up.weight" in names

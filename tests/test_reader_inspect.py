@@ -38,25 +38,25 @@ def test_inspect_json_fields(name):
     if stage > 0 or dtype != "fp32":  # fp32 stage 0 cannot tell frozen from trainable
         assert s["frozen"]["count"] == 12
     assert s["tied"] == {"head.weight": "embed.weight"}
-    assert set(s["buffers"]) == {"logit_scale", "tokens_seen"} and s["buffers"]["tokens_seen"]["dtype"] == "I64"
+    assert set(s["buffers"]) == {"logit_scale", "tokens_seen"} and s["buffers"]["tokens_seen"]["dtype"] == "int64"
     assert s["client_state"]["global_step"] == {"type": "int", "value": 3}
     assert s["client_state"]["rng"]["type"] == "dict"
-    assert len([f for f in s["files"] if f["kind"] == "optim"]) == (ws if stage else 0)
+    assert len([f for f in s["rank_files"] if f["kind"] == "optim"]) == (ws if stage else 0)
     assert s["problems"] == []
     assert s["estimates"]["fp32_bytes"] > 0 and s["ds_version"] == "0.19.8"
-    assert (s["global_steps"], s["mp_world_size"], s["schema"], s["kind"]) == (3, 1, 1, "deepspeed")
+    assert (s["global_steps"], s["mp_world_size"], s["schema"], s["kind"]) == (3, 1, 2, "deepspeed")
     assert s["parameters"]["groups"] == ([] if stage == 0 else [len(ref_params) - s["frozen"]["count"]])
     sizes = [t["numel"] for t in s["largest"]]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == max(v.numel() for v in ref_params.values())
-    assert all(f["size"] > 0 and Path(f["path"]).is_file() for f in s["files"])
+    assert all(f["size"] > 0 and Path(f["path"]).is_file() for f in s["rank_files"])
     assert s["estimates"]["elements"] == sum(v.numel() for k, v in ref.items() if k != "head.weight")
 
 
 def test_inspect_tensors_names_rank_files():
     s = summarize(FIXTURES / "z3_ws2_fp32", tensors=True)
-    row = next(t for t in s["tensors"] if t["name"] == "embed.weight")
+    row = next(t for t in s["tensor_list"] if t["name"] == "embed.weight")
     assert row["files"] == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert any(t["kind"] == "tied" and t["alias_of"] == "embed.weight" for t in s["tensors"])
+    assert any(t["kind"] == "tied" and t["alias_of"] == "embed.weight" for t in s["tensor_list"])
 
 
 def test_layout_accepts_root_tag_folder_and_rank_file():
@@ -154,7 +154,7 @@ def test_inspect_consolidated_safetensors_validates_header(tmp_path):
     assert run_cli("consolidate", FIXTURES / "z3_ws2_fp32", out, "-q").returncode == 0
     s = summarize(out)
     assert s["kind"] == "safetensors" and s["problems"] == []
-    assert s["tensor_count"] == demo_counts(vocab_size=32, dim=16, n_layers=2, n_heads=2, seq_len=16)["written"]
+    assert s["tensors"] == demo_counts(vocab_size=32, dim=16, n_layers=2, n_heads=2, seq_len=16)["written"]
     data = bytearray(out.read_bytes())
     data += b"junk"
     out.write_bytes(bytes(data))

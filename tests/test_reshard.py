@@ -254,7 +254,7 @@ def test_cli_json_and_inspect_report_the_new_world_size(tmp_path):
     proc = run_cli("reshard", FIXTURES / "z3_ws3_bf16", tmp_path / "ws2", "-w", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert (result["stage"], result["source_world_size"], result["world_size"]) == (3, 3, 2)
+    assert (result["zero_stage"], result["source_world_size"], result["world_size"]) == (3, 3, 2)
     assert str(tmp_path / "ws2" / "latest") in result["files"] and len(result["files"]) == 2 + 2 + 1 + 1
     assert str(tmp_path / "ws2" / "reference.pt") in result["files"]  # a file beside the tag travels too
     report = json.loads(run_cli("inspect", tmp_path / "ws2", "--json").stdout)
@@ -356,7 +356,7 @@ def test_resume_reshard_moves_stage_and_world_size_with_the_optimizer(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: resharded ZeRO-3 -> ZeRO-2 from 2 to 3 ranks: weights, optimizer state" in proc.stderr
     result = json.loads(proc.stdout)
-    assert (result["schema"], result["start_step"], result["end_step"]) == (1, 3, 4)
+    assert (result["schema"], result["start_step"], result["end_step"]) == (2, 3, 4)
 
 
 @pytest.mark.parametrize("fixture", ["z3_ws3_bf16", "z2_ws2_fp32"])
@@ -372,6 +372,6 @@ def test_rank_files_written_on_several_threads_are_the_same_bytes(tmp_path, monk
         result = reshard(FIXTURES / fixture, tmp_path / f"t{threads}", 2, progress=seen.append)
         outs[threads] = {p.relative_to(tmp_path / f"t{threads}"): p.read_bytes()
                          for p in sorted((tmp_path / f"t{threads}").rglob("*")) if p.is_file()}
-        counted[threads] = (sum(seen), result.nbytes)
+        counted[threads] = (sum(seen), result.bytes)
     assert outs[1] == outs[3] and len(outs[3]) >= 5
     assert counted[1] == counted[3] == (counted[1][1], counted[1][1])

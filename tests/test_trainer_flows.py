@@ -102,7 +102,7 @@ def test_hf_trainer_resumes_a_resharded_checkpoint(hf_reference, stage, new_stag
         assert (moved / name).is_file(), name
     assert json.loads((moved / "trainer_state.json").read_text())["global_step"] == SAVE_AT
 
-    assert json.loads(proc.stdout)["stage"] == new_stage
+    assert json.loads(proc.stdout)["zero_stage"] == new_stage
     run_job("hf_resume.py", 3, resumed, new_stage, precision, MAX_STEPS, SAVE_AT, moved)  # its config: the new stage
     before, after = (json.loads((d / "log.json").read_text()) for d in (ref, resumed))
     assert after["start_step"] == SAVE_AT and after["world_size"] == 3

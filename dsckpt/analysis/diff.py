@@ -45,8 +45,8 @@ class DiffReport:
     def record(self) -> dict:
         return {"identical": self.identical, "atol": self.tolerances[0], "rtol": self.tolerances[1],
                 "only_a": self.only_a, "only_b": self.only_b, "mismatched": self.mismatched,
-                "dtype_changed": self.dtype_changed,
-                "tensors": [asdict(t) for t in self.tensors]}
+                "dtype_changed": self.dtype_changed, "tensors": len(self.tensors),
+                "tensor_list": [asdict(t) for t in self.tensors]}
 
 
 def read_elements(src: Source, start: int, count: int, files: FileCache) -> bytes:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._version import JSON_SCHEMA
+from ..dtypes import label
 from ..errors import DsckptError
 from ..export.hf import trainer_summary
 from ..formats.pickle_policy import Opaque, TensorRef
@@ -18,7 +20,6 @@ from ..api.paths import classify
 from ..zero.reader import Checkpoint, open_checkpoint
 from .report import table
 
-SCHEMA_VERSION = 1
 # Peak RSS of `consolidate`, flat in model size as far as measured (docs/performance.md).
 CONSOLIDATE_RSS = 64 << 20
 CONSOLIDATE_CAST_RSS = 256 << 20
@@ -30,7 +31,7 @@ def summarize(path: str | os.PathLike, tag: str | None = None, tensors: bool = F
     if classify(p).kind == "weights":
         from .inspect_file import summarize_file  # a consolidated file or folder, of any registered format
         return summarize_file(p, tensors)
-    return summarize_checkpoint(open_checkpoint(path, tag), tensors)
+    return {**summarize_checkpoint(open_checkpoint(path, tag), tensors), "input": str(path)}
 
 
 def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[str, Any]:
@@ -60,9 +61,10 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
     problems = [p.message for p in ckpt.problems] + ([plan_error] if plan_error else [])
     fp32 = numel(shapes) * 4 + sum(t.nbytes for t in ckpt.buffers.values())
     summary = {
-        "schema": SCHEMA_VERSION,
+        "schema": JSON_SCHEMA,
         "kind": "deepspeed",
-        "path": str(lay.root),
+        "input": str(lay.root),  # (summarize: as the user gave it)
+        "root": str(lay.root),
         "tag": lay.tag,
         "tags": list(lay.tags),
         "latest": lay.latest,
@@ -77,10 +79,13 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "parameters": {"count": len(params), "numel": numel(params), "groups": [len(g) for g in ckpt.param_groups]},
         "frozen": {"count": len(frozen), "numel": numel(frozen)},
         "tied": dict(ckpt.shared),
-        "buffers": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in ckpt.buffers.items()},
+        "buffers": {n: {"dtype": label(t.dtype), "shape": list(t.shape)} for n, t in ckpt.buffers.items()},
         "largest": [{"name": n, "shape": list(s), "numel": math.prod(s)} for n, s in largest],
         "client_state": {k: describe(v) for k, v in ckpt.client_state.items()},
-        "files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "size": f.size} for f in lay.all_files],
+        "files": [str(f.path) for f in lay.all_files],
+        "rank_files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "size": f.size} for f in lay.all_files],
+        "bytes": sum(f.size for f in lay.all_files),
+        "tensors": len(plan.tensors) + len(plan.aliases) if plan is not None else None,
         "estimates": {"elements": elements, "fp32_bytes": fp32,
                       "bf16_bytes": numel(shapes) * 2 + sum(t.nbytes for t in ckpt.buffers.values()),
                       "consolidate_peak_rss_bytes": CONSOLIDATE_RSS,
@@ -91,7 +96,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "experts": _experts(ckpt),
     }
     if with_tensors:
-        summary["tensors"] = tensor_table(ckpt, plan, shapes)
+        summary["tensor_list"] = tensor_table(ckpt, plan, shapes)
     return summary
 
 
@@ -109,7 +114,7 @@ def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
     if plan is None:  # problems: list what the metadata says, without file mapping
         return [{"name": n, "shape": list(s), "dtype": None, "kind": "frozen" if n in ckpt.frozen else "param",
                  "files": []} for n, s in shapes.items()]
-    rows = [{"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
+    rows = [{"name": t.name, "shape": list(t.shape), "dtype": label(t.src_dtype), "kind": t.kind,
              "files": sorted({p.path.name for p in t.pieces})} for t in plan.tensors]
     rows += [{"name": a, "shape": None, "dtype": None, "kind": "tied", "alias_of": s, "files": []}
              for a, s in plan.aliases.items()]
@@ -153,7 +158,7 @@ def render(s: dict[str, Any]) -> str:
     lines = []
     row = lambda k, v: lines.append(f"{k:<18}{v}")
     tags = ", ".join(t + (" (latest)" if t == s["latest"] else "") for t in s["tags"])
-    row("checkpoint", s["path"])
+    row("checkpoint", s["root"])
     row("tag", f"{s['tag']}    tags: {tags or '-'}")
     universal = " (universal: ds_to_universal's zero/ folder)" if s.get("universal") else ""
     row("zero stage", f"{s['zero_stage']}{universal}    world size: {s['world_size']}    dtype: {s['dtype']}    "
@@ -183,16 +188,16 @@ def render(s: dict[str, Any]) -> str:
                         for k, d in s["client_state"].items()], (32, 10, 0))
     lines.append("rank files")
     lines += table([(Path(f["path"]).name, f["kind"], f"rank {'-' if f['rank'] is None else f['rank']!s:<4}",
-                     f"{human_bytes(f['size']):>12}") for f in s["files"]], (52, 7, 9, 12))
+                     f"{human_bytes(f['size']):>12}") for f in s["rank_files"]], (52, 7, 9, 12))
     e = s["estimates"]
     row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
     row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming "
                            f"(< {human_bytes(e['consolidate_cast_peak_rss_bytes'])} with --dtype); measured up to "
                            "328M parameters, docs/performance.md")
-    if "tensors" in s:
+    if "tensor_list" in s:
         lines.append("tensors")
         lines += table([(t["name"], str(t["shape"]), str(t["dtype"]), t["kind"],
-                         t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])) for t in s["tensors"]],
+                         t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])) for t in s["tensor_list"]],
                        (40, 16, 6, 8, 0))
     if s.get("notes"):
         lines.append("notes")

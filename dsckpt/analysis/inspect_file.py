@@ -8,6 +8,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .._version import JSON_SCHEMA
+from ..dtypes import label
 from ..errors import DsckptError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
@@ -31,9 +33,10 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
     except DsckptError as exc:
         problems.append(str(exc))
     numel = sum(math.prod(s) for _, _, s in rows)
-    summary = {"schema": 1, "kind": KINDS[fmt.name], "path": str(path),
-               "files": [{"path": str(f), "size": f.stat().st_size} for f in files if f.exists()],
-               "tensor_count": len(rows), "numel": numel, "dtypes": dict(Counter(d for _, d, _ in rows)),
+    present = [f for f in files if f.exists()]
+    summary = {"schema": JSON_SCHEMA, "kind": KINDS[fmt.name], "input": str(path),
+               "files": [str(f) for f in present], "bytes": sum(f.stat().st_size for f in present),
+               "tensors": len(rows), "numel": numel, "dtypes": dict(Counter(label(d) for _, d, _ in rows)),
                "metadata": metadata, "problems": problems}
     folder = path if path.is_dir() else path.parent
     if (folder / hf.CONFIG).is_file():  # a Hugging Face model folder: what from_pretrained will build
@@ -48,7 +51,7 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
     if fmt.name in ("torch", "lightning") and not problems and LIGHTNING_MARKERS & set(map(str, listing.extra)):
         summary["lightning"] = lightning_summary(listing.extra)
     if with_tensors:
-        summary["tensors"] = [{"name": n, "dtype": d, "shape": s} for n, d, s in rows]
+        summary["tensor_list"] = [{"name": n, "dtype": label(d), "shape": s} for n, d, s in rows]
     return summary
 
 
@@ -66,8 +69,8 @@ def lightning_summary(extra: dict) -> dict[str, Any]:
 
 
 def render_file(s: dict[str, Any]) -> str:
-    lines = [f"{'file':<14}{s['path']}", f"{'kind':<14}{s['kind']}",
-             f"{'tensors':<14}{s['tensor_count']} ({s['numel']:,} elements)",
+    lines = [f"{'file':<14}{s['input']}", f"{'kind':<14}{s['kind']}",
+             f"{'tensors':<14}{s['tensors']} ({s['numel']:,} elements)",
              f"{'dtypes':<14}" + ", ".join(f"{d}: {n}" for d, n in s["dtypes"].items())]
     if "hf_config" in s:
         lines.append(f"{'hf config':<14}" + ", ".join(f"{k}: {v}" for k, v in s["hf_config"].items()))
@@ -78,7 +81,7 @@ def render_file(s: dict[str, Any]) -> str:
         lines.append(f"{'hparams':<14}" + (", ".join(lt["hyper_parameters"]) or "-"))
     for k, v in s["metadata"].items():
         lines.append(f"  {k}: {v if len(str(v)) < 80 else str(v)[:77] + '...'}")
-    lines += table([(t["name"], t["dtype"], str(t["shape"])) for t in s.get("tensors", [])], (44, 6, 0))
+    lines += table([(t["name"], t["dtype"], str(t["shape"])) for t in s.get("tensor_list", [])], (44, 6, 0))
     if s["problems"]:
         lines.append("PROBLEMS")
         lines += [f"  - {m}" for m in s["problems"]]

@@ -25,6 +25,15 @@ def sources(path: str | Path, tag: str | None = None, optimizer: bool = False, c
     return out
 
 
+def resolved_tag(path: str | Path, tag: str | None) -> str | None:
+    """The tag ``sources`` reads (what ``latest`` names when ``tag`` is None); None for a weights file."""
+    if not classify(Path(path)).is_checkpoint:
+        return None
+    from ..zero.layout import discover
+
+    return discover(path, tag).tag
+
+
 def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
     kind = classify(p)
     if kind.kind == "weights":

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..dtypes import ITEMSIZE, numpy_dtype
+from ..dtypes import ITEMSIZE, label, numpy_dtype
 from ..io.read import FileCache
 from ..plan.segments import Segment
 
@@ -61,7 +61,7 @@ class TensorStats:
         return self.nan == 0 and self.inf == 0
 
     def record(self) -> dict:
-        return {**asdict(self), "shape": list(self.shape)}
+        return {**asdict(self), "shape": list(self.shape), "dtype": label(self.dtype)}
 
 
 BLOCK = 1 << 16  # elements reduced at a time: the several passes below then run in the CPU's cache

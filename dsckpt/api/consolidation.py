@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..dtypes import output_dtype
 from ..errors import OutputError, VerificationError
 from ..export.registry import Format, Prepared, Request, companion_paths, for_output
 from ..export.sidecar import sidecar_paths, write_sidecar
@@ -31,7 +32,7 @@ from ..parallel.group import ONE_PROCESS, Group
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
-from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases
+from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases, prefixes
 from ..plan.segments import tree_pieces
 from ..zero.reader import open_checkpoint
 
@@ -41,13 +42,15 @@ SPLIT_FORMATS = ("safetensors", "sharded")  # with several writers: one file fil
 
 @dataclass(frozen=True)
 class Result:
+    """What ``consolidate`` wrote; the same names as ``dsckpt consolidate --json`` (docs/cli.md)."""
     out: Path
-    form: str  # a registered format's name: "safetensors", "torch", "sharded", "hf", "peft", "lightning"
-    tensors: int
-    nbytes: int
-    files: tuple[str, ...]
-    sidecar: Path | None
-    verified: bool | None
+    format: str  # a registered format's name: "safetensors", "torch", "sharded", "hf", "peft", "lightning"
+    tag: str
+    tensors: int  # tensors written (tied aliases stored once count once)
+    bytes: int  # of tensor data
+    files: tuple[str, ...]  # every file written, final paths
+    client_state: Path | None  # the client-state sidecar, when one was written
+    verified: bool | None  # True when verify=True passed
     notes: tuple[str, ...] = ()  # worth telling the user (an unmatched --strip-prefix, how to load tied weights)
 
 
@@ -62,26 +65,52 @@ def parse_size(text: str) -> int:
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
-                strip_prefixes: tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
+                strip_prefixes: str | tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
                 check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
-    """Gather a ZeRO checkpoint into ``out``; see the module docstring.
+    """Gather a ZeRO 0-3 checkpoint's shards into one file or folder (what ``dsckpt consolidate`` does).
 
-    ``form``: a registered format by name ("hf": a folder ``from_pretrained`` loads, with the config and
-    tokenizer files found beside the checkpoint or ``config``); default: chosen by OUT's suffix.
-    ``trust``: follow symlinks that lead out of the checkpoint (refused by default: they would copy
-    files from elsewhere into the output).  ``group``: the processes of a torchrun run sharing the work
-    (``parallel.group.init_group()``); None is one process.  Every process gets the same result or error.
+    Args:
+        checkpoint: the checkpoint folder, a tag folder, or a rank file.
+        out: the output; its suffix picks the format (``.safetensors``; ``.pt``/``.pth``/``.bin``; ``.ckpt``
+            Lightning; no known suffix: a sharded folder) unless ``form`` names one.
+        tag: default what ``latest`` names.
+        dtype: cast floating-point tensors: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or ``"bfloat16"``..., or a torch
+            dtype); default the fp32 masters and buffers as stored.  Anything else: ``ConfigError``.
+        exclude_frozen: leave frozen parameters out.
+        duplicate_tied: write a tied weight under each of its names (safetensors stores it once by default).
+        strip_prefixes: a name prefix (or several) to remove, e.g. ``"module."``.
+        max_shard_size: for folder outputs, e.g. ``"5GB"``, ``"500MiB"``.
+        client_state: write the client state beside OUT (``OUT.client_state.json``) for formats that do not hold it.
+        force: replace an existing OUT; in an existing folder only the files dsckpt writes are replaced.
+        verify: re-read OUT and compare it byte for byte with the shards before publishing it.
+        fsync: flush OUT to disk before and after the rename (the default).
+        form: a registered format by name: ``"safetensors"``, ``"torch"``, ``"sharded"``, ``"hf"`` (a folder
+            ``from_pretrained`` loads; ``config``: its ``config.json`` when none is beside the checkpoint),
+            ``"peft"``, ``"lightning"``.
+        trust: follow links out of the checkpoint and copy pickled objects of any class.
+        check_crc: check every storage read against its zip CRC-32 (the default).
+        group: the processes of a torchrun run sharing the work (``dsckpt.parallel.group.init_group()``); None is
+            one process.  Every process gets the same result or the same error.
+        progress, progress_total: callbacks with bytes written, and the total before the first byte.
+
+    Returns:
+        ``Result``: ``out``, ``form``, ``tensors`` (count), ``bytes``, ``files`` written, ``client_state`` (the
+        sidecar's path or None), ``verified``, ``notes``.
+
+    Raises:
+        a ``DsckptError`` subclass naming the file at fault; nothing is left at OUT.
     """
     group = group or ONE_PROCESS
+    output_dtype(dtype)  # a dtype no output can have is refused before anything is read
     fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read
     if config is not None and fmt.name != "hf":
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
-                      tuple(strip_prefixes), duplicate_tied, trust)
+                      prefixes(strip_prefixes), duplicate_tied, trust)
     out = Path(out)
     check_parent(out)  # before the view, which a distributed run makes there
     view = build_view(group, Path(checkpoint), tag, out.parent, trust)
@@ -117,8 +146,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         view.close()
     written = [out / name for name in names] if fmt.directory else [out]
     sidecars = tuple(p for p in sidecar_paths(out) if p.exists()) if write_client else ()
-    return Result(out, fmt.name, len(plan.tensors), plan.nbytes, tuple(str(p) for p in written + list(sidecars)),
-                  sidecars[0] if sidecars else None, True if verify else None, notes)
+    return Result(out, fmt.name, ckpt.layout.tag, len(plan.tensors), plan.nbytes,
+                  tuple(str(p) for p in written + list(sidecars)), sidecars[0] if sidecars else None,
+                  True if verify else None, notes)
 
 
 def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool, request: Request):

@@ -33,12 +33,13 @@ from ..plan.training_state import build_training_state
 
 @dataclass(frozen=True)
 class ConvertResult:
+    """What ``convert`` wrote; the same names as ``dsckpt convert --json`` (docs/cli.md)."""
     out: Path
     to: str
     tag: str
     zero_stage: int
     tensors: int  # tensors written (moments and steps included)
-    nbytes: int
+    bytes: int
     files: tuple[str, ...]
     notes: tuple[str, ...] = ()
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..plan.consolidate import prefixes
 from .keys import compare, state_slots, tie_groups
 from .paths import classify
 
@@ -63,9 +64,23 @@ class _Source:
 
 
 def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
-              strip_prefixes: tuple[str, ...] = ()) -> LoadReport:
-    """Fill ``model`` from ``source`` (see the module docstring); returns the key report."""
-    src = _Source(source, tag, tuple(strip_prefixes))
+              strip_prefixes: str | tuple[str, ...] = ()) -> LoadReport:
+    """Fill ``model``'s parameters and buffers from a checkpoint or a weights file, one tensor at a time.
+
+    Args:
+        model: any ``nn.Module``; meta-device tensors are materialized as they load; tied weights stay tied.
+        source: a DeepSpeed checkpoint folder (the fp32 masters) or a weights file / folder (``.safetensors``,
+            ``.pt``/``.bin``, a sharded folder with its index).
+        strict: refuse (``StateDictMismatchError``, before anything is touched) when names or shapes differ;
+            ``False`` loads what matches and reports the rest.
+        tag: the checkpoint's tag (default: ``latest``).
+        strip_prefixes: a prefix (or several) to remove from the source's names, e.g. ``"module."``.
+
+    Returns:
+        ``LoadReport``: ``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` and ``still_meta``.
+    Every storage read is checked against its CRC-32 first.
+    """
+    src = _Source(source, tag, prefixes(strip_prefixes))
     slots = state_slots(model)  # name -> (module, attribute, is parameter)
     groups = tie_groups(model)  # name -> every name sharing its tensor
     keys = compare({n: tuple(getattr(m, a).shape) for n, (m, a, _) in slots.items()}, src.shapes, groups)

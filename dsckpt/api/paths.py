@@ -29,6 +29,13 @@ class PathKind:
 
 
 def classify(path: str | os.PathLike) -> PathKind:
+    """What ``path`` is: ``PathKind("deepspeed")`` for a DeepSpeed checkpoint (a rank file, a tag folder, a folder of
+    tags - also an HF ``checkpoint-N`` folder with weights beside its tags), ``PathKind("weights", format)`` for a
+    weights file or folder a registered format reads (``.safetensors``, ``.pt``/``.bin``, a sharded folder, a
+    Lightning ``.ckpt``), ``PathKind("unknown")`` otherwise.  Reads names and headers only.
+
+    Raises ``CheckpointNotFoundError`` when nothing is at ``path``.
+    """
     p = Path(path)
     if not os.path.lexists(p):
         raise CheckpointNotFoundError(f"{p}: no such file or directory")

@@ -54,15 +54,16 @@ WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 @dataclass(frozen=True)
 class ReshardResult:
+    """What ``reshard`` wrote; the same names as ``dsckpt reshard --json`` (docs/cli.md)."""
     out: Path
     tag: str
-    stage: int
-    source_world_size: int
+    zero_stage: int
+    source_zero_stage: int
     world_size: int
-    files: tuple[str, ...]  # final paths
-    nbytes: int
+    source_world_size: int
+    files: tuple[str, ...]  # final paths (of this host's files, in a distributed run)
+    bytes: int  # of tensor data
     notes: tuple[str, ...] = ()
-    source_stage: int | None = None
 
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
@@ -120,9 +121,9 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     finally:
         view.close()
     here = [name for name, _ in items if staged.leader in place.destinations(name)]
-    return ReshardResult(out, plan.tag, plan.stage, plan.source_world_size, plan.world_size,
-                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total, prepared.notes + crc_notes,
-                         ckpt.zero_stage)
+    return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
+                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total,
+                         prepared.notes + crc_notes)
 
 
 def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, trust: bool):

@@ -50,6 +50,17 @@ def cli() -> None:
     """
 
 
+def result_document(result, **first) -> str:
+    """A ``--json`` document of an API result: ``first`` (the input), then the result's own fields by their names."""
+    from dataclasses import fields
+
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value) if hasattr(value, "__fspath__") else value
+    return json_document(**first, **{f.name: plain(getattr(result, f.name)) for f in fields(result)})
+
+
 def require_runtime(command: str) -> None:
     """train/resume need torch and DeepSpeed, which `pip install dsckpt` does not bring."""
     from ..errors import MissingExtraError, missing_modules

@@ -6,7 +6,7 @@ import sys
 import click
 
 from ..export.registry import output_formats, selectable
-from .app import cli, json_document
+from .app import cli, result_document
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, Precision, parallel_group
 
 
@@ -87,10 +87,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json_document(out=str(result.out), form=result.form, tensors=result.tensors, bytes=result.nbytes,
-                                 files=list(result.files), client_state=str(result.sidecar) if result.sidecar else None,
-                                 verified=result.verified, notes=list(result.notes)))
+        click.echo(result_document(result, input=checkpoint))
     else:
-        click.echo(f"wrote {result.out} ({result.form}, {result.tensors} tensors, {result.nbytes:,} bytes)"
-                   + (f"; client state: {result.sidecar}" if result.sidecar else "")
+        click.echo(f"wrote {result.out} ({result.format}, {result.tensors} tensors, {result.bytes:,} bytes)"
+                   + (f"; client state: {result.client_state}" if result.client_state else "")
                    + ("; verified: identical to the shards" if result.verified else ""))

@@ -6,7 +6,7 @@ import sys
 import click
 
 from ..export.targets import targets
-from .app import cli, json_document
+from .app import cli, result_document
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 
 
@@ -64,9 +64,7 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json_document(out=str(result.out), to=result.to, tag=result.tag, zero_stage=result.zero_stage,
-                                 tensors=result.tensors, bytes=result.nbytes, files=list(result.files),
-                                 notes=list(result.notes)))
+        click.echo(result_document(result, input=checkpoint))
     else:
         click.echo(f"wrote {result.out} ({result.to}, from ZeRO-{result.zero_stage} tag {result.tag}, "
-                   f"{result.tensors} tensors, {result.nbytes:,} bytes)")
+                   f"{result.tensors} tensors, {result.bytes:,} bytes)")

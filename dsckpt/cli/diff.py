@@ -34,7 +34,7 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     """
     from ..analysis.diff import diff as compare
     from ..analysis.report import render_diff
-    from ..analysis.sources import sources
+    from ..analysis.sources import resolved_tag, sources
 
     check = not skip_crc_check
     report = compare(sources(a, tag_a, optimizer, check), sources(b, tag_b, optimizer, check), atol, rtol)
@@ -46,6 +46,6 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
 
         bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
                  title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
-    click.echo(json_document(a=str(a), b=str(b), **report.record()) if as_json else render_diff(report))
+    click.echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record()) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

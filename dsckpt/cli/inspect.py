@@ -48,7 +48,7 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
         raise click.UsageError("--tensors lists names and files; --stats lists values: give one of them")
     if stats:
         from ..analysis.report import render_stats
-        from ..analysis.sources import sources
+        from ..analysis.sources import resolved_tag, sources
         from ..analysis.stats import compute_stats
 
         records = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check))
@@ -60,7 +60,8 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
 
             bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
                      title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
-        click.echo(json_document(path=str(path), stats=[s.record() for s in records]) if as_json
+        click.echo(json_document(input=str(path), tag=resolved_tag(path, tag), tensors=len(records),
+                                 stats=[s.record() for s in records]) if as_json
                    else render_stats(records, top or 20))
         return
 

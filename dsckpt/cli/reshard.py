@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .app import cli, json_document
+from .app import cli, result_document
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 
 
@@ -73,12 +73,10 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json_document(out=str(result.out), tag=result.tag, source_stage=result.source_stage, stage=result.stage,
-                                 source_world_size=result.source_world_size, world_size=result.world_size,
-                                 files=list(result.files), bytes=result.nbytes, notes=list(result.notes)))
+        click.echo(result_document(result, input=checkpoint))
     else:
-        moved = f"ZeRO-{result.source_stage} -> ZeRO-{result.stage}" if result.source_stage != result.stage \
-            else f"ZeRO-{result.stage}"
+        moved = f"ZeRO-{result.source_zero_stage} -> ZeRO-{result.zero_stage}" \
+            if result.source_zero_stage != result.zero_stage else f"ZeRO-{result.zero_stage}"
         click.echo(f"wrote {result.out} ({moved}, tag {result.tag}, world size "
                    f"{result.source_world_size} -> {result.world_size}, {len(result.files)} files, "
-                   f"{result.nbytes:,} bytes)")
+                   f"{result.bytes:,} bytes)")

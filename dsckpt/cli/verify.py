@@ -37,7 +37,7 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
     reports = run(checkpoint, tag, all_tags)
     ok = not any(r.problems for r in reports)
     if as_json:
-        click.echo(json_document(path=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
+        click.echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
     else:
         for r in reports:
             head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {r.files} rank files, " \

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
-from ..dtypes import FLOATING, ITEMSIZE, canonical
+from ..dtypes import FLOATING, ITEMSIZE, output_dtype
 from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..zero import layout as L
@@ -79,7 +79,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint's optimizer moments are not "
                                          "partitioned; dsckpt gathers moments at stages 1-3")
     moments = state != "fp32"
-    out_dtype = canonical(dtype) if dtype else None
+    out_dtype = output_dtype(dtype)
     tensors: dict[str, TensorPlan] = {}
 
     def add(name, shape, src_dtype, kind, pieces, default_dtype):
@@ -102,6 +102,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     ordered = _module_order(ckpt, tensors)
     aliases = {a: s for a, s in ckpt.shared.items() if s in tensors and a not in tensors}
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
+    strip_prefixes = prefixes(strip_prefixes)
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
 
 
@@ -222,6 +223,13 @@ def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, st
     if frozen:
         meta[M.FROZEN_STORED_DTYPES] = json.dumps(frozen, sort_keys=True)
     return meta
+
+
+def prefixes(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """Name prefixes to strip: one string is one prefix (not its characters)."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def strip_name(name: str, prefixes: tuple[str, ...]) -> str:

@@ -173,11 +173,11 @@ def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:
     quiet_deepspeed(verbose)
     trainer = Trainer(_options(kwargs))
     losses = trainer.fit(trainer.opts.steps)
-    summary = {"steps": len(losses), "stage": trainer.runtime.stage, "world_size": eng.world_size(),
+    summary = {"steps": len(losses), "zero_stage": trainer.runtime.stage, "world_size": eng.world_size(),
                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                "save_dir": trainer.opts.save_dir}
     console.result(_json(summary) if as_json else
-                   f"trained {_steps(len(losses))} (stage {summary['stage']}, world size {summary['world_size']}): "
+                   f"trained {_steps(len(losses))} (stage {summary['zero_stage']}, world size {summary['world_size']}): "
                    f"loss {_fmt(losses)}" + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     eng.shutdown(exit_process=True)
 

@@ -9,13 +9,14 @@
 """
 from __future__ import annotations
 
+from .._version import JSON_SCHEMA
+
 import json
 import os
 import sys
 from pathlib import Path
 
 ERROR_DIR_ENV = "DSCKPT_ERROR_DIR"
-JSON_SCHEMA = 1  # version of every --json document (docs/cli.md); bump on an incompatible change
 _result_fd: int | None = None
 
 

@@ -102,6 +102,22 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
+    """Read a DeepSpeed checkpoint's metadata - no tensor data - into a typed ``Checkpoint``.
+
+    Args:
+        path: the checkpoint folder (holding ``latest`` and tag folders), one tag folder, or one rank file.
+        tag: the tag to open; default what ``latest`` names (or the only tag).
+
+    Returns:
+        ``Checkpoint``: ``zero_stage``, ``world_size``, ``precision``, ``global_steps``, the trainable parameters'
+        shapes per optimizer group (``param_groups``), ``frozen``, tied names (``shared``), ``buffers``, the client
+        state (pickled objects of unknown classes stay inert records), and ``problems`` found (missing ranks, files
+        of two runs...); ``require_complete()`` raises the first.
+
+    Raises:
+        CheckpointNotFoundError, TagError, CorruptFileError, UnsafeCheckpointError: the path is not a readable
+        checkpoint (each names the file).  No pickle code of the checkpoint ever runs.
+    """
     lay = L.discover(path, tag)
     problems = [Problem(error, message) for error, message in lay.problems]
     model_files = _parse(lay.model_files, problems)
