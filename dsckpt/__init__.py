@@ -7,13 +7,16 @@ The operations live in ``dsckpt.api``; they are re-exported here.
 from ._version import __version__
 
 __all__ = ["__version__", "consolidate", "convert", "load_state_dict", "iter_state_dict", "open_checkpoint", "reshard",
-           "load_into", "classify"]
+           "load_into", "classify", "verify"]
 
 
 def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
     if name == "open_checkpoint":
         from .zero.reader import open_checkpoint
         return open_checkpoint
+    if name == "verify":
+        from .analysis.verify import verify
+        return verify
     if name in __all__:
         from . import api
         return getattr(api, name)

@@ -47,9 +47,31 @@ def test_moment_stats_equal_torch(name):
 
 
 def _plant(path, offset, value_bytes):
+    """Values written into a file; a rank file's zip records updated to match (a genuinely non-finite checkpoint,
+    not a damaged one, which every reading command would refuse by its CRC-32)."""
     data = bytearray(path.read_bytes())
     data[offset:offset + len(value_bytes)] = value_bytes
+    if data[:4] == b"PK\x03\x04":
+        _recompute_crcs(data)
     path.write_bytes(bytes(data))
+
+
+def _recompute_crcs(data: bytearray) -> None:
+    import io
+    import zipfile
+    import zlib
+
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        infos, central = zf.infolist(), zf.start_dir
+    for info in infos:
+        name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+        start = info.header_offset + 30 + name_len + extra_len
+        crc = struct.pack("<I", zlib.crc32(data[start:start + info.compress_size]))
+        data[info.header_offset + 14:info.header_offset + 18] = crc  # the local header's
+        assert data[central:central + 4] == b"PK\x01\x02"
+        data[central + 16:central + 20] = crc  # the central directory's
+        n, m, k = struct.unpack("<HHH", data[central + 28:central + 34])
+        central += 46 + n + m + k
 
 
 def test_planted_nan_in_a_partition_and_inf_in_a_file(tmp_path):

@@ -1,6 +1,7 @@
 """The base install (`pip install dsckpt`) inspects, consolidates, reshards and converts to universal checkpoints
 without torch, DeepSpeed or safetensors."""
 import subprocess
+from pathlib import Path
 import sys
 import tomllib
 
@@ -72,3 +73,22 @@ def test_without_isal_zlibs_crc_writes_the_same_bytes(tmp_path):
     assert any(f.suffix == ".pt" for f in files) and len(files) > 3
     for f in files:
         assert (tmp_path / "with" / f).read_bytes() == (tmp_path / "without" / f).read_bytes(), f
+
+
+def test_every_public_name_is_documented_and_typed():
+    import inspect as pyinspect
+
+    import dsckpt
+
+    for name in dsckpt.__all__:
+        obj = getattr(dsckpt, name)
+        if name == "__version__":
+            continue
+        doc = pyinspect.getdoc(obj) or ""
+        assert len(doc) > 200 and "see the module docstring" not in doc, name
+        hints = pyinspect.signature(obj).return_annotation
+        assert hints is not pyinspect.Signature.empty, name
+    assert (Path(dsckpt.__file__).parent / "py.typed").is_file()
+    assert 'dsckpt = ["py.typed"]' in (Path(dsckpt.__file__).parent.parent / "pyproject.toml").read_text()
+    api_page = (Path(dsckpt.__file__).parent.parent / "docs" / "api.md").read_text()
+    assert all(f"| `{name}(" in api_page for name in dsckpt.__all__ if name != "__version__")

@@ -47,7 +47,11 @@ class TagReport:
 
 
 def verify(path: str | Path, tag: str | None = None, all_tags: bool = False) -> list[TagReport]:
-    """One report per tag verified (see the module docstring); raises only when nothing can be read."""
+    """``dsckpt verify``: one ``TagReport`` per tag - ``tag``'s, what ``latest`` names, or every one with
+    ``all_tags`` - listing the problems found by each check (``structure``, ``crc``, ``finite``, ``companions``,
+    each described at the top of this module).  An empty ``problems`` list everywhere means the checkpoint is whole, undamaged,
+    finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.
+    """
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
     return [_verify_tag(Path(path), t, first if t == first.layout.tag else None) for t in tags]

@@ -261,8 +261,10 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
                     exclude_frozen: bool = False, state: str = "fp32", check_crc: bool = True) -> dict[str, Any]:
     """The consolidated state dict as torch tensors in memory (tied names share one tensor).
 
-    ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.  Every storage
-    read is checked against its CRC-32 first (``check_crc=False`` skips it).
+    ``tag``: default what ``latest`` names.  ``dtype``: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a torch dtype) for
+    floating-point tensors; None keeps the fp32 masters and the buffers' types.  ``exclude_frozen``: leave frozen
+    parameters out.  ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.
+    Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen, state=state)
     check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
@@ -271,7 +273,12 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
 
 def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
                     dtype: str | None = None, check_crc: bool = True) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, tensor)`` one full tensor at a time (memory: the largest tensor); CRC-checked first."""
+    """Yield ``(name, tensor)``, one full consolidated tensor at a time, then each tied alias under its own name.
+
+    Memory: the largest tensor.  ``tag``: default what ``latest`` names.  ``dtype``: ``"fp32"``, ``"bf16"``,
+    ``"fp16"`` (or a torch dtype) for floating-point tensors; None keeps the fp32 masters and the buffers' types.
+    Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
+    """
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype)
     check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
     for t in plan.tensors:

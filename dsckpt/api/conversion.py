@@ -50,8 +50,12 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
             progress_total: Callable[[int], None] | None = None) -> ConvertResult:
     """Write ``checkpoint`` (one tag) as ``to`` (a registered target: "dcp", "universal") into the folder ``out``.
 
-    ``weights_only`` (dcp): the model half only.  ``trust``: follow links out of the checkpoint and copy
-    objects of foreign classes.  ``group``: the processes of a torchrun run (None: one process).
+    ``to="dcp"``: a torch.distributed.checkpoint folder in ``get_state_dict(model, optimizer)``'s layout (FSDP2 at
+    any world size loads it); ``"universal"``: what DeepSpeed's ``ds_to_universal`` writes.  ``weights_only`` (dcp):
+    the model half only.  ``force``: write into an existing folder (only what convert writes is replaced).
+    ``trust``: follow links out of the checkpoint and copy objects of foreign classes.  ``check_crc``: check every
+    storage read against its CRC-32 (default).  ``group``: the processes of a torchrun run (None: one process).
+    Returns a ``ConvertResult`` (the names of ``dsckpt convert --json``).
     """
     group = group or ONE_PROCESS
     target = target_named(to)
