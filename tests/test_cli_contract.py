@@ -311,7 +311,7 @@ def test_help_and_small_things(tmp_path):
     save_file({long_name: torch.zeros(3), "b": torch.zeros(2, 2)}, tmp_path / "long.safetensors")
     row = next(line for line in run_cli("inspect", tmp_path / "long.safetensors", "--tensors").stdout.splitlines()
                if long_name in line)
-    assert f"{long_name}  F32" in row
+    assert f"{long_name}  fp32" in row
 
 
 def test_shell_completion_works():
@@ -319,3 +319,40 @@ def test_shell_completion_works():
                           env={**os.environ, "_DSCKPT_COMPLETE": "bash_source", "PYTHONPATH": PYTHONPATH})
     assert proc.returncode == 0 and "_dsckpt_completion" in proc.stdout
     assert "_DSCKPT_COMPLETE=bash_source dsckpt" in (ROOT / "README.md").read_text()
+
+
+# -- names and hints (#43) -------------------------------------------------------------------------
+@pytest.mark.parametrize("name, meant", [("model.safetensor", "model.safetensors"), ("model.savetensors", "model.safetensors"),
+                                         ("model.safetensors.tmp", "model.safetensors"), ("model.ptt", "model.pt")])
+def test_a_suffix_one_or_two_edits_from_a_format_is_a_question_not_a_folder(tmp_path, name, meant):
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / name)
+    clean_error(proc, f"did you mean {meant}?")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_names_far_from_every_suffix_stay_folders(tmp_path):
+    for name in ("Qwen2.5-0.5B-sft", "run.v2"):
+        proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / name, "--json")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["format"] == "sharded", proc.stderr
+
+
+def test_weights_given_where_a_checkpoint_is_needed_say_what_takes_them(tmp_path):
+    assert run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "m.safetensors", "-q").returncode == 0
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    shutil.copy(tmp_path / "m.safetensors", pretrained / "model.safetensors")  # what save_pretrained writes
+    for args in (("reshard", tmp_path / "m.safetensors", tmp_path / "r", "-w", "2"),
+                 ("convert", tmp_path / "m.safetensors", tmp_path / "u", "--to", "universal"),
+                 ("consolidate", pretrained, tmp_path / "x.pt")):
+        clean_error(run_cli(*args), "weights file (full tensors), not a DeepSpeed checkpoint", "--full-weights",
+                    "load_into", "dsckpt diff")
+
+
+def test_a_folder_output_keeps_its_client_state_inside_and_no_file_loading_note(tmp_path):
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "folder", "--json")
+    doc = json.loads(proc.stdout)
+    assert doc["client_state"] == str(tmp_path / "folder" / "client_state.json")
+    assert (tmp_path / "folder" / "client_state.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    assert "tied weights are stored once" not in proc.stderr and "load_model" not in proc.stderr
+    file_out = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "m.safetensors")
+    assert "tied weights are stored once" in file_out.stderr  # where it applies

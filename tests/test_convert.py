@@ -174,7 +174,7 @@ def test_weights_only_dcp_of_zero0_holds_the_consolidated_weights(tmp_path):
     assert set(written) == {"model"}
     want = load_state_dict(FIXTURES / "z0_ws2_bf16")
     assert _differ(want, written["model"]) == [] and set(written["model"]) == set(want)
-    assert (tmp_path / "d.client_state.json").exists()  # the client state beside it, as consolidate writes it
+    assert (tmp_path / "d" / "client_state.json").exists()  # the client state inside the folder, as consolidate puts it
 
 
 @pytest.mark.parametrize("args, message", [

@@ -29,6 +29,7 @@ from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..parallel.group import ONE_PROCESS, Group
+from .paths import require_checkpoint
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
@@ -113,6 +114,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                       prefixes(strip_prefixes), duplicate_tied, trust)
     out = Path(out)
     check_parent(out)  # before the view, which a distributed run makes there
+    group.step(lambda: require_checkpoint(checkpoint))
     view = build_view(group, Path(checkpoint), tag, out.parent, trust)
     staged = None
     try:
@@ -135,7 +137,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         replaced = fmt.replaced_files(out) if group.rank == 0 else ()
         stale = [out / name for name in replaced if name not in names]
         if group.rank == 0 and not write_client:  # (with --force) an old sidecar would restore the wrong counters
-            stale += [p for p in sidecar_paths(out) if os.path.lexists(p)]
+            stale += [p for p in sidecar_paths(out, fmt.directory) if os.path.lexists(p)]
         with write_errors(out):
             staged.publish(stale)
     except BaseException:
@@ -145,7 +147,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     finally:
         view.close()
     written = [out / name for name in names] if fmt.directory else [out]
-    sidecars = tuple(p for p in sidecar_paths(out) if p.exists()) if write_client else ()
+    sidecars = tuple(p for p in sidecar_paths(out, fmt.directory) if p.exists()) if write_client else ()
     return Result(out, fmt.name, ckpt.layout.tag, len(plan.tensors), plan.nbytes,
                   tuple(str(p) for p in written + list(sidecars)), sidecars[0] if sidecars else None,
                   True if verify else None, notes)
@@ -168,7 +170,7 @@ def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool, r
 
 def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree: Path) -> None:
     check_output(out, inputs, force, directory=directory, tree=tree)
-    for path in sidecar_paths(out):  # a file there would be taken for OUT's client state: same --force rule
+    for path in () if directory else sidecar_paths(out):  # taken for OUT's client state: the same --force rule
         check_output(path, inputs, force)
 
 
@@ -211,7 +213,9 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
         names = [out.name]
     else:
         names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, progress) if group.rank == 0 else None), 0)
-    run(lambda: write_sidecar(ckpt.client_state, out, staged.staging) if write_client and group.rank == 0 else None)
+    into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
+    run(lambda: write_sidecar(ckpt.client_state, out, staged.staging, into) if write_client and group.rank == 0
+        else None)
     return names, mine
 
 
@@ -229,7 +233,7 @@ def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tu
     for prefix in strip_prefixes:
         if not any(n.startswith(prefix) for n in names):
             notes.append(f"--strip-prefix {prefix!r} matched no tensor name; nothing was stripped")
-    if plan.aliases and not fmt.reties_aliases:
+    if plan.aliases and not fmt.reties_aliases and not fmt.directory:  # (a folder's loader re-ties them itself)
         pairs = ", ".join(f"{a} = {s}" for a, s in list(plan.aliases.items())[:3])
         notes.append(f"tied weights are stored once ({pairs}): load with safetensors.torch.load_model(model, path) "
                      "(it re-ties them); a strict model.load_state_dict(load_file(path)) needs --duplicate-tied")

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..export.sidecar import sidecar_paths, write_sidecar
+from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
 from ..io.integrity import check_sources
 from ..io.output import check_output, check_parent, write_errors
 from ..parallel.group import ONE_PROCESS, Group
+from .paths import require_checkpoint
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
@@ -63,13 +64,15 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     target.check(request)
     out = Path(out)
     check_parent(out)  # before the view, which a distributed run makes there
+    group.step(lambda: require_checkpoint(checkpoint))
     view = build_view(group, Path(checkpoint), tag, out.parent, trust)
     staged = None
     try:
         ckpt, prepared = group.step(lambda: _prepare(view, target, request))
         client = bool(ckpt.client_state) and not target.stores_client_state
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
-        group.step(lambda: _check_out(out, inputs, force, view.real_path(ckpt.layout.root), client) if group.rank == 0 else None)
+        tree = view.real_path(ckpt.layout.root)
+        group.step(lambda: check_output(out, inputs, force, directory=True, tree=tree) if group.rank == 0 else None)
         if progress_total:
             progress_total(prepared.nbytes)
         groups = storage_groups(group, out)
@@ -90,7 +93,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     finally:
         view.close()
     notes = prepared.notes + crc_notes + ((f"client state (not part of the {target.name} layout) in "
-                               f"{sidecar_paths(out)[0].name}",) if client else ())
+                               f"{sidecar_paths(out, True)[0]}",) if client else ())
     return ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,
                          tuple(str(out / n) for n in names), notes)
 
@@ -103,15 +106,10 @@ def _prepare(view: View, target: Target, request: ConvertRequest):
         return ckpt, target.prepare(ckpt, state, request)
 
 
-def _check_out(out: Path, inputs: list[Path], force: bool, tree: Path, client: bool) -> None:
-    check_output(out, inputs, force, directory=True, tree=tree)
-    for sidecar in sidecar_paths(out) if client else ():
-        check_output(sidecar, inputs, force)
-
-
 def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt, progress) -> list[str]:
     with write_errors(out):
         names = prepared.target.write(prepared, staged.tmp, staged.staging, progress)
         if client:
-            write_sidecar(ckpt.client_state, out, staged.staging)
+            written = write_sidecar(ckpt.client_state, out, staged.staging, into=staged.tmp)
+            names += [p.name for p in (written, tensors_companion(written)) if p.exists()]
     return names

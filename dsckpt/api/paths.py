@@ -9,6 +9,7 @@ masters are the exact values).  Otherwise the first registered format that reads
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -49,3 +50,24 @@ def classify(path: str | os.PathLike) -> PathKind:
             pass  # unreadable: the reader that opens it names the problem
     fmt = for_input(p)
     return PathKind("weights", fmt) if fmt is not None else PathKind("unknown")
+
+
+def require_checkpoint(path: str | os.PathLike) -> None:
+    """A weights file or folder where a DeepSpeed checkpoint is needed (``consolidate``, ``reshard``, ``convert``):
+    say what it is and what takes it.  A path absent here (a host without that folder) is left to the reader."""
+    p = Path(path)
+    if not os.path.lexists(p):
+        return
+    kind = classify(p)
+    if kind.kind == "unknown" and p.is_dir():  # what save_pretrained writes: one model.safetensors, no index
+        inside = sorted(c for c in p.iterdir() if c.is_file() and for_input(c) is not None)
+        if inside:
+            kind, p = classify(inside[0]), inside[0]
+    if kind.kind != "weights":
+        return
+    what = "folder" if p.is_dir() else "file"
+    quoted = shlex.quote(str(p))
+    raise CheckpointNotFoundError(
+        f"{p}: a {kind.format.name} weights {what} (full tensors), not a DeepSpeed checkpoint's rank files",
+        hint=f"weights load with `dsckpt resume --full-weights {quoted}` or dsckpt.load_into(model, {str(p)!r}); "
+             f"`dsckpt diff CKPT {quoted}` compares them with a checkpoint, `dsckpt inspect {quoted}` describes them")

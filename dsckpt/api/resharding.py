@@ -34,6 +34,7 @@ from ..io.output import check_output, check_parent, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
+from .paths import require_checkpoint
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View, build_view
@@ -83,6 +84,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     group = group or ONE_PROCESS
     out = Path(out_dir)
     check_parent(out)  # before the view, which a distributed run makes there
+    group.step(lambda: require_checkpoint(checkpoint))
     view = build_view(group, Path(checkpoint), tag, out.parent, trust)
     staged = None
     try:

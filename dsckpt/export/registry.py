@@ -186,6 +186,34 @@ def file_suffix(out: str | Path) -> str:
     return suffix if any(suffix in f.suffixes + f.accepts for f in output_formats().values() if not f.directory) else ""
 
 
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (suffixes are short)."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def _refuse_near_miss(out: Path) -> None:
+    """A folder name whose suffix looks like a typo of a file format's (``model.safetensor``, ``.savetensors``) or
+    hides one (``model.safetensors.tmp``): a folder is surely not what was meant.  ``Qwen2.5-0.5B-sft`` is far from
+    every suffix and stays a folder."""
+    known = sorted({s for f in output_formats().values() if not f.directory for s in f.suffixes + f.accepts})
+    suffixes = [s.lower() for s in out.suffixes]
+    if not suffixes:
+        return
+    hidden = next((s for s in suffixes[:-1] if s in known), None)
+    near = [k for k in known if _edits(suffixes[-1], k) <= (1 if len(k) <= 4 else 2)]
+    meant = hidden or (min(near, key=lambda k: _edits(suffixes[-1], k)) if near else None)
+    if meant:
+        stem = out.name[:out.name.lower().index(hidden)] if hidden else out.name[:-len(suffixes[-1])]
+        fixed = out.with_name(stem + meant)
+        raise OutputError(f"{out}: ends in {out.suffix!r}, which no format writes; did you mean {fixed.name}?",
+                          hint=f"write {shlex.quote(str(fixed))}, or end OUT with / for a sharded folder of that name")
+
+
 def for_output(out: str | Path, form: str | None = None) -> Format:
     """The format for OUT: ``form`` when given (checked against OUT's name), else what the name says.
 
@@ -198,6 +226,8 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
     if form is None:
         if suffix:
             return next(f for f in output_formats().values() if not f.directory and suffix in f.suffixes)
+        if not names_a_folder(out):
+            _refuse_near_miss(Path(out))
         return next(f for f in output_formats().values() if f.directory and f.default_for_folders)
     fmt = by_name(form)
     if fmt.directory and suffix:

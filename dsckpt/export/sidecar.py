@@ -27,10 +27,22 @@ if TYPE_CHECKING:
 
 JSON_SUFFIX = ".client_state.json"
 TENSORS_SUFFIX = ".client_state.safetensors"
+FOLDER_JSON = "client_state.json"  # inside a folder output (a sharded or --hf export, a DCP folder)
+FOLDER_TENSORS = "client_state.safetensors"
 
 
-def sidecar_paths(out: Path) -> tuple[Path, Path]:
+def sidecar_paths(out: Path, directory: bool = False) -> tuple[Path, Path]:
+    """Where OUT's client state goes: beside a file output, inside a folder output."""
+    if directory:
+        return out / FOLDER_JSON, out / FOLDER_TENSORS
     return out.with_name(out.name + JSON_SUFFIX), out.with_name(out.name + TENSORS_SUFFIX)
+
+
+def tensors_companion(json_path: Path) -> Path:
+    """The safetensors file beside a sidecar JSON."""
+    if json_path.name == FOLDER_JSON:
+        return json_path.with_name(FOLDER_TENSORS)
+    return json_path.with_name(json_path.name[: -len(JSON_SUFFIX)] + TENSORS_SUFFIX)
 
 
 HUGE_INT_BITS = 10_000  # str() of an int refuses beyond 4300 digits (~14,000 bits): such ints go as hex
@@ -95,22 +107,26 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging") -> Path:
-    """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors)."""
+def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", into: Path | None = None) -> Path:
+    """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors): beside a file OUT;
+    ``into``: the staged folder of a folder OUT, written in place there (the folder is published whole)."""
     from ..plan.consolidate import TensorPlan
     from ..plan.segments import ref_segments
     from ..io.writer import write_safetensors
 
-    json_path, tensors_path = sidecar_paths(out)
+    json_path, tensors_path = sidecar_paths(into, True) if into is not None else sidecar_paths(out)
+    place = (lambda path: path) if into is not None else stage.temp_for
     tensors: dict[str, TensorRef] = {}
     doc = {"format": M.SIDECAR_FORMAT, "weights": out.name,
            "client_state": encode(client_state, tensors)}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_segments(t)) for k, t in tensors.items()]
-        write_safetensors(plans, stage.temp_for(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})
-    elif tensors_path.exists():
+        write_safetensors(plans, place(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})
+    elif into is None and tensors_path.exists():
         stage.remove_on_commit([tensors_path])  # a companion left by an earlier --force run would be misread as ours
-    stage.temp_for(json_path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    elif into is not None and (out / FOLDER_TENSORS).exists():
+        stage.remove_on_commit([out / FOLDER_TENSORS])
+    place(json_path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return json_path
 
 
@@ -123,7 +139,7 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
     if not isinstance(doc, dict) or "client_state" not in doc:
         raise CorruptFileError(f"{json_path}: not a dsckpt client-state sidecar (no 'client_state' entry)")
     tensors: dict[str, Any] = {}
-    tensors_path = json_path.with_name(json_path.name[: -len(JSON_SUFFIX)] + TENSORS_SUFFIX)
+    tensors_path = tensors_companion(json_path)
     if tensors_path.exists():
         from ..formats.safetensors_file import read_header
 

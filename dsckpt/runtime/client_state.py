@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..export.sidecar import JSON_SUFFIX, read_sidecar
+from ..export.sidecar import FOLDER_JSON, JSON_SUFFIX, read_sidecar
+from ..formats.safetensors_file import INDEX_SUFFIX
 
 # Keys the runtime understands, by writer.
 GLOBAL_STEP = "global_step"  # dsckpt, Lightning and HF trainer_state.json all use this name
@@ -116,6 +117,11 @@ def describe(pos: Position) -> str:
 
 
 def default_sidecar(weights: Path) -> Path | None:
+    """The client state consolidate wrote: inside a folder output (beside an index), else beside the file."""
+    if weights.is_dir() or weights.name.endswith(INDEX_SUFFIX):
+        candidate = (weights if weights.is_dir() else weights.parent) / FOLDER_JSON
+        if candidate.exists():
+            return candidate
     candidate = weights.with_name(weights.name + JSON_SUFFIX)
     return candidate if candidate.exists() else None
 
