@@ -4,7 +4,7 @@ Heavy imports (torch, DeepSpeed) happen inside the commands that need them, so `
 `consolidate` start fast.  ``app`` holds the group and ``main()``; importing a command module
 registers it on the group.
 """
-from . import check_finite, consolidate, convert, diff, inspect, reshard, resume, train, verify  # noqa: F401  (registers)
+from . import catalog, check_finite, consolidate, convert, diff, inspect, reshard, resume, train, verify  # noqa: F401
 from .app import EXIT_ERROR, EXIT_PROBLEMS, cli, main
 
 __all__ = ["cli", "main", "EXIT_ERROR", "EXIT_PROBLEMS"]

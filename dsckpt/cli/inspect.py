@@ -20,8 +20,10 @@ from .options import SKIP_CRC_HELP, crc_skipped_note
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="With --stats: a PNG of the norm per tensor, by layer (needs dsckpt[plot]).")
 @click.option("--skip-crc-check", is_flag=True, help="With --stats: " + SKIP_CRC_HELP)
+@click.option("--du", is_flag=True, help="Bytes per component: weights, fp32 masters, each optimizer state, client "
+              "state, companions, overhead; with totals.")
 def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int,
-            plot: str | None, skip_crc_check: bool) -> None:
+            plot: str | None, skip_crc_check: bool, du: bool) -> None:
     """Summarize a checkpoint, or a consolidated file, from metadata alone.
 
     \b
@@ -44,6 +46,8 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
                    if given]
     if needs_stats and not stats:
         raise click.UsageError(f"{', '.join(needs_stats)} work on the values: add --stats")
+    if du and (stats or tensors):
+        raise click.UsageError("--du sums bytes per component; --stats and --tensors list tensors: give one")
     if stats and tensors:
         raise click.UsageError("--tensors lists names and files; --stats lists values: give one of them")
     if stats:
@@ -65,6 +69,20 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
                    else render_stats(records, top or 20))
         return
 
+    if du:
+        from ..analysis.du import disk_usage
+        from ..zero.reader import open_checkpoint
+
+        ckpt = open_checkpoint(path, tag)
+        usage = disk_usage(ckpt)
+        if as_json:
+            click.echo(json_document(input=str(path), tag=ckpt.layout.tag, **usage))
+            return
+        width = max(len(k) for k in usage["components"]) + 2
+        for name, n in usage["components"].items():
+            click.echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
+        click.echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({usage['files']} files, tag {ckpt.layout.tag})")
+        return
     summary = summarize(path, tag, tensors)
     click.echo(json.dumps(summary, indent=2) if as_json else render(summary))
     if summary["problems"]:

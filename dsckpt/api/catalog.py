@@ -1,0 +1,107 @@
+"""``list_checkpoints(root)`` and ``prune(root, keep)``: the checkpoints a training run has saved, and room made.
+
+A run's ROOT is either a DeepSpeed save folder (``latest`` + one folder per tag) or a Hugging Face Trainer's
+``output_dir`` (``checkpoint-N/`` folders, each a DeepSpeed save folder with its own ``latest``).  Steps:
+1. the entries: each tag (DeepSpeed) or each ``checkpoint-N`` (HF), in step order - the step the model states
+   record (``global_steps``), else the number in the name;
+2. each entry's facts from metadata alone (no CRC read: ``dsckpt verify`` does that): ZeRO stage, world size,
+   bytes on disk, complete (every rank file the world size needs present and parseable) or not, and whether it is
+   the one a resume would pick - the tag ``latest`` names, or the newest ``checkpoint-N``;
+3. ``prune``: the complete entries older than the newest ``keep`` go, oldest first; the one a resume picks, an
+   incomplete entry, and anything newer than it (a save still being written) never do.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, DsckptError
+from ..zero import layout as L
+from ..zero.reader import open_checkpoint
+
+HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class Entry:
+    path: str  # what prune removes: the tag folder, or the HF checkpoint-N folder
+    tag: str
+    step: int | None
+    zero_stage: int | None
+    world_size: int | None
+    bytes: int
+    complete: bool
+    resumes_from: bool  # the one `latest` names (the newest checkpoint-N for an HF output_dir)
+    problems: list[str] = field(default_factory=list)
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
+    """Every checkpoint under ``root`` (a DeepSpeed save folder or an HF ``output_dir``), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: not a folder", hint="pass the folder a run saves into")
+    hf = sorted((p for p in root.iterdir() if p.is_dir() and HF_CHECKPOINT.match(p.name) and L.list_tags(p)),
+                key=lambda p: int(HF_CHECKPOINT.match(p.name).group(1)))
+    if hf:
+        entries = [_entry(p, _only_tag(p), p, int(HF_CHECKPOINT.match(p.name).group(1))) for p in hf]
+        entries[-1].resumes_from = True  # transformers' get_last_checkpoint: the highest N
+    else:
+        tags = L.list_tags(root)
+        if not tags:
+            raise CheckpointNotFoundError(f"{root}: no DeepSpeed tag folders and no checkpoint-N folders")
+        latest = _latest(root)
+        entries = [_entry(root, tag, root / tag, None) for tag in tags]
+        for e in entries:
+            e.resumes_from = e.tag == latest
+    return sorted(entries, key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.tag))
+
+
+def prune(root: str | os.PathLike, keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
+    """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept)."""
+    if type(keep) is not int or keep < 1:
+        raise ValueError(f"keep={keep!r}: at least 1")
+    entries = list_checkpoints(root)
+    resumed = next((i for i, e in enumerate(entries) if e.resumes_from), len(entries) - 1)
+    candidates = [e for e in entries[:resumed] if e.complete]  # older than the one a resume picks
+    newest_kept = {id(e) for e in [e for e in entries if e.complete][-keep:]}
+    removed = [e for e in candidates if id(e) not in newest_kept]
+    if not dry_run:
+        for e in removed:
+            shutil.rmtree(e.path)
+    return removed, [e for e in entries if e not in removed]
+
+
+def _entry(root: Path, tag: str, path: Path, hf_step: int | None) -> Entry:
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file() and not f.is_symlink())
+    entry = Entry(str(path), tag, hf_step, None, None, size, False, False)
+    try:
+        ckpt = open_checkpoint(root, tag)
+    except DsckptError as exc:
+        entry.problems.append(str(exc))
+        entry.step = entry.step if entry.step is not None else _number(tag)
+        return entry
+    entry.zero_stage, entry.world_size = ckpt.zero_stage, ckpt.world_size
+    entry.problems = [p.message for p in ckpt.problems]
+    entry.complete = not ckpt.problems
+    if entry.step is None:
+        entry.step = ckpt.global_steps if isinstance(ckpt.global_steps, int) else _number(tag)
+    return entry
+
+
+def _only_tag(folder: Path) -> str:
+    return _latest(folder) or L.list_tags(folder)[-1]
+
+
+def _latest(root: Path) -> str | None:
+    try:
+        return L.read_latest(root)
+    except DsckptError:
+        return None
+
+
+def _number(name: str) -> int | None:
+    found = re.findall(r"\d+", name)
+    return int(found[-1]) if found else None

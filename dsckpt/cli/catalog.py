@@ -1,0 +1,81 @@
+"""`dsckpt list` and `dsckpt prune`: the checkpoints a run saved, and room made by removing old ones."""
+from __future__ import annotations
+
+import click
+
+from .app import cli, json_document
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _rows(entries) -> list[str]:
+    lines = [f"{'tag':<24}{'step':>8}  {'stage':>5}  {'world':>5}  {'size':>10}  state"]
+    for e in entries:
+        state = ("complete" if e.complete else "INCOMPLETE") + ("  <- latest" if e.resumes_from else "")
+        lines.append(f"{e.tag:<24}{e.step if e.step is not None else '-':>8}  {e.zero_stage if e.zero_stage is not None else '-':>5}"
+                     f"  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
+    return lines
+
+
+@cli.command("list")
+@click.argument("root", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="One JSON document: {input, checkpoints: [...]}.")
+def list_command(root: str, as_json: bool) -> None:
+    """Every checkpoint a run saved: tag, step, ZeRO stage, world size, size, complete or not.
+
+    ROOT is a DeepSpeed save folder (`latest` + tag folders) or an HF Trainer output_dir (checkpoint-N
+    folders).  Complete: every rank file the world size needs is present and readable (CRCs are not
+    read: `dsckpt verify` does that).  `latest` marks the one a resume picks.
+
+    \b
+    Examples:
+      dsckpt list runs/demo
+      dsckpt list out/ --json | jq '.checkpoints[] | select(.complete | not)'
+    """
+    from ..api.catalog import list_checkpoints
+
+    entries = list_checkpoints(root)
+    if as_json:
+        click.echo(json_document(input=root, checkpoints=[vars(e) for e in entries]))
+        return
+    click.echo("\n".join(_rows(entries)))
+    for e in entries:
+        for p in e.problems[:3]:
+            click.echo(f"  {e.tag}: {p}", err=True)
+
+
+@cli.command()
+@click.argument("root", type=click.Path())
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete checkpoints to keep (the newest).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document: {input, removed, kept, dry_run}.")
+def prune(root: str, keep: int, dry_run: bool, as_json: bool) -> None:
+    """Remove the oldest complete checkpoints, keeping the newest --keep.
+
+    Never removed: the one a resume picks (what `latest` names; an HF output_dir's newest
+    checkpoint-N), an incomplete checkpoint, or anything newer than the one a resume picks (a save
+    still being written).  Prints every folder it removes.
+
+    \b
+    Examples:
+      dsckpt prune runs/demo --keep 3 --dry-run
+      dsckpt prune out/ --keep 2              (an HF Trainer output_dir: whole checkpoint-N folders)
+    """
+    from ..api.catalog import prune as run
+
+    removed, kept = run(root, keep, dry_run)
+    if as_json:
+        click.echo(json_document(input=root, dry_run=dry_run, removed=[vars(e) for e in removed],
+                                 kept=[vars(e) for e in kept]))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for e in removed:
+        click.echo(f"{verb} {e.path} (step {e.step}, {_human(e.bytes)})")
+    freed = sum(e.bytes for e in removed)
+    click.echo(f"{verb} {len(removed)} checkpoint{'s' * (len(removed) != 1)}, {_human(freed)}; kept {len(kept)}")

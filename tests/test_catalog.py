@@ -1,0 +1,73 @@
+"""`dsckpt list` and `dsckpt prune` over real DeepSpeed saves: a save folder of tags and an HF output_dir."""
+import json
+import shutil
+
+from conftest import FIXTURES, run_cli
+
+
+def _run_folder(tmp_path):
+    """Tags step1..step4 of one run, `latest` naming step3 (step4: a save still being written), step2 incomplete."""
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+    for tag in ("step1", "step2", "step4"):
+        shutil.copytree(root / "step3", root / tag)
+    next((root / "step2").glob("zero_pp_rank_1_*")).unlink()
+    return root
+
+
+def test_list_says_what_each_tag_is(tmp_path):
+    root = _run_folder(tmp_path)
+    doc = json.loads(run_cli("list", root, "--json").stdout)
+    rows = {e["tag"]: e for e in doc["checkpoints"]}
+    assert [e["tag"] for e in doc["checkpoints"]] == ["step1", "step2", "step3", "step4"]
+    assert rows["step2"]["complete"] is False and "rank 1" in rows["step2"]["problems"][0]
+    assert rows["step3"]["resumes_from"] and not rows["step1"]["resumes_from"]
+    assert all(rows[t]["complete"] and rows[t]["zero_stage"] == 2 and rows[t]["world_size"] == 2 for t in ("step1", "step3"))
+    assert rows["step1"]["bytes"] == sum(f.stat().st_size for f in (root / "step1").iterdir())
+    human = run_cli("list", root).stdout
+    assert "INCOMPLETE" in human and "<- latest" in human
+
+
+def test_prune_never_removes_latest_incomplete_or_newer(tmp_path):
+    root = _run_folder(tmp_path)
+    dry = run_cli("prune", root, "--keep", "1", "--dry-run")
+    assert dry.returncode == 0 and "would remove" in dry.stdout and (root / "step1").is_dir()
+    doc = json.loads(run_cli("prune", root, "--keep", "1", "--json").stdout)
+    assert [e["tag"] for e in doc["removed"]] == ["step1"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step2", "step3", "step4"]  # incomplete, latest, newer
+    assert run_cli("consolidate", root, tmp_path / "m.safetensors", "-q").returncode == 0  # the run still resumes
+
+
+def test_prune_an_hf_output_dir_removes_whole_checkpoint_folders(tmp_path):
+    out = tmp_path / "out"
+    for n in (100, 200, 300):
+        folder = out / f"checkpoint-{n}"
+        shutil.copytree(FIXTURES / "z2_ws2_fp32", folder)
+        (folder / "step3").rename(folder / f"global_step{n}")
+        (folder / "latest").write_text(f"global_step{n}")
+    doc = json.loads(run_cli("list", out, "--json").stdout)
+    assert [(e["tag"], e["step"], e["resumes_from"]) for e in doc["checkpoints"]] == \
+        [("global_step100", 100, False), ("global_step200", 200, False), ("global_step300", 300, True)]
+    proc = run_cli("prune", out, "--keep", "2")
+    assert proc.returncode == 0 and f"removed {out / 'checkpoint-100'}" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-200", "checkpoint-300"]
+
+
+def test_not_a_run_folder(tmp_path):
+    proc = run_cli("list", tmp_path)
+    assert proc.returncode == 2 and "no DeepSpeed tag folders" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_du_accounts_for_every_byte(tmp_path):
+    for fixture, masters in (("z2_ws2_fp32", True), ("z3_ws3_bf16", True), ("z0_ws1_fp32", False)):
+        root = FIXTURES / fixture
+        doc = json.loads(run_cli("inspect", root, "--du", "--json").stdout)
+        tag_files = list((root / doc["tag"]).iterdir())
+        beside = [p for p in root.iterdir() if p.is_file()]
+        assert doc["bytes"] == sum(p.stat().st_size for p in tag_files + beside) == sum(doc["components"].values())
+        parts = doc["components"]
+        if masters:
+            assert parts["fp32 masters"] == parts["exp_avg"] == parts["exp_avg_sq"] > 0, fixture
+        assert parts["companions (beside the tags)"] == sum(p.stat().st_size for p in beside)
+    clean = run_cli("inspect", FIXTURES / "z2_ws2_fp32", "--du", "--stats")
+    assert clean.returncode == 2 and "--du" in clean.stderr
