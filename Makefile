@@ -19,20 +19,24 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The README's examples, in $(DEMO_DIR)/ (they run there as written afterwards: `cd demo_run`; tested).
+DS = cd $(DEMO_DIR) && $(abspath $(BIN))/dsckpt
 demo: setup
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	$(BIN)/dsckpt train --stage 3 --nproc 2 --steps 30 --save-dir $(DEMO_DIR)/ckpt
-	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
-	$(BIN)/dsckpt consolidate $(DEMO_DIR)/ckpt $(DEMO_DIR)/model.safetensors --verify
-	$(BIN)/dsckpt diff $(DEMO_DIR)/ckpt $(DEMO_DIR)/model.safetensors
-	$(BIN)/dsckpt check-finite $(DEMO_DIR)/ckpt --optimizer
-	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --check
-	$(BIN)/dsckpt resume --full-weights $(DEMO_DIR)/model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir $(DEMO_DIR)/ckpt
-	$(BIN)/dsckpt reshard $(DEMO_DIR)/ckpt $(DEMO_DIR)/ckpt_ws3 --world-size 3
-	$(BIN)/dsckpt resume $(DEMO_DIR)/ckpt_ws3 --nproc 3 --steps 5
-	$(BIN)/dsckpt convert $(DEMO_DIR)/ckpt $(DEMO_DIR)/dcp --to dcp
-	$(BIN)/dsckpt convert $(DEMO_DIR)/ckpt $(DEMO_DIR)/universal --to universal
-	$(BIN)/dsckpt inspect $(DEMO_DIR)/ckpt
+	$(DS) train --stage 3 --nproc 2 --steps 30 --save-dir runs/demo
+	$(DS) inspect runs/demo
+	$(DS) consolidate runs/demo model.safetensors --verify
+	$(DS) diff runs/demo model.safetensors
+	$(DS) check-finite runs/demo --optimizer
+	$(DS) resume --full-weights model.safetensors --stage 3 --nproc 2 --check
+	$(DS) resume --full-weights model.safetensors --stage 3 --nproc 2 --steps 10 --save-dir runs/demo
+	$(DS) reshard runs/demo runs/demo_ws3 --world-size 3
+	$(DS) resume runs/demo_ws3 --nproc 3 --steps 5
+	$(DS) convert runs/demo runs/demo_dcp --to dcp
+	$(DS) convert runs/demo runs/demo_universal --to universal
+	$(DS) verify runs/demo --all-tags
+	$(DS) list runs/demo
+	$(DS) inspect runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q

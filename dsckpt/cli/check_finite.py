@@ -24,7 +24,7 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
     Examples:
       dsckpt check-finite runs/demo && echo healthy
       dsckpt check-finite model.safetensors --json
-      dsckpt check-finite runs/demo --optimizer --tag step1000
+      dsckpt check-finite runs/demo --optimizer --tag step30
     Works on checkpoint folders and consolidated files; exit 2 on unreadable input.
     """
     from ..analysis.sources import resolved_tag, sources

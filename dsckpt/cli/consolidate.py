@@ -53,7 +53,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     \b
     Examples:
       dsckpt consolidate runs/demo model.safetensors
-      dsckpt consolidate runs/demo model.pt --tag step10 --dtype bf16
+      dsckpt consolidate runs/demo model.pt --tag step30 --dtype bf16
       dsckpt consolidate runs/demo hf_model/ --max-shard-size 2GB --strip-prefix module.
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
       dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)

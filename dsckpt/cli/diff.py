@@ -28,8 +28,8 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     \b
     Examples:
       dsckpt diff runs/demo model.safetensors              # does a consolidated file equal its checkpoint?
-      dsckpt diff runs/demo runs/demo --tag-a step1000 --tag-b step2000
-      dsckpt diff runs/a runs/b --atol 1e-6 --json
+      dsckpt diff runs/demo runs/demo --tag-a step30 --tag-b step40
+      dsckpt diff runs/demo runs/demo_ws3 --atol 1e-6 --json    # a resharded copy holds the same weights
     Exit 0 when identical (bitwise, or within --atol/--rtol), 1 when not, 2 on errors.
     """
     from ..analysis.diff import diff as compare

@@ -29,7 +29,7 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     \b
     Examples:
       dsckpt inspect runs/demo
-      dsckpt inspect runs/demo --tag step20 --tensors
+      dsckpt inspect runs/demo --tag step30 --tensors
       dsckpt inspect runs/demo --json | jq .zero_stage
       dsckpt inspect model.safetensors
       dsckpt inspect runs/demo --stats --optimizer --top 10

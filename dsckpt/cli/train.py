@@ -14,7 +14,7 @@ def train(nproc: int, as_json: bool, **kwargs) -> None:
 
     \b
     Examples:
-      dsckpt train --stage 3 --nproc 2 --steps 20 --save-dir runs/demo
+      dsckpt train --stage 3 --nproc 2 --steps 30 --save-dir runs/demo
       dsckpt train --preset deepspeed_stage_2 --precision bf16 --save-dir runs/z2
       torchrun --nproc_per_node 2 -m dsckpt train --config ds.json --save-dir runs/x
     Ctrl-C stops every rank (exit 130); the last complete checkpoint stays, no partial one is left.
