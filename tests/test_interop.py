@@ -37,6 +37,7 @@ def test_hf_trainer_checkpoint_loads_with_from_pretrained(hf_run, tmp_path):
 
     proc = run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(line.startswith("note: ") for line in proc.stderr.splitlines()), proc.stderr  # no library chatter
     files = json.loads(proc.stdout)["files"]  # final paths, each of which exists
     assert all(Path(f).is_file() for f in files)
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

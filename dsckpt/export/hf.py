@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,12 +123,18 @@ def _meta_state(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]] | No
     if cls is None:
         return None, set()
     kwargs = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its advice about building a model is not the user's concern here
     try:
-        cfg = transformers.AutoConfig.for_model(**kwargs)
-        with torch.device("meta"):
-            model = cls(cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = transformers.AutoConfig.for_model(**kwargs)
+            with torch.device("meta"):
+                model = cls(cfg)
     except Exception:  # an unusual config this transformers cannot build: fall back to the counts
         return None, set()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     seen, tied = {}, set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
