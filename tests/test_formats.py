@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -188,12 +189,17 @@ def test_the_reader_advises_each_files_ranges_joined_and_reads_the_same_bytes(tm
     source = TensorSource("U8", "U8", pieces)
     expected = b"".join(bytes(p.nbytes) if isinstance(p, Zeros) else p.path.read_bytes()[p.offset:p.offset + p.nbytes]
                         for p in pieces)
+    from dsckpt.formats import storage
+
     advised = []
     real = os.posix_fadvise
-    monkeypatch.setattr(read.os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)) or real(fd, off, n, how))
-    for advise in (True, False):
-        monkeypatch.setattr(read, "ADVISE", advise)
-        with read.Reader() as reader:
+    monkeypatch.setattr(storage.os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)) or real(fd, off, n, how))
+
+    class Unadvised(storage.LocalStorage):  # a storage that takes no hints reads the same bytes
+        def advise(self, name, ranges):
+            pass
+    for files in (storage.LocalStorage(), Unadvised()):
+        with read.Reader(files) as reader:
             assert reader.read(source) == expected
     assert sorted(advised) == sorted([(0, 8000, os.POSIX_FADV_WILLNEED), (6 << 20, 100, os.POSIX_FADV_WILLNEED),
                                       (64, 546, os.POSIX_FADV_WILLNEED)])
@@ -230,3 +236,40 @@ def test_the_reader_reads_the_next_storage_ahead_and_never_mixes_buffers(tmp_pat
         assert bytes(next(stream)) == data[7:7 + 16_384]  # abandoned after one chunk
         assert got(s1, then=s3) == data[:70_000]
         assert got(s3) == data[7:90_007]
+
+
+def test_every_read_and_publish_goes_through_the_storage_seam(tmp_path):
+    """A storage that counts its calls sees the one reader's reads, the CRC checks' reads and the commit protocol's
+    steps: the seam an object-storage backend implements (docs/architecture.md, "A storage backend")."""
+    from dsckpt.formats import storage
+    from dsckpt.io.output import Staging
+    from dsckpt.io.read import Reader
+    from dsckpt.plan.consolidate import build_plan
+    from dsckpt.zero.reader import open_checkpoint
+
+    calls = []
+
+    class Counting(storage.LocalStorage):
+        def pread(self, name, nbytes, offset, into=None):
+            calls.append(("pread", Path(name).name))
+            return super().pread(name, nbytes, offset, into)
+
+        def replace(self, temp, final):
+            calls.append(("replace", Path(final).name))
+            super().replace(temp, final)
+
+        def flush(self, name, files=True):
+            calls.append(("flush", Path(name).name))
+            super().flush(name, files)
+
+    plan = build_plan(open_checkpoint(FIXTURES / "z2_ws2_fp32"))
+    with Reader(Counting()) as reader:
+        first = reader.read(plan.tensors[0])
+    assert ("pread", "zero_pp_rank_0_mp_rank_00_optim_states.pt") in calls and len(first) == plan.tensors[0].nbytes
+    stage = Staging(fsync=True, storage=Counting())
+    tmp = stage.temp_for(tmp_path / "out.bin")
+    tmp.write_bytes(first)
+    stage.flush()
+    stage.publish()
+    assert ("replace", "out.bin") in calls and ("flush", tmp.name) in calls
+    assert (tmp_path / "out.bin").read_bytes() == first

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..dtypes import ITEMSIZE
-from ..io.read import FileCache
+from ..formats.storage import LocalStorage, Storage
 from .stats import CHUNK_BYTES, Source, decode
 
 
@@ -49,7 +49,7 @@ class DiffReport:
                 "tensor_list": [asdict(t) for t in self.tensors]}
 
 
-def read_elements(src: Source, start: int, count: int, files: FileCache) -> bytes:
+def read_elements(src: Source, start: int, count: int, files: Storage) -> bytes:
     """Elements ``[start, start + count)`` of a source, as raw bytes, across its pieces."""
     size, out, pos = ITEMSIZE[src.dtype], [], 0
     lo, hi = start * size, (start + count) * size
@@ -61,7 +61,7 @@ def read_elements(src: Source, start: int, count: int, files: FileCache) -> byte
     return b"".join(out)
 
 
-def compare(a: Source, b: Source, files: FileCache, atol: float, rtol: float) -> TensorDiff:
+def compare(a: Source, b: Source, files: Storage, atol: float, rtol: float) -> TensorDiff:
     step = CHUNK_BYTES // max(ITEMSIZE[a.dtype], ITEMSIZE[b.dtype])
     equal = within = True
     max_diff = diff_sq = a_sq = 0.0
@@ -103,6 +103,6 @@ def diff(a_sources: list[Source], b_sources: list[Source], atol: float = 0.0, rt
         if a.dtype != b.dtype:
             report.dtype_changed.append(f"{name}: {a.dtype} vs {b.dtype}")
         pairs.append((a, b))
-    with FileCache() as files:
+    with LocalStorage() as files:
         report.tensors = [compare(a, b, files, atol, rtol) for a, b in pairs]
     return report

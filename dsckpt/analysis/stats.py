@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from ..dtypes import ITEMSIZE, label, numpy_dtype
-from ..io.read import FileCache
+from ..formats.storage import LocalStorage, Storage
 from ..plan.segments import Segment
 
 CHUNK_BYTES = 16 << 20
@@ -67,7 +67,7 @@ class TensorStats:
 BLOCK = 1 << 16  # elements reduced at a time: the several passes below then run in the CPU's cache
 
 
-def chunks(src: Source, files: FileCache) -> Iterator[np.ndarray]:
+def chunks(src: Source, files: Storage) -> Iterator[np.ndarray]:
     """The tensor's values (float32, or float64 for F64) in cache-sized blocks, read ~CHUNK_BYTES at a time."""
     size = ITEMSIZE[src.dtype]
     step = max(size, CHUNK_BYTES - CHUNK_BYTES % size)
@@ -85,7 +85,7 @@ def decode(raw: bytes, dtype: str) -> np.ndarray:
     return values if dtype in ("F32", "F64") else values.astype(np.float32 if dtype in ("F16",) else np.float64)
 
 
-def tensor_stats(src: Source, files: FileCache) -> TensorStats:
+def tensor_stats(src: Source, files: Storage) -> TensorStats:
     """One tensor's statistics in few passes over cache-resident blocks.
 
     Sums are taken of ``x - shift`` (``shift``: the tensor's first finite value), so the variance of
@@ -126,5 +126,5 @@ def tensor_stats(src: Source, files: FileCache) -> TensorStats:
 
 def compute_stats(sources: list[Source], threads: int = THREADS) -> list[TensorStats]:
     """Statistics of every source, in the sources' order."""
-    with FileCache() as files, ThreadPoolExecutor(threads) as pool:
+    with LocalStorage() as files, ThreadPoolExecutor(threads) as pool:
         return list(pool.map(lambda s: tensor_stats(s, files), sources))

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import ByteRangeError, CorruptFileError, UnreadableFileError
 from ..limits import check, limit
 from .pickle_policy import StorageRef, TensorRef, unpickle  # noqa: F401  (re-exported)
+from .storage import storage_for
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -40,9 +41,10 @@ class TorchFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        storage = storage_for(self.path)
         try:
-            self.size = self.path.stat().st_size
-            with open(self.path, "rb") as fh:
+            self.size = storage.size(self.path)
+            with storage.open(self.path) as fh:
                 if fh.read(4) != _LOCAL_MAGIC:
                     raise CorruptFileError(f"{self.path}: not a torch zip checkpoint (legacy or foreign format, or empty)")
                 self._index(fh)

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32
-from ..formats.positional import pread_exact
+from ..formats.storage import storage_for
 from ..formats.torchzip import StorageLocation, TorchFile, is_torch_zip
 from ..plan.segments import Segment
 
@@ -87,12 +87,13 @@ def _overlapping(path: Path, spans: list[tuple[int, int]]) -> list[tuple[str, St
 
 def _check(path: Path, loc: StorageLocation, key: str) -> None:
     buffer = bytearray(min(BUFFER, loc.nbytes))
-    with open(path, "rb") as fh:
+    with storage_for(path) as storage:
+        storage.advise(path, [(loc.offset, loc.nbytes)])
         crc, pos = 0, 0
         while pos < loc.nbytes:
             n = min(len(buffer), loc.nbytes - pos)
             view = memoryview(buffer)[:n]
-            pread_exact(fh.fileno(), n, loc.offset + pos, path, view)
+            storage.pread(path, n, loc.offset + pos, view)
             crc, pos = crc32(view, crc), pos + n
     if crc != loc.crc32:
         raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)",

@@ -15,14 +15,13 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import CorruptFileError, OutputError
 from ..formats.safetensors_file import INDEX_SUFFIX
+from ..formats.storage import TEMP_MARK, LocalStorage, Storage
 
-TEMP_MARK = ".dsckpt-tmp-"
 
 
 def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: bool = False,
@@ -93,55 +92,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+LOCAL = LocalStorage()  # outputs are written to local paths (the writers' kernel-side copies need them)
+
+
 def remove_path(path: Path) -> None:
     """A file, link or folder, gone (already gone is fine)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    LOCAL.remove(path)
 
 
 PUBLISHED_LAST = ("latest",)  # names that point at the rest (DeepSpeed's `latest`; indexes: by suffix below)
 
 
-def _publish_order(name: str) -> tuple[bool, str]:
-    return name in PUBLISHED_LAST or name.endswith(INDEX_SUFFIX), name
-
-
-def _replace_entry(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; a folder over a folder is swapped (the old one kept until the new one is in)."""
-    if src.is_dir() and dst.is_dir() and not dst.is_symlink():
-        old = _temp_name(dst)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        remove_path(old)
-    elif dst.is_dir() and not dst.is_symlink():
-        raise OSError(f"{dst}: is a folder where dsckpt writes a file; nothing there was changed")
-    else:
-        os.replace(src, dst)
-
-
-def _merge_into(tmp: Path, final: Path) -> None:
-    """Publish the staged folder ``tmp`` into the existing folder ``final`` entry by entry; entries that
-    point at others (``latest``, ``*.index.json``) last, so a reader never sees them name a missing file."""
-    for name in sorted(os.listdir(tmp), key=_publish_order):
-        _replace_entry(tmp / name, final / name)
-    os.rmdir(tmp)
+def publish_order(names: list[str]) -> list[str]:
+    """Entries that point at others (``latest``, ``*.index.json``) last, so a reader never sees them name a missing
+    file."""
+    return sorted(names, key=lambda name: (name in PUBLISHED_LAST or name.endswith(INDEX_SUFFIX), name))
 
 
 def fsync_path(path: Path, *, files: bool = True) -> None:
-    """Flush a file, or a folder's entries (and, with ``files``, every file and folder below it: a reshard
-    output's rank files sit in its tag folder), to stable storage."""
-    if files and path.is_dir() and not path.is_symlink():
-        for entry in os.scandir(path):
-            if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
-                fsync_path(Path(entry.path))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Flush a file, or a folder's entries (with ``files``: everything below it too), to stable storage."""
+    LOCAL.flush(path, files=files)
 
 
 class Staging:
@@ -155,8 +125,8 @@ class Staging:
     folders.  ``abort()`` deletes every temp: nothing at a destination changes.
     """
 
-    def __init__(self, fsync: bool = True):
-        self.fsync = fsync
+    def __init__(self, fsync: bool = True, storage: Storage = LOCAL):
+        self.fsync, self.storage = fsync, storage
         self._items: list[tuple[Path, Path, bool]] = []  # (temp, destination, is a directory)
         self._stale: list[Path] = []
 
@@ -178,25 +148,25 @@ class Staging:
     def flush(self) -> None:
         if self.fsync:
             for tmp, _, _ in self._items:
-                fsync_path(tmp)
+                self.storage.flush(tmp)
 
     def publish(self) -> None:
         for tmp, final, directory in reversed(self._items):
             if directory and final.is_dir() and not final.is_symlink():
-                _merge_into(tmp, final)
+                self.storage.merge_into(tmp, final, order=publish_order)
             else:
-                os.replace(tmp, final)
+                self.storage.replace(tmp, final)
         for path in self._stale:  # after: what replaces them is in place first
-            remove_path(path)
+            self.storage.remove(path)
         if self.fsync:
             folders = {final.parent if str(final.parent) else Path(".") for _, final, _ in self._items}
             folders |= {final for _, final, directory in self._items if directory}  # merged entries live there
             for folder in folders:
-                fsync_path(folder, files=False)
+                self.storage.flush(folder, files=False)
 
     def abort(self) -> None:
         for tmp, _, _ in self._items:
-            remove_path(tmp)
+            self.storage.remove(tmp)
 
 
 @contextlib.contextmanager

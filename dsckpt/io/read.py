@@ -6,21 +6,20 @@
    the GIL), and with ``storage_chunks(storage, then)`` the next storage's first chunk while the caller
    writes this one's last; zero fills come from one zero buffer;
 2. a source with a cast is read in whole elements and cast with numpy (``formats.cast``).
-Descriptors are opened once per file (``FileCache``), shared by threads (positional reads need no seek).
+Bytes come from a ``formats.storage.Storage`` (``LocalStorage``: descriptors opened once per file, shared by
+threads, positional reads).
 
 A yielded chunk is valid until the next one is requested: copy it to keep it (``read`` does).  Reused buffers
 and the prefetch replace a fresh ``bytes`` per chunk read in turn (docs/dev/performance-log.md 12).
 """
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..dtypes import ITEMSIZE, torch_dtype
 from ..formats.pickle_policy import TensorRef
-from ..formats.positional import pread_exact
+from ..formats.storage import LocalStorage, Storage
 from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 
 # Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
@@ -28,46 +27,16 @@ from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 CHUNK = 4 << 20
 # Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: cold reads start
 # sooner (docs/dev/performance-log.md 15).
-ADVISE = hasattr(os, "posix_fadvise")
 ADVISE_GAP = 1 << 20  # ranges closer than this are advised as one
-
-
-class FileCache:
-    """Each file opened once, read-only; reads are positional (pread / copy_file_range)."""
-
-    def __init__(self):
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()  # threads share one instance
-
-    def fd(self, path: Path) -> int:
-        with self._lock:
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            return self._fds[path]
-
-    def pread(self, path: Path, nbytes: int, offset: int, into: bytearray | memoryview | None = None):
-        return pread_exact(self.fd(path), nbytes, offset, path, into)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __enter__(self) -> "FileCache":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Reader:
     """Chunks of any ``ByteSource`` (see the module docstring); a context manager owning its files and thread."""
 
-    def __init__(self, files: FileCache | None = None, chunk: int = CHUNK):
+    def __init__(self, files: Storage | None = None, chunk: int = CHUNK):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.files = files or FileCache()
+        self.files = files or LocalStorage()
         self._own_files = files is None
         self.chunk = chunk
         self._buffers = (bytearray(chunk), bytearray(chunk))
@@ -121,8 +90,7 @@ class Reader:
         jobs = list(self._batches(source))
         if not jobs:
             return None
-        if ADVISE:
-            self._pool.submit(self._advise, source)  # on the prefetch thread, before the first read
+        self._pool.submit(self._advise, source)  # on the prefetch thread, before the first read
         return jobs, self._submit(jobs[0])
 
     def _submit(self, job) -> Any:
@@ -155,7 +123,7 @@ class Reader:
     def _advise(self, source: ByteSource) -> None:
         """Tell the kernel every range this source will read (``POSIX_FADV_WILLNEED``), each file's nearby ranges
         joined: a resharded ZeRO-3 partition is one piece per parameter from each source file in turn, and from a
-        cold cache each piece read on its own waited for the disk (see ADVISE)."""
+        cold cache each piece read on its own waited for the disk (see ADVISE_GAP)."""
         spans: dict[Path, list[list[int]]] = {}
         for piece in source.pieces:
             if isinstance(piece, Segment) and piece.nbytes:
@@ -165,11 +133,7 @@ class Reader:
                 else:
                     runs.append([piece.offset, piece.offset + piece.nbytes])
         for path, runs in spans.items():
-            for start, end in runs:
-                try:
-                    os.posix_fadvise(self.files.fd(path), start, end - start, os.POSIX_FADV_WILLNEED)
-                except OSError:  # advice only: a file system without it reads on demand
-                    return
+            self.files.advise(path, [(start, end - start) for start, end in runs])
 
     def _read(self, batch: list[tuple[Segment | Zeros, int, int]], buffer: bytearray) -> memoryview:
         view, pos = memoryview(buffer), 0

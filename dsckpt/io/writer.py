@@ -22,7 +22,7 @@ from ..dtypes import ITEMSIZE
 from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME
 from ..plan.segments import Segment
-from .read import FileCache
+from ..formats.storage import LocalStorage
 from ..plan.consolidate import Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
@@ -165,7 +165,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
-        with FileCache() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool:
+        with LocalStorage() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool:
             pending = []
             for t, rel in mine:
                 pos = len(header) + rel

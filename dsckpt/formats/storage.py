@@ -1,0 +1,168 @@
+"""Where bytes live: the storage protocol every read of a checkpoint and every publish of an output goes through.
+
+The plans name bytes as (path, offset, length) - ``plan.segments.Segment`` - and stay as they are; a ``Storage``
+turns such names into bytes and staged outputs into published ones.  ``LocalStorage`` is today's fast path:
+descriptors opened once per file and shared by threads (positional reads need no seek), ``pread``/``preadv``
+into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  The writers'
+kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.writer``) are local-only and stay
+with them.  An object-storage backend (s3://, gs://, az://) implements the same methods over ranged GETs and
+multipart uploads; what it must guarantee is in docs/architecture.md ("A storage backend").
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Protocol
+
+from .positional import pread_exact
+
+TEMP_MARK = ".dsckpt-tmp-"  # in every staged name: `.<name>.dsckpt-tmp-<pid>-<id>` (a run's, until published)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: Path
+    size: int
+
+
+class Storage(Protocol):
+    """The operations a backend implements (paths are the names plans carry)."""
+
+    def list(self, prefix: Path) -> list[Entry]:
+        """Regular files directly below ``prefix`` and one folder down, with their sizes."""
+
+    def size(self, name: Path) -> int: ...
+
+    def open(self, name: Path) -> BinaryIO:
+        """A seekable, read-only stream (a zip's directory, a pickle, a JSON file)."""
+
+    def pread(self, name: Path, nbytes: int, offset: int, into=None) -> bytes | bytearray:
+        """Exactly ``nbytes`` at ``offset`` (into ``into`` when given), or a ``CorruptFileError`` naming ``name``;
+        safe to call from several threads at once (many reads in flight)."""
+
+    def advise(self, name: Path, ranges: Iterable[tuple[int, int]]) -> None:
+        """Ranges about to be read (read-ahead); a hint, may do nothing."""
+
+    def create(self, name: Path) -> BinaryIO:
+        """A stream writing ``name`` (a staged temp name: nothing is visible at the final name yet)."""
+
+    def flush(self, name: Path, files: bool = True) -> None:
+        """Make ``name`` durable: a file, or a folder's entries (with ``files``: everything below it too)."""
+
+    def replace(self, temp: Path, final: Path) -> None:
+        """Publish a staged file or folder under its final name, in one step a reader cannot see half done."""
+
+    def merge_into(self, temp: Path, final: Path) -> None:
+        """Publish a staged folder into an existing one entry by entry (what points at others last)."""
+
+    def remove(self, name: Path) -> None:
+        """Delete a file or folder dsckpt wrote (absent is fine)."""
+
+    def close(self) -> None: ...
+
+
+class LocalStorage:
+    """A POSIX file system (see the module docstring); one instance may be shared by threads."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    # reading
+    def list(self, prefix: Path) -> list[Entry]:
+        out = []
+        for entry in sorted(os.scandir(prefix), key=lambda e: e.name):
+            inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
+            out += [Entry(Path(e.path), e.stat().st_size) for e in inner if e.is_file()]
+        return out
+
+    def size(self, name: Path) -> int:
+        return os.stat(name).st_size
+
+    def open(self, name: Path) -> BinaryIO:
+        return open(name, "rb")
+
+    def fd(self, name: Path) -> int:
+        """The shared read-only descriptor of ``name`` (the local fast path's handle)."""
+        with self._lock:
+            if name not in self._fds:
+                self._fds[name] = os.open(name, os.O_RDONLY)
+            return self._fds[name]
+
+    def pread(self, name: Path, nbytes: int, offset: int, into=None) -> bytes | bytearray:
+        return pread_exact(self.fd(name), nbytes, offset, name, into)
+
+    def advise(self, name: Path, ranges: Iterable[tuple[int, int]]) -> None:
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for offset, nbytes in ranges:
+            try:
+                os.posix_fadvise(self.fd(name), offset, nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:  # advice only: a file system without it reads on demand
+                return
+
+    # writing and publishing
+    def create(self, name: Path) -> BinaryIO:
+        return open(name, "wb")
+
+    def flush(self, name: Path, files: bool = True) -> None:
+        """fsync a file, or a folder's entries (and with ``files`` everything below it: a reshard output's rank
+        files sit in its tag folder)."""
+        if files and name.is_dir() and not name.is_symlink():
+            for entry in os.scandir(name):
+                if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
+                    self.flush(Path(entry.path))
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def replace(self, temp: Path, final: Path) -> None:
+        os.replace(temp, final)
+
+    def merge_into(self, temp: Path, final: Path, order=sorted) -> None:
+        for name in order(os.listdir(temp)):
+            self._replace_entry(temp / name, final / name)
+        os.rmdir(temp)
+
+    def _replace_entry(self, src: Path, dst: Path) -> None:
+        """A folder over a folder is swapped (the old one kept until the new one is in)."""
+        if src.is_dir() and dst.is_dir() and not dst.is_symlink():
+            old = dst.with_name(f".{dst.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+            os.replace(dst, old)
+            os.replace(src, dst)
+            self.remove(old)
+        elif dst.is_dir() and not dst.is_symlink():
+            raise OSError(f"{dst}: is a folder where dsckpt writes a file; nothing there was changed")
+        else:
+            os.replace(src, dst)
+
+    def remove(self, name: Path) -> None:
+        if name.is_dir() and not name.is_symlink():
+            shutil.rmtree(name, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                name.unlink()
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "LocalStorage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def storage_for(path: str | os.PathLike) -> LocalStorage:
+    """The storage a path lives on: a local file system today (object-store URLs come with their backend)."""
+    return LocalStorage()
