@@ -25,14 +25,14 @@ from ..export.sidecar import sidecar_paths, write_sidecar
 from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
 from ..io.integrity import check_sources
-from ..io.output import check_output, check_parent, write_errors
+from ..io.output import check_output, write_errors
 from ..io.read import Reader, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..parallel.group import ONE_PROCESS, Group
-from .paths import require_checkpoint
+from .frame import writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
-from ..parallel.view import View, build_view
+from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases, prefixes
 from ..plan.segments import tree_pieces
 from ..zero.reader import open_checkpoint
@@ -113,24 +113,23 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
                       prefixes(strip_prefixes), duplicate_tied, trust)
     out = Path(out)
-    check_parent(out)  # before the view, which a distributed run makes there
-    group.step(lambda: require_checkpoint(checkpoint))
-    view = build_view(group, Path(checkpoint), tag, out.parent, trust)
-    staged = None
-    try:
+    with writing(group, checkpoint, tag, out, trust) as frame:
+        view = frame.view
         ckpt, prepared, notes = group.step(lambda: _prepare(view, fmt, dtype, exclude_frozen, request))
         fmt, plan = prepared.format, prepared.plan
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
         write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
-        group.step(lambda: _check_out(out, inputs, force, fmt.directory, view.real_path(ckpt.layout.root)) if group.rank == 0 else None)
-        sources = [p for t in plan.tensors for p in t.pieces] + (tree_pieces(ckpt.client_state) if write_client else [])
+        tree = view.real_path(ckpt.layout.root)
+        group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
+        sources = [p for t in plan.tensors for p in t.pieces]
+        sources += tree_pieces(ckpt.client_state) if write_client else []
         # damaged bytes are caught before anything is written, each file by the process that holds it
         notes += group.step(lambda: check_sources(sources, view.owns, skip=not check_crc))
         if progress_total:
             progress_total(plan.nbytes)
         groups = storage_groups(group, out)
-        staged = Staged(group, groups, out, directory=fmt.directory, fsync=fsync, publishing={groups.of[0]})
-        staged.create()
+        staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
+                                    publishing={groups.of[0]}))
         names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
         if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
             group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
@@ -140,12 +139,6 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             stale += [p for p in sidecar_paths(out, fmt.directory) if os.path.lexists(p)]
         with write_errors(out):
             staged.publish(stale)
-    except BaseException:
-        if staged is not None:
-            staged.abort()
-        raise
-    finally:
-        view.close()
     written = [out / name for name in names] if fmt.directory else [out]
     sidecars = tuple(p for p in sidecar_paths(out, fmt.directory) if p.exists()) if write_client else ()
     return Result(out, fmt.name, ckpt.layout.tag, len(plan.tensors), plan.nbytes,

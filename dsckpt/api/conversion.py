@@ -22,12 +22,12 @@ from typing import Callable
 from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
 from ..io.integrity import check_sources
-from ..io.output import check_output, check_parent, write_errors
+from ..io.output import check_output, write_errors
 from ..parallel.group import ONE_PROCESS, Group
-from .paths import require_checkpoint
+from .frame import writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
-from ..parallel.view import View, build_view
+from ..parallel.view import View
 from ..plan.segments import tree_pieces
 from ..plan.training_state import build_training_state
 
@@ -63,11 +63,8 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     request = ConvertRequest(weights_only, trust, fsync)
     target.check(request)
     out = Path(out)
-    check_parent(out)  # before the view, which a distributed run makes there
-    group.step(lambda: require_checkpoint(checkpoint))
-    view = build_view(group, Path(checkpoint), tag, out.parent, trust)
-    staged = None
-    try:
+    with writing(group, checkpoint, tag, out, trust) as frame:
+        view = frame.view
         ckpt, prepared = group.step(lambda: _prepare(view, target, request))
         client = bool(ckpt.client_state) and not target.stores_client_state
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
@@ -76,8 +73,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
         if progress_total:
             progress_total(prepared.nbytes)
         groups = storage_groups(group, out)
-        staged = Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
-        staged.create()
+        staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
         clients = tree_pieces(ckpt.client_state) if client else []
         crc_notes = group.step(lambda: check_sources(list(prepared.pieces) + clients, view.owns, skip=not check_crc))
         wanted = remote_ranges(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
@@ -86,12 +82,6 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
                                            if group.rank == 0 else None), 0)
         with write_errors(out):
             staged.publish()
-    except BaseException:
-        if staged is not None:
-            staged.abort()
-        raise
-    finally:
-        view.close()
     notes = prepared.notes + crc_notes + ((f"client state (not part of the {target.name} layout) in "
                                f"{sidecar_paths(out, True)[0]}",) if client else ())
     return ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,

@@ -30,14 +30,14 @@ from typing import Callable, Mapping
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
 from ..io.integrity import check_sources
-from ..io.output import check_output, check_parent, write_errors
+from ..io.output import check_output, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
-from .paths import require_checkpoint
+from .frame import writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
-from ..parallel.view import View, build_view
+from ..parallel.view import View
 from ..plan.moves import ReshardPlan
 from ..plan.reshard import build_reshard_plan
 from ..plan.segments import written_source
@@ -83,11 +83,8 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     """
     group = group or ONE_PROCESS
     out = Path(out_dir)
-    check_parent(out)  # before the view, which a distributed run makes there
-    group.step(lambda: require_checkpoint(checkpoint))
-    view = build_view(group, Path(checkpoint), tag, out.parent, trust)
-    staged = None
-    try:
+    with writing(group, checkpoint, tag, out, trust) as frame:
+        view = frame.view
         ckpt, prepared = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
         plan = prepared.plan
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
@@ -99,9 +96,8 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         groups = storage_groups(group, out)
         items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
         place = Placement(world_size, group, groups, gather)
-        staged = Staged(group, groups, out, directory=True, fsync=fsync,
-                        publishing={g for name, _ in items for g in place.destinations(name)})
-        staged.create()
+        receiving = {g for name, _ in items for g in place.destinations(name)}
+        staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
         mine = []
         for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
             members = groups.members(leader)
@@ -116,12 +112,6 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
                        if files or copies else None)
             group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
             staged.publish()
-    except BaseException:
-        if staged is not None:
-            staged.abort()
-        raise
-    finally:
-        view.close()
     here = [name for name, _ in items if staged.leader in place.destinations(name)]
     return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
                          tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total,

@@ -18,8 +18,8 @@ def _rows(entries) -> list[str]:
     lines = [f"{'tag':<24}{'step':>8}  {'stage':>5}  {'world':>5}  {'size':>10}  state"]
     for e in entries:
         state = ("complete" if e.complete else "INCOMPLETE") + ("  <- latest" if e.resumes_from else "")
-        lines.append(f"{e.tag:<24}{e.step if e.step is not None else '-':>8}  {e.zero_stage if e.zero_stage is not None else '-':>5}"
-                     f"  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
+        step, stage = ("-" if v is None else v for v in (e.step, e.zero_stage))
+        lines.append(f"{e.tag:<24}{step:>8}  {stage:>5}  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
     return lines
 
 

@@ -34,7 +34,8 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
     crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
-        click.echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats), offending=bad))
+        click.echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
+                                 offending=bad))
     elif bad:
         click.echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
         for b in bad:

@@ -1,0 +1,48 @@
+"""The frame every writing verb (``consolidate``, ``reshard``, ``convert``) runs its steps in, at 1 or N processes.
+
+1. OUT's folder exists (before a distributed run makes its view there) and the input is a checkpoint, not a
+   weights file (``paths.require_checkpoint``: the same verdict on every process);
+2. the view of the checkpoint (``parallel.view``: the checkpoint itself for one process);
+3. the verb's own steps, which stage OUT through ``Frame.stage``;
+4. on any error the staged output is abandoned; the view is closed either way.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ..io.output import check_parent
+from ..parallel.group import Group
+from ..parallel.outputs import Staged
+from ..parallel.view import View, build_view
+from .paths import require_checkpoint
+
+
+@dataclass
+class Frame:
+    view: View
+    staged: Staged | None = None
+
+    def stage(self, staged: Staged) -> Staged:
+        """Create OUT's temp (every process agrees) and abandon it if the verb fails."""
+        self.staged = staged
+        staged.create()
+        return staged
+
+
+@contextlib.contextmanager
+def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Path, trust: bool) -> Iterator[Frame]:
+    check_parent(out)
+    group.step(lambda: require_checkpoint(checkpoint))
+    frame = Frame(build_view(group, Path(checkpoint), tag, out.parent, trust))
+    try:
+        yield frame
+    except BaseException:
+        if frame.staged is not None:
+            frame.staged.abort()
+        raise
+    finally:
+        frame.view.close()
