@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..formats.safetensors_file import read_header
+from ..formats.safetensors_file import METADATA_KEY, read_header, tensor_entries
 from .registry import Format, Listing, Prepared, Progress, Stored, register
 
 
 def read_safetensors(path: Path) -> Listing:
     header, start = read_header(path)
     tensors = [Stored(name, info["dtype"], tuple(info["shape"]), path, start + info["data_offsets"][0])
-               for name, info in header.items() if name != "__metadata__"]
-    return Listing(tensors, dict(header.get("__metadata__", {})), [path])
+               for name, info in tensor_entries(header).items()]
+    return Listing(tensors, dict(header.get(METADATA_KEY, {})), [path])
 
 
 class SafetensorsFormat(Format):

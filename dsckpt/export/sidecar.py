@@ -141,10 +141,10 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     tensors_path = tensors_companion(json_path)
     if tensors_path.exists():
-        from ..formats.safetensors_file import read_header
+        from ..formats.safetensors_file import read_header, tensor_entries
 
         header, _ = read_header(tensors_path)  # validated by dsckpt's reader before safetensors parses it
-        tensors = {name: name for name in header if name != "__metadata__"}
+        tensors = {name: name for name in tensor_entries(header)}
         if load_tensors:
             from safetensors.torch import load_file
 

@@ -13,6 +13,33 @@ from .json_file import read_json
 
 INDEX_NAME = "model.safetensors.index.json"  # a sharded folder's index, as save_pretrained names it
 INDEX_SUFFIX = ".index.json"
+METADATA_KEY = "__metadata__"  # the header's one entry that is not a tensor
+HEADER_ALIGN = 8  # data starts 8-byte aligned (the header padded with spaces), as the reference writer does
+
+
+def shard_name(i: int, n: int) -> str:
+    """The i-th of n shards (1-based), as save_pretrained names them."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]],
+                  metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included) for (name, dtype, shape, nbytes) entries laid out in order, and each
+    tensor's data offset relative to the data start."""
+    header: dict[str, object] = {METADATA_KEY: metadata} if metadata else {}
+    offsets, pos = [], 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets.append(pos)
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def tensor_entries(header: dict[str, Any]) -> dict[str, Any]:
+    """The header's tensors (its metadata entry left out)."""
+    return {name: info for name, info in header.items() if name != METADATA_KEY}
 
 MAX_HEADER = 100 << 20  # the reference implementation's own limit
 

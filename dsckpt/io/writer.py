@@ -13,14 +13,13 @@ import errno
 import json
 import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE
 from ..formats.positional import WRITE_SLICE, pwrite_all
-from ..formats.safetensors_file import INDEX_NAME
+from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Segment
 from ..formats.storage import LocalStorage
 from ..plan.consolidate import Plan, TensorPlan
@@ -28,7 +27,6 @@ from ..plan.consolidate import Plan, TensorPlan
 CHUNK_BYTES = 64 << 20
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
 CAST_THREADS = min(4, os.cpu_count() or 1)
-HEADER_ALIGN = 8  # safetensors: data starts 8-byte aligned
 Progress = Callable[[int], None]
 
 
@@ -47,15 +45,7 @@ def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, in
 
 def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
     """Header bytes (length prefix included) and each tensor's data offset relative to the data start."""
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offsets, pos = [], 0
-    for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        offsets.append(pos)
-        pos += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % HEADER_ALIGN)
-    return struct.pack("<Q", len(raw)) + raw, offsets
+    return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata)
 
 
 def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path) -> None:
@@ -210,7 +200,7 @@ def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress |
     n = len(groups)
     weight_map, names = {}, []
     for i, group in enumerate(groups, 1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        name = shard_name(i, n)
         if (i - 1) % part[1] == part[0]:
             write_safetensors(group, folder / name, plan.metadata, progress)
         weight_map.update({t.name: name for t in group})
