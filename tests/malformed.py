@@ -495,6 +495,14 @@ def run_in_process(args: list[str], limit: int | None = None) -> subprocess.Comp
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def one_process(args: list[str]) -> subprocess.CompletedProcess:
+    """``dsckpt ARGS`` on one process: in this one, unless it is a rank of a distributed job (whose CLI would join
+    the job's group: then a subprocess without torchrun's environment)."""
+    if "LOCAL_RANK" in os.environ:
+        return run_cli(args, dict(os.environ))
+    return run_in_process(args)
+
+
 def command_line(case: Case, command: str, tmp: Path, target: Path) -> tuple[list[str], Path]:
     """The arguments of ``dsckpt COMMAND`` for a case, and the OUT it writes."""
     force = ["--force"] if "--force" in case.consolidate_args else []
@@ -562,7 +570,7 @@ def judge_resharded(case: Case, out: Path) -> Outcome:
     for path in sorted(out.glob("*/*.pt")):
         torch.load(path, weights_only=False)  # TorchCheckpointEngine.load: a laundered payload runs here
     weights = out.parent / "out-resharded.safetensors"
-    proc = run_in_process(["consolidate", str(out), str(weights), "-q"])
+    proc = one_process(["consolidate", str(out), str(weights), "-q"])
     if proc.returncode != 0 or not matches_reference(weights, case.fixture):
         return Outcome(case.name, "reshard", "wrong result", proc.stderr[-300:] or "differs from the live weights")
     return Outcome(case.name, "reshard", "correct result")
@@ -571,7 +579,7 @@ def judge_resharded(case: Case, out: Path) -> Outcome:
 def judge_converted(case: Case, out: Path) -> Outcome:
     """A universal checkpoint is right when its weights, read back, equal the live weights."""
     weights = out.parent / "out-converted.safetensors"
-    proc = run_in_process(["consolidate", str(out), str(weights), "-q", "--force"])
+    proc = one_process(["consolidate", str(out), str(weights), "-q", "--force"])
     if proc.returncode != 0 or not matches_reference(weights, case.fixture):
         return Outcome(case.name, "convert", "wrong result", proc.stderr[-300:] or "differs from the live weights")
     return Outcome(case.name, "convert", "correct result")

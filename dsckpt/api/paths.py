@@ -16,7 +16,7 @@ from typing import Literal
 
 from ..errors import CheckpointNotFoundError
 from ..export.registry import Format, for_input
-from ..zero.layout import RANK_FILE_RE, is_tag_dir, list_tags
+from ..zero.layout import LATEST_FILE, RANK_FILE_RE, is_tag_dir, list_tags
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def require_checkpoint(path: str | os.PathLike) -> None:
     if not os.path.lexists(p):
         return
     kind = classify(p)
-    if kind.kind == "unknown" and p.is_dir():  # what save_pretrained writes: one model.safetensors, no index
+    if kind.kind == "unknown" and p.is_dir() and not (p / LATEST_FILE).exists():  # save_pretrained's: no index
         inside = sorted(c for c in p.iterdir() if c.is_file() and for_input(c) is not None)
         if inside:
             kind, p = classify(inside[0]), inside[0]

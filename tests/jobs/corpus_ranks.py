@@ -38,7 +38,9 @@ def main(root: Path) -> None:
         dist.broadcast_object_list(box, 0)
         target = box[0]
         for command in (c for c in WRITERS if c in case.expect):
-            args, out = command_line(case, command, tmp, target)
+            box = [command_line(case, command, tmp, target) if rank == 0 else None]  # (an OUT a case makes: once)
+            dist.broadcast_object_list(box, 0)
+            args, out = box[0]
             before = out.read_bytes() if rank == 0 and out.is_file() else None
             dist.barrier()
             proc = run_in_process(args, case.max_file_size)
