@@ -123,14 +123,14 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
         sources = [p for t in plan.tensors for p in t.pieces]
         sources += tree_pieces(ckpt.client_state) if write_client else []
-        # damaged bytes are caught before anything is written, each file by the process that holds it
-        notes += group.step(lambda: check_sources(sources, view.owns, skip=not check_crc))
         if progress_total:
             progress_total(plan.nbytes)
         groups = storage_groups(group, out)
         staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
                                     publishing={groups.of[0]}))
-        names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
+        with frame.checked_reads(sources, check_crc) as crc_notes:  # damaged bytes: nothing published
+            names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
+        notes += tuple(crc_notes)
         if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
             group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
         replaced = fmt.replaced_files(out) if group.rank == 0 else ()

@@ -21,7 +21,6 @@ from typing import Callable
 
 from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
-from ..io.integrity import check_sources
 from ..io.output import check_output, write_errors
 from ..parallel.group import ONE_PROCESS, Group
 from .frame import writing
@@ -75,14 +74,14 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
         groups = storage_groups(group, out)
         staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
         clients = tree_pieces(ckpt.client_state) if client else []
-        crc_notes = group.step(lambda: check_sources(list(prepared.pieces) + clients, view.owns, skip=not check_crc))
         wanted = remote_ranges(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
         fetch(group, view, wanted)
-        names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, progress)
-                                           if group.rank == 0 else None), 0)
+        with frame.checked_reads(list(prepared.pieces) + clients, check_crc) as crc_notes:
+            names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, progress)
+                                               if group.rank == 0 else None), 0)
         with write_errors(out):
             staged.publish()
-    notes = prepared.notes + crc_notes + ((f"client state (not part of the {target.name} layout) in "
+    notes = prepared.notes + tuple(crc_notes) + ((f"client state (not part of the {target.name} layout) in "
                                f"{sidecar_paths(out, True)[0]}",) if client else ())
     return ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,
                          tuple(str(out / n) for n in names), notes)

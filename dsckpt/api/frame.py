@@ -3,7 +3,7 @@
 1. OUT's folder exists (before a distributed run makes its view there) and the input is a checkpoint, not a
    weights file (``paths.require_checkpoint``: the same verdict on every process);
 2. the view of the checkpoint (``parallel.view``: the checkpoint itself for one process);
-3. the verb's own steps, which stage OUT through ``Frame.stage``;
+3. the verb's own steps, which stage OUT through ``Frame.stage`` and write inside ``Frame.checked_reads``;
 4. on any error the staged output is abandoned; the view is closed either way.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources, recording
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
@@ -23,8 +24,26 @@ from .paths import require_checkpoint
 
 @dataclass
 class Frame:
+    group: Group
     view: View
     staged: Staged | None = None
+
+    @contextlib.contextmanager
+    def checked_reads(self, pieces: list, enabled: bool) -> Iterator[list[str]]:
+        """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
+        one process notes what its write reads and checks after it, reading only what nobody read; the processes
+        of a distributed run each check the files they hold, before writing.  Yields the notes to report."""
+        if not enabled:
+            yield [SKIPPED_NOTE]
+            return
+        if not self.view.direct:
+            self.group.step(lambda: check_sources(pieces, self.view.owns))
+            yield []
+            return
+        ledger = Ledger()
+        with recording(ledger):
+            yield []
+        ledger.check(pieces)
 
     def stage(self, staged: Staged) -> Staged:
         """Create OUT's temp (every process agrees) and abandon it if the verb fails."""
@@ -37,7 +56,7 @@ class Frame:
 def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Path, trust: bool) -> Iterator[Frame]:
     check_parent(out)
     group.step(lambda: require_checkpoint(checkpoint))
-    frame = Frame(build_view(group, Path(checkpoint), tag, out.parent, trust))
+    frame = Frame(group, build_view(group, Path(checkpoint), tag, out.parent, trust))
     try:
         yield frame
     except BaseException:

@@ -29,7 +29,6 @@ from typing import Callable, Mapping
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
-from ..io.integrity import check_sources
 from ..io.output import check_output, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
@@ -89,8 +88,6 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         plan = prepared.plan
         inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
         group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
-        crc_notes = group.step(lambda: check_sources(_pieces(plan.files, prepared.pickled), view.owns,
-                                                      skip=not check_crc))
         if progress_total:
             progress_total(prepared.total)
         groups = storage_groups(group, out)
@@ -108,14 +105,15 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
         fetch(group, view, remote_ranges(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
         everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
         with write_errors(out):
-            group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, progress)
-                       if files or copies else None)
+            with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc) as crc_notes:
+                group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, progress)
+                           if files or copies else None)
             group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
             staged.publish()
     here = [name for name, _ in items if staged.leader in place.destinations(name)]
     return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
                          tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total,
-                         prepared.notes + crc_notes)
+                         prepared.notes + tuple(crc_notes))
 
 
 def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, trust: bool):

@@ -2,22 +2,25 @@
 
 A byte overwritten inside a rank file leaves the zip's structure intact; only the storage's CRC-32 tells.
 Consolidation copies storages kernel to kernel and reshard streams them, so neither would notice on its own.
-``check_sources(pieces)`` runs before anything is published:
-1. the storages the pieces overlap, per file (a piece of a ZeRO-1/2 flat partition checks the whole partition);
-2. each storage read once into a reused buffer and checksummed (``formats.crc``: ISA-L where installed), files
-   on a few threads (``pread`` and the CRC release the GIL);
-3. the first mismatch is a ``CorruptFileError`` naming the file and the storage.
-``skip=True`` (``--skip-crc-check``) returns a note to print instead: the cost is one more read of those bytes
-(docs/performance.md).
+Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, before anything is published):
+* ``check_sources(pieces)``: the storages the pieces overlap (a piece of a ZeRO-1/2 flat partition checks the whole
+  partition), each read once more into a reused buffer and checksummed (``formats.crc``: ISA-L where installed),
+  files on a few threads.  Before writing: a distributed run's processes check the files they hold this way.
+* ``Ledger`` + ``recording``: while a write runs, the one reader and the mapped copy note the CRC-32 of each range
+  they pass through user space; ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
+  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  One process writing.
+``--skip-crc-check`` skips both (a note says so).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from ..errors import CorruptFileError
-from ..formats.crc import crc32
+from ..formats.crc import crc32, crc32_combine
 from ..formats.storage import storage_for
 from ..formats.torchzip import StorageLocation, TorchFile, is_torch_zip
 from ..plan.segments import Segment
@@ -44,6 +47,51 @@ def check_sources(pieces: Iterable[object], reads: Callable[[Path], bool] = lamb
     return ()
 
 
+class Ledger:
+    """CRC-32s of source ranges as a write read them (see the module docstring); safe from several threads."""
+
+    def __init__(self):
+        self._spans: dict[Path, list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: Path, offset: int, data) -> None:
+        crc = crc32(data)
+        with self._lock:
+            self._spans.setdefault(Path(path), []).append((offset, len(data), crc))
+
+    def check(self, pieces: Iterable[object]) -> None:
+        """Every storage the ``Segment``s among ``pieces`` overlap, from the noted CRCs and what is left to read."""
+        ranges: dict[Path, list[tuple[int, int]]] = {}
+        for piece in pieces:
+            if isinstance(piece, Segment):
+                ranges.setdefault(piece.path, []).append((piece.offset, piece.nbytes))
+        failures = _run(ranges, stop_at_first=True, noted=self._spans)
+        if failures:
+            raise failures[0]
+
+
+_RECORDING: list[Ledger] = []  # the ledger of the write in progress (one per process at a time)
+
+
+@contextlib.contextmanager
+def recording(ledger: Ledger | None) -> Iterator[None]:
+    """Note the CRC of every source range read through user space while the block runs (None: note nothing)."""
+    if ledger is None:
+        yield
+        return
+    _RECORDING.append(ledger)
+    try:
+        yield
+    finally:
+        _RECORDING.remove(ledger)
+
+
+def note(path: Path, offset: int, data) -> None:
+    """Called by the readers with bytes they just read: noted when a write is being recorded."""
+    if _RECORDING:
+        _RECORDING[-1].add(path, offset, data)
+
+
 def check_files(paths: Iterable[Path]) -> None:
     """Every storage of every torch zip in ``paths`` (a sharded resume's preflight)."""
     check_sources(_whole(paths))
@@ -61,8 +109,9 @@ def _whole(paths: Iterable[Path]) -> list[Segment]:
     return [Segment(Path(p), 0, Path(p).stat().st_size) for p in paths]
 
 
-def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool) -> list[CorruptFileError]:
-    work = [(path, loc, key) for path, spans in ranges.items() if is_torch_zip(path)
+def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
+         noted: dict[Path, list[tuple[int, int, int]]] | None = None) -> list[CorruptFileError]:
+    work = [(path, loc, key, (noted or {}).get(path, ())) for path, spans in ranges.items() if is_torch_zip(path)
             for key, loc in _overlapping(path, spans)]
     failures: list[CorruptFileError] = []
     with ThreadPoolExecutor(max(1, min(THREADS, len(work)))) as pool:
@@ -76,6 +125,19 @@ def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool) -> list
     return failures
 
 
+def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:
+    """``crc`` extended over ``nbytes`` read at ``offset`` (a reused buffer)."""
+    buffer = bytearray(min(BUFFER, nbytes))
+    storage.advise(path, [(offset, nbytes)])
+    done = 0
+    while done < nbytes:
+        n = min(len(buffer), nbytes - done)
+        view = memoryview(buffer)[:n]
+        storage.pread(path, n, offset + done, view)
+        crc, done = crc32(view, crc), done + n
+    return crc
+
+
 def _overlapping(path: Path, spans: list[tuple[int, int]]) -> list[tuple[str, StorageLocation]]:
     spans = sorted(spans)
     out = []
@@ -85,16 +147,20 @@ def _overlapping(path: Path, spans: list[tuple[int, int]]) -> list[tuple[str, St
     return out
 
 
-def _check(path: Path, loc: StorageLocation, key: str) -> None:
-    buffer = bytearray(min(BUFFER, loc.nbytes))
+def _check(path: Path, loc: StorageLocation, key: str, noted=()) -> None:
+    """The storage's CRC: noted ranges inside it joined in offset order, the rest read (a range overlapping one
+    already counted is left for the read)."""
+    end = loc.offset + loc.nbytes
+    crc, pos = 0, loc.offset
     with storage_for(path) as storage:
-        storage.advise(path, [(loc.offset, loc.nbytes)])
-        crc, pos = 0, 0
-        while pos < loc.nbytes:
-            n = min(len(buffer), loc.nbytes - pos)
-            view = memoryview(buffer)[:n]
-            storage.pread(path, n, loc.offset + pos, view)
-            crc, pos = crc32(view, crc), pos + n
+        for start, n, span_crc in sorted(s for s in noted if loc.offset <= s[0] and s[0] + s[1] <= end):
+            if start < pos or not n:
+                continue
+            if start > pos:
+                crc = _read_crc(storage, path, pos, start - pos, crc)
+            crc, pos = crc32_combine(crc, span_crc, n), start + n
+        if pos < end:
+            crc = _read_crc(storage, path, pos, end - pos, crc)
     if crc != loc.crc32:
         raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)",
                                hint="restore this file from a copy; --skip-crc-check reads it anyway")

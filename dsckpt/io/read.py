@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from ..dtypes import ITEMSIZE, torch_dtype
 from ..formats.pickle_policy import TensorRef
 from ..formats.storage import LocalStorage, Storage
+from .integrity import note
 from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 
 # Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
@@ -142,6 +143,7 @@ class Reader:
                 view[pos:pos + n] = self._zeros[:n]
             else:
                 self.files.pread(piece.path, n, piece.offset + start, into=view[pos:pos + n])
+                note(piece.path, piece.offset + start, view[pos:pos + n])
             pos += n
         return view[:pos]
 
@@ -156,8 +158,9 @@ class Reader:
                 if isinstance(piece, Zeros):
                     yield bytes(n // src_size * dst_size)
                 else:
-                    yield cast_bytes(self.files.pread(piece.path, n, piece.offset + start), source.src_dtype,
-                                     source.dtype)
+                    raw = self.files.pread(piece.path, n, piece.offset + start)
+                    note(piece.path, piece.offset + start, raw)
+                    yield cast_bytes(raw, source.src_dtype, source.dtype)
 
 
 def _source_of(storage: Any) -> ByteSource:

@@ -22,6 +22,7 @@ from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Segment
 from ..formats.storage import LocalStorage
+from .integrity import note
 from ..plan.consolidate import Plan, TensorPlan
 
 CHUNK_BYTES = 64 << 20
@@ -151,7 +152,9 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_path, src_off, n, dst_off = job
-        pwrite_all(fd, cast_bytes(src.pread(src_path, n, src_off), t.src_dtype, t.dtype), dst_off)
+        raw = src.pread(src_path, n, src_off)
+        note(src_path, src_off, raw)
+        pwrite_all(fd, cast_bytes(raw, t.src_dtype, t.dtype), dst_off)
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
