@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._version import JSON_SCHEMA
+from ..jsondoc import JSON_SCHEMA
 from ..dtypes import label
 from ..errors import DsckptError
 from ..export.hf import trainer_summary

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .._version import JSON_SCHEMA
+from ..jsondoc import JSON_SCHEMA
 from ..dtypes import label
 from ..errors import DsckptError
 from ..formats import metadata as M

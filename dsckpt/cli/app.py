@@ -16,7 +16,7 @@ import click
 
 from .._version import __version__
 from ..errors import DsckptError, Interrupted
-from ..runtime.console import json_document  # noqa: F401  (the commands' --json writer)
+from ..jsondoc import json_document  # noqa: F401  (the commands' --json writer)
 
 EXIT_PROBLEMS = 1  # inspect found problems
 EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error

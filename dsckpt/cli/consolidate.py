@@ -5,9 +5,15 @@ import sys
 
 import click
 
-from ..export.registry import output_formats, selectable
 from .app import cli, result_document
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, Precision, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, Precision, parallel_group
+
+
+def _formats():
+    """(every registered output format by name, the names --format offers): read on first use."""
+    from ..export.registry import output_formats, selectable
+
+    return output_formats(), selectable()
 
 
 @cli.command()
@@ -21,10 +27,10 @@ from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, Precision, parallel_
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
-@click.option("--format", "form", type=click.Choice(selectable()), default=None,
-              help="Output format (default: by OUT's suffix, any case; .ckpt is lightning; no known suffix: a folder). "
-                   "A suffix that says another format is refused. "
-                   + "; ".join(f"{name}: {output_formats()[name].summary}" for name in selectable()) + ".")
+@click.option("--format", "form", type=Registered(lambda: _formats()[1]), default=None, cls=LazyHelp,
+              help_text=lambda: "Output format (default: by OUT's suffix, any case; .ckpt is lightning; no known suffix: "
+              "a folder). A suffix that says another format is refused. "
+              + "; ".join(f"{name}: {_formats()[0][name].summary}" for name in _formats()[1]) + ".")
 @click.option("--hf", is_flag=True, help="OUT is a folder AutoModel*.from_pretrained loads: sharded safetensors + "
               "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,

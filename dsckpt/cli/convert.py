@@ -5,16 +5,22 @@ import sys
 
 import click
 
-from ..export.targets import targets
 from .app import cli, result_document
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, parallel_group
+
+
+def _targets():
+    """Every registered convert target by name: read on first use."""
+    from ..export.targets import targets
+
+    return targets()
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--to", "to", type=click.Choice(list(targets())), required=True,
-              help="; ".join(f"{name}: {t.summary}" for name, t in targets().items()) + ".")
+@click.option("--to", "to", type=Registered(lambda: list(_targets())), required=True, cls=LazyHelp,
+              help_text=lambda: "; ".join(f"{name}: {t.summary}" for name, t in _targets().items()) + ".")
 @click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
 @click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "

@@ -1,6 +1,8 @@
 """Options shared by the commands: the precision vocabulary, and the runtime's (train, resume) knobs."""
 from __future__ import annotations
 
+from typing import Callable
+
 import click
 
 from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
@@ -29,6 +31,35 @@ class Precision(click.ParamType):
             self.fail(f"{value!r} is not a precision; use fp32 (or 32, float32), bf16 (bfloat16) or fp16 (16, float16)",
                       param, ctx)
         return TRAINING_PRECISION[word] if self.training else word
+
+
+class Registered(click.Choice):
+    """A choice among a registry's names, read when first needed: the registry imports every plug-in, which only
+    a command that runs (or its --help) should pay for."""
+
+    def __init__(self, names: Callable[[], list[str]]):
+        self._names = names
+        super().__init__(())
+
+    @property
+    def choices(self):
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, value) -> None:  # (click.Choice sets it; the registry answers instead)
+        pass
+
+
+class LazyHelp(click.Option):
+    """An option whose help text is built when --help is shown (``help`` is a function returning it)."""
+
+    def __init__(self, *args, help_text: Callable[[], str], **kwargs):
+        self._help_text = help_text
+        super().__init__(*args, **kwargs)
+
+    def get_help_record(self, ctx):
+        self.help = self._help_text()
+        return super().get_help_record(ctx)
 
 
 def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):

@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from .._version import JSON_SCHEMA
+from ..jsondoc import json_document  # noqa: F401  (re-exported: the runtime's results)
 
 import json
 import os
@@ -18,11 +18,6 @@ from pathlib import Path
 
 ERROR_DIR_ENV = "DSCKPT_ERROR_DIR"
 _result_fd: int | None = None
-
-
-def json_document(**fields) -> str:
-    """One --json document: ``schema`` first, then the command's fields."""
-    return json.dumps({"schema": JSON_SCHEMA, **fields})
 
 
 def claim_stdout(verbose: bool = False) -> None:
