@@ -6,6 +6,7 @@ mounts) and the output folder is that host's own.  The oracle is the single-proc
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -251,3 +252,13 @@ def test_a_refused_namespace_says_why_in_the_skip_reason(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert namespaces_refused() == "`unshare --mount` exited 1: unshare: unshare failed: Operation not permitted"
+
+
+def test_nproc_convert_writes_the_same_bytes_and_the_same_notes(tmp_path):
+    """convert at 2 processes: the same universal files and the same notes as one process writes."""
+    one = run_cli("convert", FIXTURES / Z2, tmp_path / "one", "--to", "universal", "--no-fsync", "--json")
+    two = run_cli("convert", FIXTURES / Z2, tmp_path / "two", "--to", "universal", "--no-fsync", "--json",
+                  "--nproc", "2")
+    assert one.returncode == two.returncode == 0, two.stderr[-3000:]
+    assert _same_tree(tmp_path / "one", tmp_path / "two") == []
+    assert json.loads(one.stdout)["notes"] == json.loads(two.stdout)["notes"]
