@@ -1,14 +1,18 @@
 """Consolidation API: ``consolidate`` writes files, ``load_state_dict`` / ``iter_state_dict`` return tensors.
 
-``consolidate(ckpt, out)`` steps:
-1. pick OUT's format (``export.registry``: by name or suffix) and open the checkpoint (``zero.reader``);
+``consolidate(ckpt, out, group=None)`` steps, the same on one process or every process of a torchrun run
+(``api.frame``: each step ends with all processes agreeing):
+1. pick OUT's format (``export.registry``: by name or suffix); the view of the checkpoint (``parallel.view``: the
+   checkpoint itself for one process) opened (``zero.reader``);
 2. build the plan (``plan.consolidate``) and let the format prepare it (``Format.prepare``: names,
    companions, checks that can fail - all before a byte is written);
-3. check OUT (not an input, not existing unless ``force``); with ``verify``, CRC-check the sources;
-4. write through the format into a temp path beside OUT; with ``verify``, re-read it and compare with
-   the shards;
-5. write the client-state sidecar (temp + rename too), then rename OUT into place; with ``fsync``
-   (the default) OUT is flushed before the rename and its folder after it.
+3. check OUT (not an input, not existing unless ``force``);
+4. write through the format into a temp path beside OUT (``_write``: several writers fill one safetensors file or
+   deal a folder's shards out; the bytes a writer lacks are sent to it first), the client state beside a file
+   OUT or inside a folder OUT; every storage read CRC-checked (``Frame.checked_reads``); with ``verify``, re-read
+   and compared with the shards;
+5. publish (``parallel.outputs.Staged`` over ``io.output.Staging``); with ``fsync`` (the default) OUT is flushed
+   before the rename and its folder after it.
 """
 from __future__ import annotations
 

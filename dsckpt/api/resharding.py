@@ -1,8 +1,9 @@
 """Reshard API: ``reshard(ckpt, out_dir, world_size)`` writes a native DeepSpeed checkpoint for another
 data-parallel world size, optimizer state included; stock ``engine.load_checkpoint(out_dir)`` loads it.
 
-Steps:
-1. open the checkpoint (``zero.reader``) and build the plan (``plan.reshard``): no bytes read yet;
+Steps, the same on one process or every process of a torchrun run (``api.frame``; with ``group``, target rank r's
+files are written on the host of the process that will run it, ``Placement``):
+1. open the checkpoint's view (``parallel.view``) and build the plan (``plan.reshard``): no bytes read yet;
 2. check OUT_DIR (not an input, not inside the checkpoint, not existing unless ``force``);
 3. keep what is written to allowed classes (``carry_only_allowed``): a client-state entry naming any other
    class is left out with a note, anything else refused; links out of the checkpoint are refused
@@ -10,7 +11,7 @@ Steps:
 4. write ``<tag>/`` rank files and ``latest`` into a temp folder beside OUT_DIR: each file's pickle
    from ``pickle_writer``, its storages streamed by ``io.read.Reader`` from their byte sources
    (unchanged tensors copied whole, partitions assembled from the ranks that held them), up to
-   ``WRITE_THREADS`` files at once;
+   ``WRITE_THREADS`` files at once; every storage read CRC-checked (``Frame.checked_reads``);
 5. copy the files beside the tag (``zero.companions``: a trainer's state, per-rank RNG files renumbered
    for M ranks, configs and tokenizers; pickles of foreign classes left out with a note);
 6. re-open the result with dsckpt's reader (complete, world size M), then rename it into place (into an
