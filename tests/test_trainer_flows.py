@@ -165,7 +165,7 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
     (ckpt / "adapter_model.safetensors").unlink()  # the Trainer's own copy: dsckpt's must stand alone
     proc = run_cli("consolidate", ckpt, tmp_path / "adapter", "--hf", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["form"] == "peft"
+    assert json.loads(proc.stdout)["format"] == "peft"
     torch.manual_seed(11)
     base = LlamaForCausalLM(model_config())  # the frozen base: the same initialisation the run started from
     model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")

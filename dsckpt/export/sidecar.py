@@ -117,7 +117,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", int
     json_path, tensors_path = sidecar_paths(into, True) if into is not None else sidecar_paths(out)
     place = (lambda path: path) if into is not None else stage.temp_for
     tensors: dict[str, TensorRef] = {}
-    doc = {"format": M.SIDECAR_FORMAT, "weights": out.name,
+    doc = {"format": M.SIDECAR_FORMAT, "weights": "." if into is not None else out.name,  # (inside: the folder's)
            "client_state": encode(client_state, tensors)}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_segments(t)) for k, t in tensors.items()]
