@@ -32,16 +32,16 @@ sys.path.insert(0, str(MODELS))  # the test models import in-process too (load_i
 IN_PROCESS = {"inspect", "consolidate", "reshard", "convert", "diff", "check-finite", "verify", "list", "prune"}
 
 
-def run_cli(*args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess:
-    """``dsckpt ARGS`` as a user runs it, from the repository root.  The commands that start no process group and
-    import no DeepSpeed run in this process, through the CLI's own entry (``dsckpt.cli.app.run``: the same
-    parsing, errors and exit codes, without an interpreter start per call); the others as a subprocess."""
+def run_cli(*args, timeout=JOB_TIMEOUT, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``dsckpt ARGS`` as a user runs it, from ``cwd`` (the repository root).  The commands that start no process
+    group and import no DeepSpeed run in this process, through the CLI's own entry (``dsckpt.cli.app.run``: the
+    same parsing, errors and exit codes, without an interpreter start per call); the others as a subprocess."""
     args = [str(a) for a in args]
     if args and args[0] in IN_PROCESS and "--nproc" not in args and not env:
         from malformed import run_in_process
 
         here = os.getcwd()
-        os.chdir(ROOT)
+        os.chdir(cwd)
         try:
             return run_in_process(args)
         finally:
@@ -49,7 +49,7 @@ def run_cli(*args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     return subprocess.run([sys.executable, "-m", "dsckpt", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+                          timeout=timeout, env=full_env, cwd=cwd)
 
 
 def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT) -> subprocess.CompletedProcess:

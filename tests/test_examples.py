@@ -6,17 +6,14 @@ removed first).  An example "works" when it ends with exit 0, 1 (differences or 
 (non-finite values: an answer), without an error line or a traceback.  Examples about other runs (an HF Trainer's
 out/checkpoint-500, a MoE run, Lightning's folder) name paths the demo does not make and are left out.
 """
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import IN_PROCESS, PYTHONPATH, ROOT
-from malformed import run_in_process
+from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.runtime  # the demo trains and resumes on 2-3 ranks (~1 min on 2 cores)
 DEMO_INPUTS = ("runs/demo", "model.safetensors", "model.pt")
@@ -24,18 +21,7 @@ WRITERS = {"consolidate": 1, "reshard": 1, "convert": 1}  # command -> index of 
 
 
 def dsckpt(args: list[str], cwd) -> subprocess.CompletedProcess:
-    """In this process through the CLI's own entry where the command starts no ranks (as conftest.run_cli)."""
-    if args[0] in IN_PROCESS and "--nproc" not in args:
-        here = os.getcwd()
-        os.chdir(cwd)
-        try:
-            return run_in_process(args)
-        finally:
-            os.chdir(here)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
-    env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, "-m", "dsckpt", *args], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=600)
+    return run_cli(*args, timeout=600, cwd=cwd)
 
 
 def demo_recipe() -> list[list[str]]:
