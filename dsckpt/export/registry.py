@@ -18,7 +18,6 @@ testable, writing moves bytes.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import shlex
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..dtypes import ITEMSIZE
 from ..errors import OutputError
+from .plugins import Plugins
 
 if TYPE_CHECKING:
     from ..plan.consolidate import Plan
@@ -130,8 +130,7 @@ class Format:
         return ()
 
 
-FORMATS: dict[str, Format] = {}
-_builtins_loading = []  # non-empty once the built-ins' import began (their own register() calls re-enter)
+_FORMATS: Plugins[Format] = Plugins("output format", __package__, BUILTIN_MODULES)
 
 
 def companion_paths(record: Any) -> list[Path]:
@@ -147,27 +146,12 @@ def companion_paths(record: Any) -> list[Path]:
 
 def register(fmt: Format, *, replace: bool = False) -> Format:
     """Add ``fmt`` (the built-ins stay); a name already taken is refused unless ``replace``."""
-    _load_builtins()
-    if fmt.name in FORMATS and FORMATS[fmt.name] is not fmt and not replace:
-        raise ValueError(f"output format {fmt.name!r} is already registered (register(..., replace=True) replaces it)")
-    FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def _load_builtins() -> None:
-    """Import the built-in format modules once; each registers itself.  Called before any registration
-    and lookup, so a format registered by a user is added beside them, never instead of them."""
-    if _builtins_loading:
-        return
-    _builtins_loading.append(True)
-    for module in BUILTIN_MODULES:
-        importlib.import_module(f"{__package__}.{module}")
+    return _FORMATS.register(fmt, replace)
 
 
 def output_formats() -> dict[str, Format]:
     """Every registered format, built-ins first, by name."""
-    _load_builtins()
-    return FORMATS
+    return _FORMATS.all()
 
 
 def selectable() -> list[str]:
@@ -246,8 +230,8 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
 def by_name(name: str) -> Format:
     """A format chosen explicitly (``--hf``, ``--format``) rather than by OUT's suffix."""
     if name not in output_formats():
-        raise OutputError(f"unknown output format {name!r}; known: {', '.join(sorted(FORMATS))}")
-    return FORMATS[name]
+        raise OutputError(f"unknown output format {name!r}; known: {', '.join(sorted(output_formats()))}")
+    return output_formats()[name]
 
 
 def for_input(path: Path) -> Format | None:

@@ -10,12 +10,12 @@ The built-ins (``universal``, ``dcp``) import themselves on first use; ``registe
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OutputError
+from .plugins import Plugins
 
 BUILTIN_MODULES = ("universal", "dcp")
 
@@ -56,31 +56,17 @@ class Target:
         raise NotImplementedError
 
 
-TARGETS: dict[str, Target] = {}
-_loaded: list[bool] = []
+_TARGETS: Plugins[Target] = Plugins("convert target", __package__, BUILTIN_MODULES)
 
 
 def register_target(target: Target, *, replace: bool = False) -> Target:
     """Add ``target`` (the built-ins stay); a name already taken is refused unless ``replace``."""
-    _load_builtins()
-    if target.name in TARGETS and TARGETS[target.name] is not target and not replace:
-        raise ValueError(f"convert target {target.name!r} is already registered (replace=True replaces it)")
-    TARGETS[target.name] = target
-    return target
-
-
-def _load_builtins() -> None:
-    if _loaded:
-        return
-    _loaded.append(True)
-    for module in BUILTIN_MODULES:
-        importlib.import_module(f"{__package__}.{module}")
+    return _TARGETS.register(target, replace)
 
 
 def targets() -> dict[str, Target]:
     """Every registered target by name, built-ins first."""
-    _load_builtins()
-    return TARGETS
+    return _TARGETS.all()
 
 
 def target_named(name: str) -> Target:
