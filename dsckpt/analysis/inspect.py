@@ -13,10 +13,10 @@ from typing import Any
 from ..jsondoc import JSON_SCHEMA
 from ..dtypes import label
 from ..errors import DsckptError
-from ..export.hf import trainer_summary
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
 from ..api.paths import classify
+from ..zero.companions import trainer_summary
 from ..zero.reader import Checkpoint, open_checkpoint
 from .report import table
 

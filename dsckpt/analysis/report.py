@@ -1,8 +1,11 @@
 """Human renderings of statistics and diffs (the JSON forms are the records themselves)."""
 from __future__ import annotations
 
-from .diff import DiffReport
-from .stats import TensorStats
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only: inspect renders tables without importing numpy)
+    from .diff import DiffReport
+    from .stats import TensorStats
 
 
 def _num(x: float | None) -> str:

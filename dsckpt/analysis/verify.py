@@ -22,11 +22,11 @@ from pathlib import Path
 from ..errors import DsckptError
 from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
+from ..zero.companions import TRAINER_STATE
 from ..zero.reader import Checkpoint, open_checkpoint
 from .sources import Source
 from .stats import compute_stats
 
-HF_TRAINER_STATE = "trainer_state.json"
 HF_CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
 ACCELERATE_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed
 LIGHTNING_LOOP_KEYS = ("epoch", "global_step", "loops")  # what Trainer.fit(ckpt_path=) restores from
@@ -104,10 +104,10 @@ def _companion_problems(ckpt: Checkpoint) -> list[str]:
     root, world = ckpt.layout.root, ckpt.world_size
     names = {p.name for p in root.iterdir()} if root.is_dir() else set()
     out = []
-    hf = HF_TRAINER_STATE in names or HF_CHECKPOINT_DIR.match(root.name)
+    hf = TRAINER_STATE in names or HF_CHECKPOINT_DIR.match(root.name)
     if hf:
-        if HF_TRAINER_STATE not in names:
-            out.append(f"{root}: no {HF_TRAINER_STATE}; Trainer.train(resume_from_checkpoint=) reads it")
+        if TRAINER_STATE not in names:
+            out.append(f"{root}: no {TRAINER_STATE}; Trainer.train(resume_from_checkpoint=) reads it")
         wanted = ["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]
         missing = [n for n in wanted if n not in names]
         if missing:

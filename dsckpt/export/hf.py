@@ -24,7 +24,6 @@ from .sharded import read_sharded, replaced_shards
 
 CONFIG = "config.json"  # required: from_pretrained builds the model from it
 GENERATION_CONFIG = "generation_config.json"
-TRAINER_STATE = "trainer_state.json"  # HF Trainer: global_step, epoch, log_history
 # Tokenizer files any tokenizer class may save (fast and slow tokenizers, chat templates).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
@@ -155,20 +154,6 @@ def _check_counts(config: dict[str, Any], names_shapes: dict[str, tuple[int, ...
     if isinstance(vocab, int) and not any(vocab in shape for shape in names_shapes.values()):
         raise ConfigError(f"{where}: says a vocabulary of {vocab}, and no tensor of the weights has that size",
                           hint="pass the config.json the model was built from")
-
-
-def trainer_summary(root: Path) -> dict[str, Any] | None:
-    """``trainer_state.json``'s global step, epoch and last logged loss, if the folder has one."""
-    path = Path(root) / TRAINER_STATE
-    if not path.is_file():
-        return None
-    try:
-        state = read_json(path)
-    except ConfigError:
-        return {"error": f"{path.name} is not readable JSON"}
-    losses = [e["loss"] for e in state.get("log_history") or [] if isinstance(e, dict) and isinstance(e.get("loss"), (int, float))]
-    return {"global_step": state.get("global_step"), "epoch": state.get("epoch"),
-            "last_loss": losses[-1] if losses else None, "max_steps": state.get("max_steps")}
 
 
 class HuggingFaceFormat(Format):

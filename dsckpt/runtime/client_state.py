@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..export.sidecar import FOLDER_JSON, JSON_SUFFIX, read_sidecar
+from ..zero.companions import TRAINER_STATE
 from ..formats.safetensors_file import INDEX_SUFFIX
 
 # Keys the runtime understands, by writer.
@@ -26,7 +27,6 @@ DATA_POSITION = "data_position"  # dsckpt: index of the next synthetic batch
 RNG = "rng"  # dsckpt: {"python": random.getstate(), "torch": CPU generator state}
 ARGS = "args"  # dsckpt: the run's options; only "seed" is used (it defines the data stream)
 USER = "user"  # dsckpt: the caller's own state, carried as is
-HF_TRAINER_STATE = "trainer_state.json"  # beside an HF Trainer's checkpoint-N weights
 
 
 @dataclass
@@ -99,7 +99,7 @@ def interpret(client: Any) -> Position:
 
 def hf_trainer_state(folder: Path) -> dict[str, Any] | None:
     """The ``trainer_state.json`` of an HF Trainer checkpoint folder, if there is a readable one."""
-    path = Path(folder) / HF_TRAINER_STATE
+    path = Path(folder) / TRAINER_STATE
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -148,3 +148,23 @@ def _pickle_classes(path: Path, zipped: bool) -> set[str]:
         from ..errors import CorruptFileError
 
         raise CorruptFileError(f"{path}: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+TRAINER_STATE = "trainer_state.json"  # an HF Trainer's checkpoint-N: global_step, epoch, log_history
+
+
+def trainer_summary(root: Path) -> dict | None:
+    """``trainer_state.json``'s global step, epoch and last logged loss, if the folder has one."""
+    from ..formats.json_file import read_json_object
+
+    path = Path(root) / TRAINER_STATE
+    if not path.is_file():
+        return None
+    try:
+        state = read_json_object(path, "JSON file")
+    except DsckptError:
+        return {"error": f"{path.name} is not readable JSON"}
+    losses = [e["loss"] for e in state.get("log_history") or []
+              if isinstance(e, dict) and isinstance(e.get("loss"), (int, float))]
+    return {"global_step": state.get("global_step"), "epoch": state.get("epoch"),
+            "last_loss": losses[-1] if losses else None, "max_steps": state.get("max_steps")}
