@@ -356,8 +356,9 @@ def cases() -> list[Case]:
              INSP_CONS(P, E), names="expert files but no 'num_experts' list in the model states"),  # a stray one
         Case("mixture-of-experts files, older naming", "unsupported", expert_files("expert_0_mp_rank_00_model_states.pt"),
              INSP_CONS(P, E), names="expert_0_mp_rank_00_model_states.pt: an expert file of an older DeepSpeed layout"),
-        Case("mp world size 2", "unsupported", torch_save("z2_ws2_fp32", "mp_rank_00_model_states.pt",
-                                                          set_key(("mp_world_size",), 2)), INSP_CONS(P, E), names="tensor/pipeline"),
+        Case("mp world size 2", "layout", torch_save("z2_ws2_fp32", "mp_rank_00_model_states.pt",
+                                                     set_key(("mp_world_size",), 2)), INSP_CONS(P, E),
+             names="records 2 tensor-parallel ranks"),
         Case("unknown zero_stage", "unsupported", torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*",
                                                              set_key(("optimizer_state_dict", "zero_stage"), 7), need_unsafe=True),
              INSP_CONS(E, E), names="unknown zero_stage 7"),

@@ -44,9 +44,12 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         shapes.update({n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in ckpt.buffers
                        and n not in ckpt.shared})
     numel = lambda names: sum(math.prod(shapes[n]) for n in names)
-    plan, plan_error = None, None
+    plan, plan_error, tensor_parallel = None, None, None
     if not ckpt.problems:
         try:
+            tensor_parallel = _tensor_parallel(ckpt)
+            if tensor_parallel:  # the full shapes, not TP rank 0's slices
+                shapes = {n: tuple(s) for n, s in tensor_parallel.pop("shapes").items()}
             plan = build_plan(ckpt)
         except DsckptError as exc:
             plan_error = str(exc)
@@ -83,7 +86,8 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "largest": [{"name": n, "shape": list(s), "numel": math.prod(s)} for n, s in largest],
         "client_state": {k: describe(v) for k, v in ckpt.client_state.items()},
         "files": [str(f.path) for f in lay.all_files],
-        "rank_files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "size": f.size} for f in lay.all_files],
+        "rank_files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "tp_rank": f.mp_rank, "size": f.size}
+                       for f in lay.all_files],
         "bytes": sum(f.size for f in lay.all_files),
         "tensors": len(plan.tensors) + len(plan.aliases) if plan is not None else None,
         "estimates": {"elements": elements, "fp32_bytes": fp32,
@@ -94,10 +98,24 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "notes": list(ckpt.layout.notes),
         "trainer_state": trainer_summary(lay.root),  # an HF Trainer's checkpoint-N: its trainer_state.json
         "experts": _experts(ckpt),
+        "tensor_parallel": tensor_parallel,
     }
     if with_tensors:
         summary["tensor_list"] = tensor_table(ckpt, plan, shapes)
     return summary
+
+
+def _tensor_parallel(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """A TP run: its degree, where the split description came from, and each parameter's split."""
+    if not ckpt.tp_slices:
+        return None
+    splits = ckpt.tp_splits
+    counts: dict[str, int] = {}
+    for split in splits.values():
+        counts[split.category] = counts.get(split.category, 0) + 1
+    return {"degree": ckpt.grid.tp, "described_by": "affine_map" if ckpt.tp_info.get("affine_map") else "patterns",
+            "categories": dict(sorted(counts.items())), "split": {n: s.category for n, s in splits.items()},
+            "shapes": {n: list(s.shape) for n, s in splits.items()}}
 
 
 def _experts(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
@@ -114,8 +132,10 @@ def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
     if plan is None:  # problems: list what the metadata says, without file mapping
         return [{"name": n, "shape": list(s), "dtype": None, "kind": "frozen" if n in ckpt.frozen else "param",
                  "files": []} for n, s in shapes.items()]
+    splits = ckpt.tp_splits if ckpt.tp_slices else {}
     rows = [{"name": t.name, "shape": list(t.shape), "dtype": label(t.src_dtype), "kind": t.kind,
-             "files": sorted({p.path.name for p in t.pieces})} for t in plan.tensors]
+             "files": sorted({p.path.name for p in t.pieces if hasattr(p, "path")}),
+             **({"split": splits[t.name].category} if t.name in splits else {})} for t in plan.tensors]
     rows += [{"name": a, "shape": None, "dtype": None, "kind": "tied", "alias_of": s, "files": []}
              for a, s in plan.aliases.items()]
     return rows
@@ -163,6 +183,13 @@ def render(s: dict[str, Any]) -> str:
     universal = " (universal: ds_to_universal's zero/ folder)" if s.get("universal") else ""
     row("zero stage", f"{s['zero_stage']}{universal}    world size: {s['world_size']}    dtype: {s['dtype']}    "
                       f"ds_version: {s['ds_version']}    global steps: {s['global_steps']}")
+    grid = s.get("grid") or {}
+    if any(grid.get(axis, 1) > 1 for axis in ("tp", "pp", "ep")):
+        row("grid", " x ".join(f"{axis} {grid[axis]}" for axis in ("tp", "pp", "dp", "ep") if grid[axis] > 1 or axis == "dp"))
+    if s.get("tensor_parallel"):
+        t = s["tensor_parallel"]
+        row("tensor parallel", f"{t['degree']} ranks, split described by {t['described_by']}: "
+                               + ", ".join(f"{n} {c}" for c, n in ((c, t["categories"][c]) for c in t["categories"])))
     p, f = s["parameters"], s["frozen"]
     row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")
     if f["count"]:  # empty sections are left out (the JSON keeps every key)
@@ -187,8 +214,10 @@ def render(s: dict[str, Any]) -> str:
         lines += table([(k, d["type"], str(d.get("value", d.get("len", d.get("class", d.get("shape", ""))))))
                         for k, d in s["client_state"].items()], (32, 10, 0))
     lines.append("rank files")
-    lines += table([(Path(f["path"]).name, f["kind"], f"rank {'-' if f['rank'] is None else f['rank']!s:<4}",
-                     f"{human_bytes(f['size']):>12}") for f in s["rank_files"]], (52, 7, 9, 12))
+    tp = (s.get("grid") or {}).get("tp", 1) > 1
+    lines += table([(Path(f["path"]).name, f["kind"], (f"tp {f['tp_rank']}  " if tp else "")
+                     + f"rank {'-' if f['rank'] is None else f['rank']!s:<4}",
+                     f"{human_bytes(f['size']):>12}") for f in s["rank_files"]], (52, 7, 15 if tp else 9, 12))
     e = s["estimates"]
     row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
     row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming "
@@ -197,7 +226,8 @@ def render(s: dict[str, Any]) -> str:
     if "tensor_list" in s:
         lines.append("tensors")
         lines += table([(t["name"], str(t["shape"]), str(t["dtype"]), t["kind"],
-                         t.get("alias_of") and f"= {t['alias_of']}" or ", ".join(t["files"])) for t in s["tensor_list"]],
+                         t.get("alias_of") and f"= {t['alias_of']}" or (f"[{t['split']}] " if t.get("split") else "")
+                         + ", ".join(t["files"])) for t in s["tensor_list"]],
                        (40, 16, 6, 8, 0))
     if s.get("notes"):
         lines.append("notes")

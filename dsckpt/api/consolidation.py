@@ -132,7 +132,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         groups = storage_groups(group, out)
         staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
                                     publishing={groups.of[0]}))
-        with frame.checked_reads(sources, check_crc) as crc_notes:  # damaged bytes: nothing published
+        with frame.checked_reads(sources, check_crc, plan.replicas) as crc_notes:  # damaged bytes: nothing published
             names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
         notes += tuple(crc_notes)
         if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors

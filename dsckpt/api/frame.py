@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import InconsistentCheckpointError
 from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources, recording
+from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
@@ -29,19 +31,27 @@ class Frame:
     staged: Staged | None = None
 
     @contextlib.contextmanager
-    def checked_reads(self, pieces: list, enabled: bool) -> Iterator[list[str]]:
+    def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = ()) -> Iterator[list[str]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
         one process notes what its write reads and checks after it, reading only what nobody read; the processes
-        of a distributed run each check the files they hold, before writing.  Yields the notes to report."""
+        of a distributed run each check the files they hold, before writing.  Tensor parallel: the ``replicas``
+        compared with the copies written first.  Yields the notes to report."""
         if not enabled:
             yield [SKIPPED_NOTE]
             return
+        pieces = list(pieces) + [p for r in replicas for p in r.source.pieces]
         if not self.view.direct:
             self.group.step(lambda: check_sources(pieces, self.view.owns))
+            self.group.step(lambda: check_replicas(replicas, self.view.owns))
             yield []
             return
         ledger = Ledger()
         with recording(ledger):
+            try:
+                check_replicas(replicas)
+            except InconsistentCheckpointError:
+                ledger.check(pieces)  # a damaged byte is the better answer, when it is one
+                raise
             yield []
         ledger.check(pieces)
 

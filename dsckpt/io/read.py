@@ -15,9 +15,10 @@ and the prefetch replace a fresh ``bytes`` per chunk read in turn (docs/dev/perf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..dtypes import ITEMSIZE, torch_dtype
+from ..errors import InconsistentCheckpointError
 from ..formats.pickle_policy import TensorRef
 from ..formats.storage import LocalStorage, Storage
 from .integrity import note
@@ -161,6 +162,27 @@ class Reader:
                     raw = self.files.pread(piece.path, n, piece.offset + start)
                     note(piece.path, piece.offset + start, raw)
                     yield cast_bytes(raw, source.src_dtype, source.dtype)
+
+
+def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lambda path: True) -> None:
+    """Tensor parallel: each TP rank's copy of a replicated parameter (``plan.consolidate.Replica``) equals the copy
+    written - compared by CRC-32 of the bytes, for the copies whose files ``reads`` accepts."""
+    from ..formats.crc import crc32
+
+    def crc(reader: Reader, source: ByteSource) -> int:
+        value = 0
+        for chunk in reader.chunks(source):
+            value = crc32(chunk, value)
+        return value
+
+    with Reader() as reader:
+        for replica in replicas:
+            files = [p.path for src in (replica.source, replica.written) for p in src.pieces if isinstance(p, Segment)]
+            if files and all(reads(f) for f in files) and crc(reader, replica.source) != crc(reader, replica.written):
+                where = next(p.path for p in replica.source.pieces if isinstance(p, Segment))
+                raise InconsistentCheckpointError(
+                    f"{where}: TP rank {replica.tp_rank}'s copy of the replicated parameter {replica.name!r} differs "
+                    "from TP rank 0's", hint="the TP ranks drifted apart, or the files come from two runs")
 
 
 def _source_of(storage: Any) -> ByteSource:

@@ -13,11 +13,12 @@ maps partitions to parameters:
   ``frozen_param_fragments``.
 * ZeRO-0: the model-states file holds full tensors; fp32 runs train on them directly, 16-bit runs
   keep fp32 masters per parameter in ``optimizer.fp32_groups``.
+* Tensor parallel: each TP rank's files planned as above (TP-local shapes), then joined (``_joined``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
@@ -28,7 +29,7 @@ from ..zero import layout as L
 from ..zero.reader import Checkpoint
 from ..formats.torchzip import TorchFile
 from .groups import group_layouts, structure_errors
-from .segments import FlatSpace, Piece, ref_segments
+from .segments import ByteSource, FlatSpace, Interleaved, Piece, TensorSource, merged, ref_segments
 
 
 
@@ -51,10 +52,20 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """A tensor-parallel rank's copy of a replicated parameter, which must equal the copy written."""
+    name: str
+    tp_rank: int
+    source: ByteSource
+    written: ByteSource
+
+
+@dataclass(frozen=True)
 class Plan:
     tensors: tuple[TensorPlan, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> name of the written tensor
     metadata: dict[str, str] = field(default_factory=dict)
+    replicas: tuple[Replica, ...] = ()  # tensor parallel: copies to compare (plan.tensor_parallel)
 
     @property
     def nbytes(self) -> int:
@@ -72,9 +83,14 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     ``state="exp_avg"`` / ``"exp_avg_sq"`` gathers Adam's moments instead of the fp32 masters
     (trainable parameters only: frozen parameters and buffers have none).
     """
-    ckpt.require_complete()
+    ckpt.require_complete(tensor_parallel=True)
     if state not in OPTIMIZER_STATES:
         raise ValueError(f"state must be one of {OPTIMIZER_STATES}, got {state!r}")
+    if ckpt.tp_slices:
+        plan = _joined(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.tp_slices])
+        plan = replace(plan, metadata={**plan.metadata, M.TENSOR_PARALLEL: str(ckpt.grid.tp)})
+        strip_prefixes = prefixes(strip_prefixes)
+        return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
     if state != "fp32" and ckpt.zero_stage == 0:
         raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint's optimizer moments are not "
                                          "partitioned; dsckpt gathers moments at stages 1-3")
@@ -104,6 +120,36 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
     strip_prefixes = prefixes(strip_prefixes)
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
+
+
+def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
+    """Tensor parallel: the TP slices' plans (TP-local shapes) joined into full tensors by each parameter's
+    ``zero.tensor_parallel.Split`` - a dim-0 join the slices' pieces in turn, a row-parallel one ``Interleaved``
+    runs; a replicated parameter from TP rank 0, its other copies listed to compare; buffers from TP rank 0."""
+    splits = ckpt.tp_splits
+    by_rank = [{t.name: t for t in plan.tensors} for plan in slice_plans]
+    tensors, replicas = [], []
+    for local in slice_plans[0].tensors:
+        split = splits.get(local.name)
+        if split is None:  # a buffer: the same on every TP rank
+            tensors.append(local)
+            continue
+        parts = [by_rank[r].get(local.name) for r in range(len(slice_plans))]
+        if any(p is None or p.src_dtype != local.src_dtype for p in parts):
+            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r} is not held in "
+                                              f"{local.src_dtype} by every TP rank")
+        size = ITEMSIZE[local.src_dtype]
+        pieces = Interleaved([p.pieces for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
+                             [period * size for period in split.periods], split.count)
+        tensors.append(replace(local, shape=split.shape, pieces=merged(list(pieces)) if split.count == 1 else pieces))
+        replicas += [Replica(local.name, r, _stored(parts[r]), _stored(local)) for r in split.replicas]
+    head = slice_plans[0]
+    return Plan(tuple(tensors), head.aliases, dict(head.metadata), tuple(replicas))
+
+
+def _stored(t: TensorPlan) -> TensorSource:
+    """A slice's bytes as stored (replicas are compared uncast)."""
+    return TensorSource(t.src_dtype, t.src_dtype, tuple(t.pieces))
 
 
 def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list[FlatSpace]:
@@ -254,7 +300,7 @@ def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
     if aliases:
         import json
         meta[M.ALIASES] = json.dumps(aliases, sort_keys=True)
-    return Plan(tensors, aliases, meta)
+    return Plan(tensors, aliases, meta, tuple(replace(r, name=strip(r.name)) for r in plan.replicas))
 
 
 def duplicate_aliases(plan: Plan) -> Plan:
@@ -263,4 +309,4 @@ def duplicate_aliases(plan: Plan) -> Plan:
     extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
                              by_name[s].pieces) for a, s in plan.aliases.items())
     meta = {k: v for k, v in plan.metadata.items() if k != M.ALIASES}
-    return Plan(plan.tensors + extra, {}, meta)
+    return Plan(plan.tensors + extra, {}, meta, plan.replicas)

@@ -7,15 +7,17 @@ partition is segments of the ranks that held its elements plus zero fills; an un
 storage's byte range.  Writers never ask which kind of source they hold: ``io.read`` turns any of them
 into chunks of output bytes.
 
-Where a tensor is split along a dimension (tensor parallelism, one day; ``zero.grid``) a source will carry
-N-d chunk offsets beside its segments; today every split dsckpt reads is a flat one, so a source is 1-d
-bytes in order.
+A tensor joined from tensor-parallel slices along a later dimension (a row-parallel weight: each row is a run
+of every slice in turn) is an ``Interleaved`` sequence: the periodic pattern is stored, and the segments are
+made as a reader walks it, so a 7B model's rows never sit in memory as a list.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError
@@ -43,7 +45,54 @@ class ByteSource(Protocol):
     """What a writer needs from a tensor: its segments, in ``src_dtype``, written as ``dtype``."""
     src_dtype: str
     dtype: str
-    pieces: tuple[Piece, ...]
+    pieces: "tuple[Piece, ...] | Interleaved"
+
+
+class Window:
+    """Byte ranges of a piece sequence, cut out as pieces (a slice's rows within its ZeRO partitions)."""
+
+    def __init__(self, pieces: Sequence[Piece]):
+        self.pieces = tuple(pieces)
+        self.starts = [0, *accumulate(p.nbytes for p in self.pieces)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts[-1]
+
+    def cut(self, start: int, nbytes: int) -> Iterator[Piece]:
+        i = bisect.bisect_right(self.starts, start) - 1
+        end = start + nbytes
+        while start < end:
+            piece, lo = self.pieces[i], start - self.starts[i]
+            n = min(piece.nbytes - lo, end - start)
+            yield Zeros(n) if isinstance(piece, Zeros) else Segment(piece.path, piece.offset + lo, n)
+            start += n
+            i += 1
+
+
+class Interleaved:
+    """Pieces joined by a periodic pattern: for each of ``count`` periods, each block ``(part, start, nbytes)`` -
+    ``nbytes`` of ``parts[part]`` at ``start + period * periods[part]``.  Iterating yields the segments in order."""
+
+    __slots__ = ("parts", "blocks", "periods", "count")
+
+    def __init__(self, parts: Sequence[Sequence[Piece]], blocks: Sequence[tuple[int, int, int]],
+                 periods: Sequence[int], count: int):
+        self.parts = tuple(Window(p) for p in parts)
+        self.blocks, self.periods, self.count = tuple(blocks), tuple(periods), count
+        for part, start, n in self.blocks:
+            if (count - 1) * self.periods[part] + start + n > self.parts[part].nbytes:
+                raise InconsistentCheckpointError(f"a joined tensor needs {count} periods of {self.periods[part]} bytes "
+                                                  f"from a slice of {self.parts[part].nbytes} bytes")
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * sum(n for _, _, n in self.blocks)
+
+    def __iter__(self) -> Iterator[Piece]:
+        for i in range(self.count):
+            for part, start, n in self.blocks:
+                yield from self.parts[part].cut(i * self.periods[part] + start, n)
 
 
 @dataclass(frozen=True)

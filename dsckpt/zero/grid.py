@@ -7,8 +7,8 @@ pipeline stage), ``layer_{l}_expert_{e}`` / ``expp_rank_{ep}`` for mixture-of-ex
 never spell one; ``zero.layout`` parses them with the regular expressions beside its constants.
 
 ZeRO's data-parallel slices of a parameter are flat partitions (``partitioning`` says which elements each
-rank holds); a tensor-parallel slice will join along one dimension or be replicated.  Today dsckpt fills dp
-(and, with experts, ep); tp and pp are recognised and refused by name.
+rank holds); tensor-parallel slices join by the split each parameter records (``tensor_parallel``).  dsckpt
+fills dp, ep and tp; pp is recognised and refused by name.
 """
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ class GridShape:
     dp: int = 1
     ep: int = 1
 
-    def unsupported(self) -> list[str]:
-        """The axes dsckpt cannot gather yet, named for a message."""
-        return [f"{axis} {size}" for axis, size in (("tensor parallel", self.tp), ("pipeline", self.pp)) if size > 1]
+    def describe(self) -> str:
+        """The axes in use, for a message: "tp 2 x dp 4"."""
+        used = [f"{axis} {size}" for axis, size in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("ep", self.ep))
+                if size > 1 or axis == "dp"]
+        return " x ".join(used)
 
 
 def rank_file_name(kind: Literal["model", "optim"], coord: Coord = Coord(), *, per_dp_rank: bool = True,

@@ -26,7 +26,7 @@ from .grid import MODEL_STATES_SUFFIX, OPTIM_STATES_SUFFIX  # noqa: E402  (names
 RANK_FILE_RE = re.compile(
     r"^(?P<bf16>bf16_)?(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_(?P<kind>model|optim)_states\.pt$"
 )
-PIPELINE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+PIPELINE_LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)(?:-model_(?P<mp>\d+))?-model_states\.pt$")
 # Mixture-of-experts: expert weights live outside `module`, one file per expert (older: expert_E_...),
 # their optimizer state in expp_rank_R_... files.
 EXPERT_MODEL_FILE_RE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -112,6 +112,17 @@ class Layout:
     @property
     def all_files(self) -> tuple[RankFile, ...]:
         return self.model_files + self.optim_files
+
+    def model_parallel_ranks(self) -> list[int]:
+        """The ``mp_rank_XX`` values the rank files carry (tensor-parallel ranks; pipeline stages x TP ranks)."""
+        return sorted({f.mp_rank for f in self.all_files})
+
+    def for_mp_rank(self, mp: int) -> "Layout":
+        """The files of one model-parallel rank: a data-parallel checkpoint of its own (one TP slice)."""
+        from dataclasses import replace
+
+        return replace(self, model_files=tuple(f for f in self.model_files if f.mp_rank == mp),
+                       optim_files=tuple(f for f in self.optim_files if f.mp_rank == mp))
 
 
 def file_kind(path: Path | str) -> str | None:

@@ -24,6 +24,7 @@ from ..formats.torchzip import TorchFile
 
 if TYPE_CHECKING:
     from .experts import Experts
+    from .tensor_parallel import Split
     from .optim_state import RankState
 
 
@@ -58,6 +59,10 @@ class Checkpoint:
     universal: bool = False  # ds_to_universal's layout: trainable parameters in zero/<name>/*.pt, no optim files
     grid: GridShape = GridShape()  # ranks along (tp, pp, dp, ep) that wrote files (zero.grid)
     experts: "Experts | None" = None  # a DeepSpeed-MoE run's layers, expert files and expert optimizer groups
+    # tensor parallel: one data-parallel checkpoint per TP rank (its mp_rank_XX files), and how each parameter
+    # was split over them (zero.tensor_parallel; None before it is asked for)
+    tp_slices: "tuple[Checkpoint, ...]" = ()
+    tp_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def module(self) -> dict[str, Any]:
@@ -94,11 +99,25 @@ class Checkpoint:
     def trainable(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
-    def require_complete(self) -> None:
-        """Raise the first recorded problem as its typed error."""
+    @cached_property
+    def tp_splits(self) -> "dict[str, Split]":
+        """Tensor parallel: every parameter's split over the TP ranks (``zero.tensor_parallel``)."""
+        from .tensor_parallel import tp_splits
+
+        shapes = [{**s.trainable, **s.frozen} for s in self.tp_slices]
+        return tp_splits(self.tp_info, shapes, str(self.model_files[0].path))
+
+    def require_complete(self, *, tensor_parallel: bool = False) -> None:
+        """Raise the first recorded problem as its typed error.  ``tensor_parallel``: the caller joins TP slices;
+        every other caller is refused a tensor- or pipeline-parallel checkpoint by name."""
         if self.problems:
             first = self.problems[0]
             raise first.error(first.message, hint=first.hint)
+        if self.grid.pp > 1 or (self.grid.tp > 1 and not tensor_parallel):
+            raise UnsupportedCheckpointError(
+                f"{self.layout.tag_dir}: a {self.grid.describe()} checkpoint; this command reads data-parallel "
+                "checkpoints only", hint=None if self.grid.pp > 1 else
+                "dsckpt consolidate and inspect join the tensor-parallel slices")
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
@@ -119,6 +138,33 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
         checkpoint (each names the file).  No pickle code of the checkpoint ever runs.
     """
     lay = L.discover(path, tag)
+    if len(lay.model_parallel_ranks()) > 1 and not lay.pipeline_files:
+        return _tensor_parallel(lay)
+    return _open(lay)
+
+
+def _tensor_parallel(lay: L.Layout) -> Checkpoint:
+    """One checkpoint per TP rank (its mp_rank_XX files), headed by TP rank 0's (``tensor_parallel.slice_problems``)."""
+    from .tensor_parallel import slice_problems, tp_info
+
+    ranks = lay.model_parallel_ranks()
+    missing = next((mp for mp in range(max(ranks) + 1) if not any(f.mp_rank == mp for f in lay.model_files)), None)
+    if missing is not None:
+        raise MissingRankError(f"{lay.tag_dir}: the model-states file of tensor-parallel rank {missing} is missing "
+                               f"(files of TP ranks {', '.join(map(str, ranks))} are present)")
+    slices = [_open(lay.for_mp_rank(mp)) for mp in range(max(ranks) + 1)]
+    head = slices[0]
+    # DeepSpeed records tied names in TP rank 0's file only (0.19.8, ZeRO-3: the others say {})
+    slices[1:] = [replace(s, shared=head.shared, unsaved=tuple(n for n in s.unsaved if n not in head.shared))
+                  if head.shared and not s.shared else s for s in slices[1:]]
+    heads = [(s.model_files[0].path, s.model_files[0].obj, s.mp_world_size) for s in slices]
+    problems = [p for s in slices for p in s.problems] + [Problem(e, m) for e, m in slice_problems(heads)]
+    return replace(head, layout=lay, problems=problems, tp_slices=tuple(slices), grid=replace(head.grid, tp=len(slices)),
+                   tp_info=tp_info(head.model_files[0].obj, head.model_files[0].path))
+
+
+def _open(lay: L.Layout) -> Checkpoint:
+    """One data-parallel checkpoint (one TP rank's files, or a run without TP)."""
     problems = [Problem(error, message) for error, message in lay.problems]
     model_files = _parse(lay.model_files, problems)
     optim_files = _parse(lay.optim_files, problems)
@@ -133,12 +179,10 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
     universal = not lay.optim_files and (lay.tag_dir / L.UNIVERSAL_DIR).is_dir()
     stage = _recorded_stage(head, lay) if universal else _zero_stage(lay, optim_files)
-    grid = GridShape(tp=max(mp, 1 + max((f.mp_rank for f in lay.all_files), default=0)),
-                     pp=2 if lay.pipeline_files else 1, dp=world)  # (layer files say "more than one stage", not how many)
-    if grid.unsupported():
-        problems.append(Problem(UnsupportedCheckpointError,
-                                f"{lay.tag_dir}: tensor/pipeline parallel checkpoint (mp world size {mp}, "
-                                f"{len(lay.pipeline_files)} pipeline layer files) - not supported yet"))
+    grid = GridShape(tp=1 if not lay.pipeline_files else mp, pp=2 if lay.pipeline_files else 1, dp=world)
+    if mp > 1 and len(lay.model_parallel_ranks()) == 1 and not lay.pipeline_files:
+        problems.append(Problem(MissingRankError, f"{where}: records {mp} tensor-parallel ranks (mp world size), "
+                                f"but only TP rank {lay.model_parallel_ranks()[0]}'s files are in {lay.tag_dir}"))
     _check_ranks(lay, stage, world, problems, optimizer=not universal)
     _check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
