@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIXTURE_NAMES, FIXTURES, run_cli, demo_counts
+from conftest import FIXTURE_NAMES, FIXTURES, TP_FIXTURE_NAMES, run_cli, demo_counts
 from dsckpt.errors import CheckpointNotFoundError, CorruptFileError, MissingRankError, TagError
 from dsckpt.analysis.inspect import summarize
 from dsckpt.zero.layout import discover
@@ -182,17 +182,18 @@ def test_tag_folder_with_another_tag_named(fixture_copy):
     assert discover(root / "step3", tag="step5").tag == "step5"  # --tag wins; the root is the parent
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("name", FIXTURE_NAMES + TP_FIXTURE_NAMES)
 def test_rank_file_name_spells_what_deepspeed_wrote(name):
     """zero.grid.rank_file_name is the one place names are built: it reproduces every fixture's rank files."""
     from dsckpt.zero.grid import Coord, rank_file_name
 
     ckpt = open_checkpoint(FIXTURES / name)
+    tp = ckpt.grid.tp
     bf16 = any(f.path.name.startswith("bf16_") for f in ckpt.layout.optim_files)
-    model = [rank_file_name("model", Coord(dp=r)) for r in range(ckpt.world_size)] if ckpt.zero_stage == 3 \
-        else [rank_file_name("model", per_dp_rank=False)]
-    optim = [rank_file_name("optim", Coord(dp=r), bf16=bf16) for r in range(ckpt.world_size)] \
+    model = [rank_file_name("model", Coord(tp=t, dp=r)) for t in range(tp) for r in range(ckpt.world_size)] \
+        if ckpt.zero_stage == 3 else [rank_file_name("model", Coord(tp=t), per_dp_rank=False) for t in range(tp)]
+    optim = [rank_file_name("optim", Coord(tp=t, dp=r), bf16=bf16) for t in range(tp) for r in range(ckpt.world_size)] \
         if ckpt.zero_stage and not ckpt.universal else []  # (ds_to_universal keeps no optimizer files)
     assert [f.path.name for f in ckpt.layout.model_files] == model
     assert [f.path.name for f in ckpt.layout.optim_files] == optim
-    assert (ckpt.grid.tp, ckpt.grid.pp, ckpt.grid.dp, ckpt.grid.ep) == (1, 1, ckpt.world_size, 1)
+    assert (ckpt.grid.tp, ckpt.grid.pp, ckpt.grid.dp, ckpt.grid.ep) == (tp, 1, ckpt.world_size, 1)

@@ -30,7 +30,7 @@ from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
 from ..io.integrity import check_sources
 from ..io.output import check_output, write_errors
-from ..io.read import Reader, torch_state_dict
+from ..io.read import Reader, check_plan, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..parallel.group import ONE_PROCESS, Group
 from .frame import writing
@@ -268,7 +268,7 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
     Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen, state=state)
-    check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
+    check_plan(plan, skip=not check_crc)
     return torch_state_dict(plan)
 
 
@@ -281,7 +281,7 @@ def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
     Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
     plan = build_plan(open_checkpoint(checkpoint, tag), dtype)
-    check_sources((p for t in plan.tensors for p in t.pieces), skip=not check_crc)
+    check_plan(plan, skip=not check_crc)
     for t in plan.tensors:
         yield t.name, torch_state_dict(plan, only={t.name})[t.name]
     for alias, target in plan.aliases.items():

@@ -42,13 +42,12 @@ class _Source:
     def __init__(self, source: str | os.PathLike, tag: str | None, strip_prefixes: tuple[str, ...]):
         path = Path(source)
         if classify(path).is_checkpoint:
-            from ..io.integrity import check_sources
-            from ..io.read import torch_state_dict
+            from ..io.read import check_plan, torch_state_dict
             from ..plan.consolidate import build_plan, strip_name
             from ..zero.reader import open_checkpoint
 
             plan = build_plan(open_checkpoint(path, tag))
-            check_sources(p for t in plan.tensors for p in t.pieces)
+            check_plan(plan)
             by_name = {t.name: t for t in plan.tensors}
             targets = {**{n: n for n in by_name}, **plan.aliases}
             self.shapes = {strip_name(n, strip_prefixes): tuple(by_name[t].shape) for n, t in targets.items()}

@@ -164,6 +164,18 @@ class Reader:
                     yield cast_bytes(raw, source.src_dtype, source.dtype)
 
 
+def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:
+    """Before a consolidation plan is read into memory: every storage it touches against its CRC-32
+    (``integrity.check_sources``), and tensor parallel's replicated copies against each other."""
+    from .integrity import check_sources
+
+    notes = check_sources([p for t in plan.tensors for p in t.pieces] + [p for r in plan.replicas for p in r.source.pieces],
+                          skip=skip)
+    if not skip:
+        check_replicas(plan.replicas)
+    return notes
+
+
 def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lambda path: True) -> None:
     """Tensor parallel: each TP rank's copy of a replicated parameter (``plan.consolidate.Replica``) equals the copy
     written - compared by CRC-32 of the bytes, for the copies whose files ``reads`` accepts."""

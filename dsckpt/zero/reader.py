@@ -140,7 +140,12 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     lay = L.discover(path, tag)
     if len(lay.model_parallel_ranks()) > 1 and not lay.pipeline_files:
         return _tensor_parallel(lay)
-    return _open(lay)
+    ckpt = _open(lay)
+    if ckpt.mp_world_size > 1 and not lay.pipeline_files:
+        ckpt.problems.append(Problem(MissingRankError, f"{lay.model_files[0].path}: records {ckpt.mp_world_size} "
+                                     f"tensor-parallel ranks (mp world size), but only TP rank "
+                                     f"{lay.model_parallel_ranks()[0]}'s files are in {lay.tag_dir}"))
+    return ckpt
 
 
 def _tensor_parallel(lay: L.Layout) -> Checkpoint:
@@ -180,9 +185,6 @@ def _open(lay: L.Layout) -> Checkpoint:
     universal = not lay.optim_files and (lay.tag_dir / L.UNIVERSAL_DIR).is_dir()
     stage = _recorded_stage(head, lay) if universal else _zero_stage(lay, optim_files)
     grid = GridShape(tp=1 if not lay.pipeline_files else mp, pp=2 if lay.pipeline_files else 1, dp=world)
-    if mp > 1 and len(lay.model_parallel_ranks()) == 1 and not lay.pipeline_files:
-        problems.append(Problem(MissingRankError, f"{where}: records {mp} tensor-parallel ranks (mp world size), "
-                                f"but only TP rank {lay.model_parallel_ranks()[0]}'s files are in {lay.tag_dir}"))
     _check_ranks(lay, stage, world, problems, optimizer=not universal)
     _check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
     module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)

@@ -1,0 +1,260 @@
+"""Tensor-parallel (DeepSpeed AutoTP) checkpoints: the split model, inspect, consolidate against DeepSpeed's own join.
+
+The fixtures are real AutoTP runs of a tiny Llama (fixtures/make_tp_fixtures.py); ``reference.pt`` is what the
+live engine's ``_consolidated_16bit_state_dict()`` returned at save time.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FIXTURES, TP_FIXTURE_NAMES, run_cli
+from dsckpt.errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from dsckpt.zero.tensor_parallel import Block, tp_splits
+
+FP32 = [n for n in TP_FIXTURE_NAMES if n.endswith("fp32")]
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    return torch.load(FIXTURES / name / "reference.pt", weights_only=True)
+
+
+def test_tp_fixture_set():
+    assert TP_FIXTURE_NAMES == ["tp2_dp1_z1_fp32", "tp2_dp1_z3_bf16", "tp2_dp2_z1_fp32", "tp2_dp2_z2_bf16",
+                                "tp2_dp2_z3_fp32"]
+
+
+@pytest.mark.parametrize("name", TP_FIXTURE_NAMES)
+def test_consolidate_equals_deepspeeds_own_join(name, tmp_path):
+    """fp32 runs: the masters bit for bit; bf16 runs: the masters rounded to bf16 equal the engine's bf16 weights."""
+    out = tmp_path / "model.safetensors"
+    args = [] if name.endswith("fp32") else ["--dtype", "bf16"]
+    proc = run_cli("consolidate", FIXTURES / name, out, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    got, want = load_file(out), reference(name)
+    tied = "lm_head.weight" not in got
+    assert set(got) | ({"lm_head.weight"} if tied else set()) == set(want)
+    for key, tensor in want.items():
+        assert torch.equal(got["model.embed_tokens.weight" if tied and key == "lm_head.weight" else key], tensor), key
+    doc = json.loads(proc.stdout)
+    assert doc["tensors"] == len(got)
+
+
+@pytest.mark.parametrize("form", ["model.pt", "sharded"])
+def test_other_forms_hold_the_same_tensors(form, tmp_path):
+    name = "tp2_dp2_z3_fp32"
+    out = tmp_path / form
+    assert run_cli("consolidate", FIXTURES / name, out, "--max-shard-size", "20KB").returncode == 0
+    if form == "model.pt":
+        got = torch.load(out, weights_only=True)
+    else:
+        got = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in reference(name).items()}
+    assert all(torch.equal(got[k], v) for k, v in reference(name).items())
+
+
+def test_hf_export_loads_in_transformers_and_matches_the_engine(tmp_path):
+    """``--hf`` of an AutoTP run: ``from_pretrained`` builds the full model, its logits equal the engine's weights'."""
+    from transformers import LlamaForCausalLM
+
+    name = "tp2_dp1_z1_fp32"
+    out = tmp_path / "hf"
+    proc = run_cli("consolidate", FIXTURES / name, out, "--hf")
+    assert proc.returncode == 0, proc.stderr
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    oracle = LlamaForCausalLM(model.config).eval()
+    oracle.load_state_dict(reference(name))
+    ids = torch.arange(12).reshape(2, 6) % 50
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, oracle(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["tp2_dp2_z1_fp32", "tp2_dp2_z3_fp32"])
+def test_masters_and_moments_match_ds_to_universal(name, ds_universal):
+    """DeepSpeed's own converter joins the TP slices too: its fp32, exp_avg and exp_avg_sq per parameter equal
+    ours (values: it writes some ZeRO-3 parameters flat)."""
+    import dsckpt
+
+    universal = ds_universal(name) / "step3_universal" / "zero"
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        got = dsckpt.load_state_dict(FIXTURES / name, state=state)
+        folders = sorted(f for f in universal.iterdir() if f.is_dir())
+        assert {f.name for f in folders} == set(got)  # (tied: the head is its own folder and its own tensor here)
+        for folder in folders:
+            if name == "tp2_dp2_z1_fp32" and folder.name == "lm_head.weight":
+                # tied to the embedding: ds_to_universal keeps TP rank 0's 25 of its 50 rows (docs/format.md);
+                # ours is the embedding, the engine's own join
+                assert got[folder.name] is got["model.embed_tokens.weight"]
+                continue
+            theirs = torch.load(folder / f"{state}.pt", weights_only=True)
+            theirs = theirs["param"] if isinstance(theirs, dict) else theirs
+            assert torch.equal(theirs.reshape(-1), got[folder.name].reshape(-1)), (state, folder.name)
+
+
+def test_inspect_shows_the_grid_and_splits():
+    proc = run_cli("inspect", FIXTURES / "tp2_dp2_z3_fp32", "--json", "--tensors")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["grid"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 1}
+    tp = doc["tensor_parallel"]
+    assert tp["degree"] == 2 and tp["described_by"] == "affine_map"
+    assert tp["categories"] == {"replicated": 6, "split on dim 0": 11, "split on dim 1": 4}
+    assert tp["split"]["model.layers.1.mlp.down_proj.weight"] == "split on dim 1"
+    rows = {r["name"]: r for r in doc["tensor_list"]}
+    assert rows["model.layers.0.self_attn.o_proj.weight"]["shape"] == [24, 24]  # full, not TP rank 0's [24, 12]
+    assert rows["lm_head.weight"]["split"] == "split on dim 0"
+    assert doc["parameters"]["numel"] == sum(t.numel() for t in reference("tp2_dp2_z3_fp32").values())
+    assert {f["tp_rank"] for f in doc["rank_files"]} == {0, 1}
+    text = run_cli("inspect", FIXTURES / "tp2_dp2_z3_fp32").stdout
+    assert "tp 2 x dp 2" in text and "split on dim 1" in text
+
+
+def test_commands_that_do_not_join_slices_refuse_by_name(tmp_path):
+    proc = run_cli("reshard", FIXTURES / "tp2_dp2_z1_fp32", tmp_path / "out", "--world-size", "1")
+    assert proc.returncode == 2 and "tp 2 x dp 2" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _copy(name: str, tmp_path):
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def test_a_replica_that_drifted_is_refused(tmp_path):
+    """TP rank 1's copy of the (replicated) embedding differs, with a valid CRC: refused, naming both."""
+    ckpt = _copy("tp2_dp1_z1_fp32", tmp_path)
+    path = ckpt / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1  # the embedding comes first
+    torch.save(state, path)
+    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
+    assert proc.returncode == 2, proc.stderr
+    assert "TP rank 1's copy of the replicated parameter 'model.embed_tokens.weight'" in proc.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+    import dsckpt
+
+    with pytest.raises(InconsistentCheckpointError, match="replicated parameter"):
+        dsckpt.load_state_dict(ckpt)
+
+
+def test_a_missing_tp_rank_is_named(tmp_path):
+    ckpt = _copy("tp2_dp2_z1_fp32", tmp_path)
+    (ckpt / "step3" / "mp_rank_01_model_states.pt").unlink()
+    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
+    assert proc.returncode == 2 and "tensor-parallel rank 1" in proc.stderr and "Traceback" not in proc.stderr
+    ckpt2 = _copy("tp2_dp2_z2_bf16", tmp_path)
+    (ckpt2 / "step3" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    proc = run_cli("consolidate", ckpt2, tmp_path / "out2.safetensors")
+    assert proc.returncode == 2 and "rank 1 is missing" in proc.stderr
+
+
+def test_unsupported_patterns_are_named(tmp_path):
+    ckpt = _copy("tp2_dp1_z1_fp32", tmp_path)
+    for t in (0, 1):
+        path = ckpt / "step3" / f"mp_rank_0{t}_model_states.pt"
+        state = torch.load(path, weights_only=False)
+        state["universal_checkpoint_info"]["autotp_unsupported_parameter_patterns"] = {r"^fused\.qkv$": "codegen fused"}
+        torch.save(state, path)
+    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
+    assert proc.returncode == 2 and "autotp_unsupported_parameter_patterns" in proc.stderr and "codegen fused" in proc.stderr
+    assert "autotp_unsupported_parameter_patterns" in run_cli("inspect", ckpt).stdout
+
+
+# --- the split model, without files --------------------------------------------------------------------------
+
+def _join(split, slices: list[torch.Tensor]) -> torch.Tensor:
+    """What a Split describes, applied to tensors (the byte plan does the same on files)."""
+    flat = [s.reshape(-1) for s in slices]
+    out = []
+    for i in range(split.count):
+        for b in split.blocks:
+            start = i * split.periods[b.rank] + b.start
+            out.append(flat[b.rank][start:start + b.numel])
+    return torch.cat(out).reshape(split.shape)
+
+
+def test_categories_without_an_affine_map():
+    """Megatron-DeepSpeed / older DeepSpeed: patterns only, in ds_to_universal's order."""
+    full = {"row.weight": torch.arange(6 * 8.).reshape(6, 8), "col.weight": torch.arange(10 * 4.).reshape(10, 4),
+            "vocab.weight": torch.arange(8 * 3.).reshape(8, 3), "norm.weight": torch.arange(5.),
+            "glu.weight": torch.arange(8 * 2.).reshape(8, 2)}
+    slices = [{"row.weight": full["row.weight"][:, :5], "col.weight": full["col.weight"][:6],
+               "vocab.weight": full["vocab.weight"][:4], "norm.weight": full["norm.weight"],
+               "glu.weight": torch.cat([full["glu.weight"][0:2], full["glu.weight"][4:6]])},
+              {"row.weight": full["row.weight"][:, 5:], "col.weight": full["col.weight"][6:],
+               "vocab.weight": torch.cat([full["vocab.weight"][4:7], torch.zeros(1, 3)]), "norm.weight": full["norm.weight"],
+               "glu.weight": torch.cat([full["glu.weight"][2:4], full["glu.weight"][6:8]])}]
+    info = {"parameter_with_row_parallelism_patterns": [r"^row\.weight$"], "tp_replicated_parameter_patterns": [r"norm"],
+            "vocabulary_parameter_patterns": [r"^vocab"], "original_vocab_size": 7,
+            "parameter_with_2_sub_params_cat_dim_0": [r"^glu"]}
+    splits = tp_splits(info, [{k: tuple(v.shape) for k, v in s.items()} for s in slices], "here")
+    assert splits["norm.weight"].replicas == (1,)
+    assert splits["row.weight"].category == "row parallel (dim 1)"
+    for name, split in splits.items():
+        want = full[name][:7] if name == "vocab.weight" else full[name]
+        assert torch.equal(_join(split, [s[name] for s in slices]), want), name
+
+
+def test_affine_map_with_uneven_slices_and_sub_parameters():
+    """A map as DeepSpeed writes it (sub_param_map): fused q/k/v of widths 4/2/2 split 2/2, 1/1, 1/1 on dim 0."""
+    rows, cols = 8, 3
+    full = torch.arange(rows * cols * 1.).reshape(rows, cols)
+    ranks = {0: [0, 1, 4, 6], 1: [2, 3, 5, 7]}  # which full rows each rank holds, in order
+
+    def pieces(rank):
+        out, dest = [], 0
+        for start in (0, 2) if rank == 0 else (2,):
+            pass
+        runs = [[0, 2], [4, 1], [6, 1]] if rank == 0 else [[2, 2], [5, 1], [7, 1]]
+        for first, n in runs:
+            out.append({"shape": [n, cols], "source": [first * cols, [cols, 1]], "dest": [dest * cols, [cols, 1]],
+                        "locations": [rank]})
+            dest += n
+        return out
+    amap = {"version": 1, "params": {r"^qkv$": {"logical_shape": [rows, cols], "ranks": {
+        r: {"shard_shape": [4, cols], "pieces": pieces(r)} for r in (0, 1)}}}}
+    split = tp_splits({"affine_map": amap}, [{"qkv": (4, cols)}, {"qkv": (4, cols)}], "here")["qkv"]
+    slices = [full[ranks[r]] for r in (0, 1)]
+    assert torch.equal(_join(split, slices), full)
+    assert split.blocks[0] == Block(0, 0, 6)
+
+
+def test_affine_maps_dsckpt_cannot_stream_are_refused():
+    amap = lambda piece: {"version": 1, "params": {r"^w$": {"logical_shape": [4, 4], "ranks": {
+        0: {"shard_shape": [4, 4], "pieces": [piece]}}}}}
+    scaled = {"shape": [4, 4], "source": [0, [4, 1]], "dest": [0, [4, 1]], "locations": [0], "scale": 0.5}
+    with pytest.raises(UnsupportedCheckpointError, match="scaled"):
+        tp_splits({"affine_map": amap(scaled)}, [{"w": (4, 4)}], "here")
+    transposed = {"shape": [4, 4], "source": [0, [1, 4]], "dest": [0, [4, 1]], "locations": [0]}
+    with pytest.raises(UnsupportedCheckpointError, match="not a block of whole rows"):
+        tp_splits({"affine_map": amap(transposed)}, [{"w": (4, 4)}], "here")
+    gap = {"shape": [2, 4], "source": [8, [4, 1]], "dest": [0, [4, 1]], "locations": [0]}
+    with pytest.raises(InconsistentCheckpointError, match="gap at element 0"):
+        tp_splits({"affine_map": {"version": 1, "params": {r"^w$": {"logical_shape": [4, 4], "ranks": {
+            0: {"shard_shape": [2, 4], "pieces": [gap]}}}}}}, [{"w": (2, 4)}], "here")
+    with pytest.raises(UnsupportedCheckpointError, match="version 2"):
+        tp_splits({"affine_map": {"version": 2, "params": {}}}, [{"w": (4, 4)}], "here")
+
+
+def test_interleaved_pieces_cut_partitions_at_any_byte():
+    """A row-parallel join over ZeRO partitions that end mid-row: the runs cross partition boundaries."""
+    from pathlib import Path
+
+    from dsckpt.plan.segments import Interleaved, Segment, Zeros
+
+    a = (Segment(Path("a0"), 0, 10), Segment(Path("a1"), 100, 14))  # 24 bytes: 4 rows of 6
+    b = (Segment(Path("b0"), 0, 7), Zeros(1))  # 8 bytes: 4 rows of 2
+    joined = list(Interleaved([a, b], [(0, 0, 6), (1, 0, 2)], [6, 2], 4))
+    assert sum(p.nbytes for p in joined) == 32
+    assert joined[:4] == [Segment(Path("a0"), 0, 6), Segment(Path("b0"), 0, 2), Segment(Path("a0"), 6, 4),
+                          Segment(Path("a1"), 100, 2)]
+    assert joined[-1] == Zeros(1)
+    assert math.prod((4, 8)) == 32
