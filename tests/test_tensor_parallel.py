@@ -258,3 +258,22 @@ def test_interleaved_pieces_cut_partitions_at_any_byte():
                           Segment(Path("a1"), 100, 2)]
     assert joined[-1] == Zeros(1)
     assert math.prod((4, 8)) == 32
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("name,stage", [("tp2_dp2_z1_fp32", 1), ("tp2_dp2_z3_fp32", 3)])
+def test_reshard_at_the_same_tp_degree_loads_in_stock_deepspeed(name, stage, tmp_path):
+    """reshard -w 1 moves each TP rank's files on their own; DeepSpeed's load_checkpoint in an AutoTP engine at
+    tp 2 x dp 1 restores every TP-local master bit for bit, and what it then saves holds the original masters and
+    Adam moments."""
+    import dsckpt
+    from conftest import run_job
+
+    out, resave = tmp_path / "ws1", tmp_path / "resaved"
+    proc = run_cli("reshard", FIXTURES / name, out, "--world-size", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["world_size"] == 1
+    run_job("tp_load.py", 2, name, out, resave, stage)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        before, after = dsckpt.load_state_dict(FIXTURES / name, state=state), dsckpt.load_state_dict(resave, state=state)
+        assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state

@@ -10,7 +10,8 @@ Steps:
 3. per target rank r and group: the segments of the fp32 partition and of every per-element optimizer
    state (Adam's ``exp_avg`` / ``exp_avg_sq``, any optimizer's like them), zero padding included;
    stage 3 frozen parameters' fragments the same way;
-4. per target file: the tree of source rank ``min(r, N - 1)`` (its client state, loss scaler, step
+4. per target file (named for its TP rank: a tensor-parallel checkpoint is planned one TP rank's files at a
+   time): the tree of source rank ``min(r, N - 1)`` (its client state, loss scaler, step
    counts, hyper-parameters, config) with the partitions, ``partition_count``, ``group_paddings``,
    ``param_slice_mappings`` and ``dp_world_size`` rewritten for M.
 
@@ -21,6 +22,7 @@ partition, ``dp_world_size`` equal to the loading job's, and one optimizer file 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..formats.pickle_policy import TensorRef
 from ..formats.pickle_writer import NewTensor
@@ -42,7 +44,11 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
     """The one reshard plan: ``ckpt`` at data-parallel ``world_size`` (see the module docstring), at ZeRO ``stage``
     (default its own; another one: ``plan.restage``) and, for a mixture-of-experts run, expert-parallel size
     ``ep_size`` (``plan.experts``; default its own, same stage only)."""
-    ckpt.require_complete()
+    ckpt.require_complete(tensor_parallel=True)
+    if ckpt.tp_slices:  # each TP rank's files moved on their own; the split itself is unchanged
+        plans = [build_reshard_plan(s, world_size, stage, ep_size) for s in ckpt.tp_slices]
+        return replace(plans[0], groups=tuple(g for p in plans for g in p.groups),
+                       files=tuple(f for p in plans for f in p.files))
     if stage is None or stage == ckpt.zero_stage:
         return _same_stage(ckpt, world_size, ep_size)
     same = _same_stage(ckpt, world_size, None) if ckpt.zero_stage in (1, 2) and stage in (1, 2) else None
@@ -70,7 +76,7 @@ def _model_file(ckpt: Checkpoint, world_size: int, rank: int, moves: list[GroupM
 
         tree[L.PARAM_SHAPES] = rewritten_shapes(tree[L.PARAM_SHAPES], moved, ckpt.trainable)
     if ckpt.zero_stage == 3:
-        name = rank_file_name("model", Coord(dp=rank))
+        name = rank_file_name("model", Coord(tp=ckpt.tp_rank, dp=rank))
         fragments = ckpt.frozen_fragments
         if fragments:
             tree[L.FROZEN_PARAM_FRAGMENTS] = type(tree[L.FROZEN_PARAM_FRAGMENTS])(
@@ -137,4 +143,4 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
         osd[L.GROUP_PADDINGS] = [stage12_trimmed(m.target, m.position(rank)) for m in mine]
         if L.PARAM_SLICE_MAPPINGS in osd:
             osd[L.PARAM_SLICE_MAPPINGS] = [slice_mappings_at(m, m.position(rank), osd[L.PARAM_SLICE_MAPPINGS]) for m in mine]
-    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=is_bf16(tf.path)), tf.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(tp=ckpt.tp_rank, dp=rank), bf16=is_bf16(tf.path)), tf.path, tree)

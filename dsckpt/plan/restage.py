@@ -125,7 +125,7 @@ def _stage3_model_file(ckpt: Checkpoint, world_size: int, rank: int) -> OutputFi
     if rank:
         tree[L.SHARED_PARAMS] = {}  # DeepSpeed records the ties in rank 0's file only
     tree[L.DP_WORLD_SIZE] = world_size
-    return OutputFile(rank_file_name("model", Coord(dp=rank)), source.path, tree)
+    return OutputFile(rank_file_name("model", Coord(tp=ckpt.tp_rank, dp=rank)), source.path, tree)
 
 
 def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: int, rank: int) -> NewTensor:
@@ -176,7 +176,7 @@ def _stage3_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int
     }
     tree = _with_stage(template.obj, 3)
     tree[L.OPTIMIZER_STATE_DICT] = stage3
-    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=is_bf16(template.path)), template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(tp=ckpt.tp_rank, dp=rank), bf16=is_bf16(template.path)), template.path, tree)
 
 
 # --- 3 -> 1/2 ------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _stage12_model_file(ckpt: Checkpoint, world_size: int, stage: int) -> Output
     tree[L.MODULE] = type(module)((n, full.get(n, v)) for n, v in module.items())
     tree[L.DP_WORLD_SIZE] = world_size
     tree[L.FROZEN_PARAM_FRAGMENTS] = None  # stage 3's partitions; _with_frozen_records sets stage 2's
-    return OutputFile(rank_file_name("model", per_dp_rank=False), source.path, _with_frozen_records(ckpt, tree, stage))
+    return OutputFile(rank_file_name("model", Coord(tp=ckpt.tp_rank), per_dp_rank=False), source.path, _with_frozen_records(ckpt, tree, stage))
 
 
 def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, stage: int,
@@ -240,4 +240,4 @@ def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: in
     }
     tree = _with_stage(template.obj, stage)
     tree[L.OPTIMIZER_STATE_DICT] = stage12
-    return OutputFile(rank_file_name("optim", Coord(dp=rank), bf16=is_bf16(template.path)), template.path, tree)
+    return OutputFile(rank_file_name("optim", Coord(tp=ckpt.tp_rank, dp=rank), bf16=is_bf16(template.path)), template.path, tree)

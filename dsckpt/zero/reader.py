@@ -99,6 +99,11 @@ class Checkpoint:
     def trainable(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
+    @property
+    def tp_rank(self) -> int:
+        """The TP rank whose files these are (``mp_rank_XX``; 0 without tensor parallelism)."""
+        return self.layout.model_files[0].mp_rank if self.layout.model_files else 0
+
     @cached_property
     def tp_splits(self) -> "dict[str, Split]":
         """Tensor parallel: every parameter's split over the TP ranks (``zero.tensor_parallel``)."""
