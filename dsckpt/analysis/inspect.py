@@ -50,12 +50,14 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
             tensor_parallel = _tensor_parallel(ckpt)
             if tensor_parallel:  # the full shapes, not TP rank 0's slices
                 shapes = {n: tuple(s) for n, s in tensor_parallel.pop("shapes").items()}
+            for stage in ckpt.pp_slices:  # every stage's, not stage 0's
+                shapes.update({**stage.trainable, **stage.frozen})
             plan = build_plan(ckpt)
         except DsckptError as exc:
             plan_error = str(exc)
     if plan is not None and ckpt.experts:  # the recorded shapes name rank 0's experts only; the plan names all
         shapes = {t.name: t.shape for t in plan.tensors if t.kind != "buffer"}
-    frozen = set(ckpt.frozen)
+    frozen = set(ckpt.frozen).union(*(s.frozen for s in ckpt.pp_slices))
     if plan is not None and ckpt.zero_stage == 0:  # stage 0 records no frozen list; the plan tells
         frozen = {t.name for t in plan.tensors if t.kind == "frozen"}
     params = [n for n in shapes if n not in frozen]
@@ -99,10 +101,20 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "trainer_state": trainer_summary(lay.root),  # an HF Trainer's checkpoint-N: its trainer_state.json
         "experts": _experts(ckpt),
         "tensor_parallel": tensor_parallel,
+        "pipeline": _pipeline(ckpt),
     }
     if with_tensors:
         summary["tensor_list"] = tensor_table(ckpt, plan, shapes)
     return summary
+
+
+def _pipeline(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
+    """A pipeline run: per stage, its layer indices and tied modules."""
+    if not ckpt.pp_slices:
+        return None
+    from ..zero.pipeline import stage_map
+
+    return stage_map(list(ckpt.pp_slices))
 
 
 def _tensor_parallel(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -190,6 +202,9 @@ def render(s: dict[str, Any]) -> str:
         t = s["tensor_parallel"]
         row("tensor parallel", f"{t['degree']} ranks, split described by {t['described_by']}: "
                                + ", ".join(f"{n} {c}" for c, n in ((c, t["categories"][c]) for c in t["categories"])))
+    for stage in s.get("pipeline") or ():
+        tied = f"; tied: {', '.join(stage['tied'])}" if stage["tied"] else ""
+        row(f"stage {stage['stage']}", f"layers {', '.join(map(str, stage['layers'])) or '-'}{tied}")
     p, f = s["parameters"], s["frozen"]
     row("trainable", f"{p['count']} tensors, {p['numel']:,} elements in {len(p['groups'])} group(s)")
     if f["count"]:  # empty sections are left out (the JSON keeps every key)

@@ -28,7 +28,6 @@ from ..export.registry import Format, Prepared, Request, companion_paths, for_ou
 from ..export.sidecar import sidecar_paths, write_sidecar
 from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
-from ..io.integrity import check_sources
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded

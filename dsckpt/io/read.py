@@ -193,8 +193,8 @@ def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lamb
             if files and all(reads(f) for f in files) and crc(reader, replica.source) != crc(reader, replica.written):
                 where = next(p.path for p in replica.source.pieces if isinstance(p, Segment))
                 raise InconsistentCheckpointError(
-                    f"{where}: TP rank {replica.tp_rank}'s copy of the replicated parameter {replica.name!r} differs "
-                    "from TP rank 0's", hint="the TP ranks drifted apart, or the files come from two runs")
+                    f"{where}: {replica.axis} {replica.rank}'s copy of the replicated parameter {replica.name!r} "
+                    f"differs from the one written", hint="the ranks drifted apart, or the files come from two runs")
 
 
 def _source_of(storage: Any) -> ByteSource:

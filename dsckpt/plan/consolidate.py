@@ -13,7 +13,8 @@ maps partitions to parameters:
   ``frozen_param_fragments``.
 * ZeRO-0: the model-states file holds full tensors; fp32 runs train on them directly, 16-bit runs
   keep fp32 masters per parameter in ``optimizer.fp32_groups``.
-* Tensor parallel: each TP rank's files planned as above (TP-local shapes), then joined (``_joined``).
+* Tensor parallel: each TP rank's files planned as above (TP-local shapes), then joined (``_joined``);
+  pipeline parallel: each stage's, then put together (``_stages``).
 """
 from __future__ import annotations
 
@@ -53,11 +54,13 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class Replica:
-    """A tensor-parallel rank's copy of a replicated parameter, which must equal the copy written."""
+    """A TP rank's copy of a replicated parameter (a pipeline stage's of a tied one), which must equal the copy
+    written."""
     name: str
-    tp_rank: int
+    rank: int
     source: ByteSource
     written: ByteSource
+    axis: str = "TP rank"
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,13 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     ``state="exp_avg"`` / ``"exp_avg_sq"`` gathers Adam's moments instead of the fp32 masters
     (trainable parameters only: frozen parameters and buffers have none).
     """
-    ckpt.require_complete(tensor_parallel=True)
+    ckpt.require_complete(tensor_parallel=True, pipeline=True)
     if state not in OPTIMIZER_STATES:
         raise ValueError(f"state must be one of {OPTIMIZER_STATES}, got {state!r}")
+    if ckpt.pp_slices:
+        plan = _stages(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.pp_slices])
+        strip_prefixes = prefixes(strip_prefixes)
+        return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
     if ckpt.tp_slices:
         plan = _joined(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.tp_slices])
         plan = replace(plan, metadata={**plan.metadata, M.TENSOR_PARALLEL: str(ckpt.grid.tp)})
@@ -145,6 +152,21 @@ def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
         replicas += [Replica(local.name, r, _stored(parts[r]), _stored(local)) for r in split.replicas]
     head = slice_plans[0]
     return Plan(tuple(tensors), head.aliases, dict(head.metadata), tuple(replicas))
+
+
+def _stages(ckpt: Checkpoint, stage_plans: list[Plan]) -> Plan:
+    """Pipeline parallel: every stage's tensors, in stage order; a tied module held by several stages written
+    from the first and compared on the others."""
+    tensors: dict[str, TensorPlan] = {}
+    replicas = []
+    for stage, plan in enumerate(stage_plans):
+        for t in plan.tensors:
+            if t.name in tensors:
+                replicas.append(Replica(t.name, stage, _stored(t), _stored(tensors[t.name]), "pipeline stage"))
+            else:
+                tensors[t.name] = t
+    meta = {**stage_plans[0].metadata, M.PIPELINE_STAGES: str(ckpt.grid.pp)}
+    return Plan(tuple(tensors.values()), {a: s for p in stage_plans for a, s in p.aliases.items()}, meta, tuple(replicas))
 
 
 def _stored(t: TensorPlan) -> TensorSource:

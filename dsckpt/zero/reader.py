@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import layout as L
 from .grid import GridShape
+from .problems import Problem, check_ranks, check_same_run, short
 from ..dtypes import label
-from ..limits import check, limit
+from ..limits import check
 from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
 from ..formats.pickle_policy import TensorRef, opaque_int
 from ..formats.torchzip import TorchFile
@@ -27,13 +28,6 @@ if TYPE_CHECKING:
     from .tensor_parallel import Split
     from .optim_state import RankState
 
-
-
-@dataclass(frozen=True)
-class Problem:
-    error: type[DsckptError]
-    message: str
-    hint: str | None = None
 
 
 @dataclass
@@ -63,10 +57,14 @@ class Checkpoint:
     # was split over them (zero.tensor_parallel; None before it is asked for)
     tp_slices: "tuple[Checkpoint, ...]" = ()
     tp_info: dict[str, Any] = field(default_factory=dict)
+    # pipeline parallel: one checkpoint per stage, and (in each) its layers' tensors from the layer_XX files
+    # under PipelineModule's names ({layer}.{key}), which stand in for the `module` DeepSpeed leaves None
+    pp_slices: "tuple[Checkpoint, ...]" = ()
+    layers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def module(self) -> dict[str, Any]:
-        return self.model_files[0].obj.get(L.MODULE) or {}
+        return self.model_files[0].obj.get(L.MODULE) or self.layers
 
     @cached_property
     def optimizer_states(self) -> "list[RankState]":
@@ -112,17 +110,17 @@ class Checkpoint:
         shapes = [{**s.trainable, **s.frozen} for s in self.tp_slices]
         return tp_splits(self.tp_info, shapes, str(self.model_files[0].path))
 
-    def require_complete(self, *, tensor_parallel: bool = False) -> None:
-        """Raise the first recorded problem as its typed error.  ``tensor_parallel``: the caller joins TP slices;
-        every other caller is refused a tensor- or pipeline-parallel checkpoint by name."""
+    def require_complete(self, *, tensor_parallel: bool = False, pipeline: bool = False) -> None:
+        """Raise the first recorded problem as its typed error.  ``tensor_parallel`` / ``pipeline``: the caller
+        joins TP slices / pipeline stages; every other caller is refused such a checkpoint by name."""
         if self.problems:
             first = self.problems[0]
             raise first.error(first.message, hint=first.hint)
-        if self.grid.pp > 1 or (self.grid.tp > 1 and not tensor_parallel):
+        if (self.grid.pp > 1 and not pipeline) or (self.grid.tp > 1 and not tensor_parallel):
             raise UnsupportedCheckpointError(
-                f"{self.layout.tag_dir}: a {self.grid.describe()} checkpoint; this command reads data-parallel "
-                "checkpoints only", hint=None if self.grid.pp > 1 else
-                "dsckpt consolidate and inspect join the tensor-parallel slices")
+                f"{self.layout.tag_dir}: a {self.grid.describe()} checkpoint; this command does not read "
+                f"{'pipeline' if self.grid.pp > 1 else 'tensor'}-parallel checkpoints yet",
+                hint="dsckpt consolidate and inspect read it")
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
@@ -143,7 +141,9 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
         checkpoint (each names the file).  No pickle code of the checkpoint ever runs.
     """
     lay = L.discover(path, tag)
-    if len(lay.model_parallel_ranks()) > 1 and not lay.pipeline_files:
+    if lay.pipeline_files:
+        return _pipeline(lay)
+    if len(lay.model_parallel_ranks()) > 1:
         return _tensor_parallel(lay)
     ckpt = _open(lay)
     if ckpt.mp_world_size > 1 and not lay.pipeline_files:
@@ -173,8 +173,23 @@ def _tensor_parallel(lay: L.Layout) -> Checkpoint:
                    tp_info=tp_info(head.model_files[0].obj, head.model_files[0].path))
 
 
-def _open(lay: L.Layout) -> Checkpoint:
-    """One data-parallel checkpoint (one TP rank's files, or a run without TP)."""
+def _pipeline(lay: L.Layout) -> Checkpoint:
+    """One checkpoint per pipeline stage (``zero.pipeline``), headed by stage 0's."""
+    from .pipeline import layer_tensors, stage_layers, stage_problems
+
+    stages = lay.model_parallel_ranks()
+    layers, problems = layer_tensors(lay.pipeline_files)
+    slices = [_open(lay.for_mp_rank(s), lambda names: stage_layers(layers, names)) for s in stages]
+    head = slices[0]
+    problems = [Problem(e, m) for e, m in problems] + [p for s in slices for p in s.problems]
+    problems += [Problem(e, m) for e, m in stage_problems(lay, [(s.model_files[0].path, s.model_files[0].obj) for s in slices])]
+    return replace(head, layout=lay, problems=problems, pp_slices=tuple(slices),
+                   grid=replace(head.grid, tp=1, pp=len(slices)))
+
+
+def _open(lay: L.Layout, layers=None) -> Checkpoint:
+    """One data-parallel checkpoint (one TP rank's or pipeline stage's files, or a run without either).
+    ``layers``: a pipeline stage's tensors from its layer files, given the names its model states record."""
     problems = [Problem(error, message) for error, message in lay.problems]
     model_files = _parse(lay.model_files, problems)
     optim_files = _parse(lay.optim_files, problems)
@@ -189,12 +204,13 @@ def _open(lay: L.Layout) -> Checkpoint:
     mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
     universal = not lay.optim_files and (lay.tag_dir / L.UNIVERSAL_DIR).is_dir()
     stage = _recorded_stage(head, lay) if universal else _zero_stage(lay, optim_files)
-    grid = GridShape(tp=1 if not lay.pipeline_files else mp, pp=2 if lay.pipeline_files else 1, dp=world)
-    _check_ranks(lay, stage, world, problems, optimizer=not universal)
-    _check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
-    module = _typed(head.get(L.MODULE) or {}, dict, where, L.MODULE)
+    grid = GridShape(dp=world)
+    check_ranks(lay, stage, world, problems, optimizer=not universal)
+    check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
     param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
+    stage_layers = layers([n for g in param_groups for n in g] + buffer_names) if layers else {}
+    module = _typed(head.get(L.MODULE) or stage_layers, dict, where, L.MODULE)
     shared = _typed(head.get(L.SHARED_PARAMS) or {}, dict, where, L.SHARED_PARAMS)
     trainable = {n for g in param_groups for n in g}
     frozen = _shapes(head.get(L.FROZEN_PARAM_SHAPES) or {}, where, L.FROZEN_PARAM_SHAPES)
@@ -222,7 +238,7 @@ def _open(lay: L.Layout) -> Checkpoint:
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
                       client_state=client, problems=problems, unsaved=unsaved, universal=universal, grid=grid,
-                      experts=experts)
+                      experts=experts, layers=stage_layers)
 
 
 def _count(value: Any, path, key: str) -> int:
@@ -230,16 +246,9 @@ def _count(value: Any, path, key: str) -> int:
     if value is None:
         return 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InconsistentCheckpointError(f"{path}: '{key}' is {_short(value)}, expected a positive integer")
+        raise InconsistentCheckpointError(f"{path}: '{key}' is {short(value)}, expected a positive integer")
     check("MAX_WORLD_SIZE", value, str(path), f"'{key}'")
     return value
-
-
-def _short(value: Any) -> str:
-    """A value for a message: huge ints by size (str() of them is refused beyond 4300 digits)."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    return f"{value!r:.80}"
 
 
 def _optimizer_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> list:
@@ -281,24 +290,6 @@ def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precisio
     except UnsupportedCheckpointError as exc:
         problems.append(Problem(UnsupportedCheckpointError, str(exc), exc.hint))
         return None
-
-
-def _check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], world: int,
-                    problems: list[Problem], expert_groups: dict[int, int] | None = None) -> None:
-    """Rank files of another run (another world size) mixed into this tag."""
-    for f in model_files[1:]:
-        other = f.obj.get(L.DP_WORLD_SIZE) if isinstance(f.obj, dict) else None
-        if other != world:
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: records world size {_short(other)}, rank 0's model states {world}"))
-    for f in optim_files:
-        osd = f.obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(f.obj, dict) else None
-        count = osd.get(L.PARTITION_COUNT) if isinstance(osd, dict) else None
-        counts = count if isinstance(count, list) else [count]
-        expected = [world // (expert_groups or {}).get(g, 1) for g in range(len(counts))]  # experts: W / ep_size
-        if counts != expected:
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: partition count {_short(count)} differs from world size {world}"))
 
 
 def _typed(value: Any, kind: type, path, key: str) -> Any:
@@ -353,33 +344,6 @@ def _recorded_stage(head: dict, lay: L.Layout) -> int:
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
     return stage if stage in (1, 2) else 0
-
-
-def _check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem], optimizer: bool = True) -> None:
-    """Missing and extra rank files; a run of many is one problem (a world size of 10**7 is not 10**7 lines)."""
-    expected = range(world)
-    groups = [("optimizer", lay.optim_files)] if stage and optimizer else []
-    if stage == 3:
-        groups.append(("model", lay.model_files))
-    for kind, files in groups:
-        ranks = {f.dp_rank for f in files}
-        missing = (r for r in expected if r not in ranks)  # lazy: world sizes are bounded, still large
-        extra = sorted((r for r in ranks if r is None or r >= world), key=str)
-        _summarized(problems, MissingRankError, missing, world - len(ranks - set(extra)),
-                    lambda r: f"{lay.tag_dir}: {kind}-states file of rank {r} is missing "
-                              f"(the checkpoint records world size {world})")
-        _summarized(problems, InconsistentCheckpointError, iter(extra), len(extra),
-                    lambda r: f"{lay.tag_dir}: extra {kind}-states file for rank {r}, beyond world size {world}")
-
-
-def _summarized(problems: list[Problem], error: type, items, count: int, message) -> None:
-    """One problem per item up to MAX_LISTED_PROBLEMS, then one line for the rest."""
-    listed = limit("MAX_LISTED_PROBLEMS")
-    for i, item in enumerate(items):
-        if i == listed:
-            problems.append(Problem(error, f"... and {count - listed:,} more like the above"))
-            return
-        problems.append(Problem(error, message(item)))
 
 
 def _aliases_by_storage(module: dict[str, Any], known: set[str] = frozenset(), empty_too: bool = False) -> dict[str, str]:

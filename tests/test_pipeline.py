@@ -1,0 +1,64 @@
+"""Pipeline-parallel (DeepSpeed PipelineModule) checkpoints: inspect and consolidate against the live engine.
+
+The fixture is a real pp 2 x dp 2 ZeRO-1 run (fixtures/make_pp_fixtures.py): an embedding tied to the head
+(TiedLayerSpec, held by both stages), three blocks, one with a persistent buffer that only its layer file holds.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import FIXTURES, run_cli
+
+NAME = "pp2_dp2_z1_fp32"
+
+
+def test_consolidate_equals_the_engines_masters_buffers_included(tmp_path):
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("consolidate", FIXTURES / NAME, out)
+    assert proc.returncode == 0, proc.stderr
+    got, want = load_file(out), torch.load(FIXTURES / NAME / "reference.pt", weights_only=True)
+    assert set(got) == set(want)  # PipelineModule's names; the buffer 2.scale from layer_02's file
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_inspect_maps_layers_to_stages():
+    doc = json.loads(run_cli("inspect", FIXTURES / NAME, "--json").stdout)
+    assert doc["grid"] == {"tp": 1, "pp": 2, "dp": 2, "ep": 1}
+    assert doc["pipeline"] == [{"stage": 0, "layers": [1], "tied": ["embed"]},
+                               {"stage": 1, "layers": [2, 3], "tied": ["embed"]}]
+    assert doc["parameters"]["count"] == 16 and doc["tensors"] == 17 and doc["buffers"] == {}
+    text = run_cli("inspect", FIXTURES / NAME).stdout
+    assert "pp 2 x dp 2" in text and "stage 1           layers 2, 3; tied: embed" in text
+
+
+def test_a_tied_copy_that_drifted_is_refused(tmp_path):
+    ckpt = tmp_path / NAME
+    shutil.copytree(FIXTURES / NAME, ckpt)
+    path = ckpt / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1  # the tied embedding first
+    torch.save(state, path)
+    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
+    assert proc.returncode == 2
+    assert "pipeline stage 1's copy of the replicated parameter 'tied_modules.embed.weight' differs" in proc.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_commands_that_do_not_join_stages_refuse_by_name(tmp_path):
+    for args in (("reshard", FIXTURES / NAME, tmp_path / "r", "-w", "1"), ("convert", FIXTURES / NAME, tmp_path / "c", "--to", "dcp")):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and "pp 2 x dp 2" in proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_missing_layer_file_is_named(tmp_path):
+    ckpt = tmp_path / NAME
+    shutil.copytree(FIXTURES / NAME, ckpt)
+    (ckpt / "step3" / "layer_02-model_states.pt").unlink()
+    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
+    assert proc.returncode == 2 and "2.scale" in proc.stderr and "Traceback" not in proc.stderr
