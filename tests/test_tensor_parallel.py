@@ -277,3 +277,14 @@ def test_reshard_at_the_same_tp_degree_loads_in_stock_deepspeed(name, stage, tmp
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         before, after = dsckpt.load_state_dict(FIXTURES / name, state=state), dsckpt.load_state_dict(resave, state=state)
         assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state
+
+
+@pytest.mark.runtime
+@pytest.mark.parametrize("name", ["tp2_dp2_z3_fp32", "pp2_dp2_z1_fp32"])
+def test_two_processes_write_the_same_bytes(name, tmp_path):
+    """One code path: --nproc 2 joins TP slices / pipeline stages into the same file as one process."""
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    assert run_cli("consolidate", FIXTURES / name, one).returncode == 0
+    proc = run_cli("consolidate", FIXTURES / name, two, "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert one.read_bytes() == two.read_bytes()
