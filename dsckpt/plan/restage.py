@@ -213,7 +213,8 @@ def _stage12_model_file(ckpt: Checkpoint, world_size: int, stage: int) -> Output
     tree[L.MODULE] = type(module)((n, full.get(n, v)) for n, v in module.items())
     tree[L.DP_WORLD_SIZE] = world_size
     tree[L.FROZEN_PARAM_FRAGMENTS] = None  # stage 3's partitions; _with_frozen_records sets stage 2's
-    return OutputFile(rank_file_name("model", Coord(tp=ckpt.tp_rank), per_dp_rank=False), source.path, _with_frozen_records(ckpt, tree, stage))
+    return OutputFile(rank_file_name("model", Coord(tp=ckpt.tp_rank), per_dp_rank=False), source.path,
+                      _with_frozen_records(ckpt, tree, stage))
 
 
 def _stage12_optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, stage: int,
