@@ -351,7 +351,8 @@ def cases() -> list[Case]:
         Case("empty checkpoint folder", "layout", lambda tmp: (tmp / "empty").mkdir() or tmp / "empty",
              INSP_CONS(E, E), names="empty"),
         Case("path that does not exist", "layout", lambda tmp: tmp / "nowhere", INSP_CONS(E, E), names="nowhere"),
-        Case("pipeline-parallel layer files", "unsupported", pipeline_files, INSP_CONS(P, E), names="pipeline"),
+        Case("an empty pipeline layer file", "layout", pipeline_files, INSP_CONS(P, E),
+             names="layer_01-model_00-model_states.pt: not a torch zip"),
         Case("mixture-of-experts expert files", "unsupported", expert_files("layer_0_expert_3_mp_rank_00_model_states.pt"),
              INSP_CONS(P, E), names="expert files but no 'num_experts' list in the model states"),  # a stray one
         Case("mixture-of-experts files, older naming", "unsupported", expert_files("expert_0_mp_rank_00_model_states.pt"),
