@@ -77,12 +77,12 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
     entry (a note says so) instead of copied; such a class in the optimizer state is refused.  ``trust``:
     copied as recorded, with a note."""
     if trust:
-        trees = [f.tree for f in plan.files] + [tf.obj for tf in ckpt.model_files]
+        trees = [f.tree for f in plan.files] + [tf.obj for tf in ckpt.every_model_file]
         return plan, list(trusted_notes(trees, "DeepSpeed's load_checkpoint of OUT_DIR"))
     dropped: dict[str, set[str]] = {}
     files = [UniversalFile(f.name, allowed_tree(f.tree, ckpt.optim_files[0].path, True, dropped)) for f in plan.files]
     copies = []
-    model_files = {tf.path: tf for tf in ckpt.model_files}
+    model_files = {tf.path: tf for tf in ckpt.every_model_file}
     for source, name in plan.copies:
         tree = model_files[source].obj
         if foreign_classes(tree):
@@ -95,7 +95,7 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
 def _check_written(root: Path, plan: UniversalPlan) -> None:
     """What DeepSpeed's universal loader looks for, read back with dsckpt's reader."""
     written = open_checkpoint(root, plan.tag)
-    written.require_complete()
+    written.require_complete(tensor_parallel=True)
     if not written.universal or written.zero_stage != plan.stage:
         raise InconsistentCheckpointError(f"{root}: wrote a universal checkpoint that reads back as stage "
                                           f"{written.zero_stage} (universal: {written.universal}), meant {plan.stage}")

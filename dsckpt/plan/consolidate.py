@@ -93,7 +93,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         plan = _stages(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.pp_slices])
         strip_prefixes = prefixes(strip_prefixes)
         return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
-    if ckpt.tp_slices:
+    if ckpt.tp_slices and not ckpt.universal:  # (a universal checkpoint holds each parameter whole already)
         plan = _joined(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.tp_slices])
         plan = replace(plan, metadata={**plan.metadata, M.TENSOR_PARALLEL: str(ckpt.grid.tp)})
         strip_prefixes = prefixes(strip_prefixes)
@@ -211,7 +211,9 @@ def _plan_flat_groups(ckpt: Checkpoint, add, state: str) -> None:
 def _plan_universal(ckpt: Checkpoint, add, state: str) -> None:
     """ds_to_universal's folder: each trainable parameter whole in zero/<name>/<state>.pt (layout.py)."""
     folder = ckpt.layout.tag_dir / L.UNIVERSAL_DIR
+    full = {n: s.shape for n, s in ckpt.tp_splits.items()} if ckpt.tp_slices else {}
     for name, shape in ckpt.trainable.items():
+        shape = full.get(name, shape)
         if "/" in name or "\\" in name or name in (".", ".."):  # a recorded name must not lead out of zero/
             raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: parameter name {name!r} is not a folder name")
         path = folder / name / L.UNIVERSAL_STATE_FILES[state]

@@ -10,7 +10,9 @@ same checkpoint, file for file and tensor for tensor, read straight from the ran
 3. ``zero/optimizer_state.pt``: rank 0's optimizer state without its partitions (stage 3: all of it), plus
    ``param_groups``, the torch optimizer's groups (DeepSpeed's loader reads the loss scaler, the step and
    the hyper-parameters there);
-4. the model-states files, copied as they are; ``latest_universal`` names the tag.
+4. the model-states files (every TP rank's), copied as they are; ``latest_universal`` names the tag.
+A tensor-parallel run's parameters are the joined full tensors, with the keys ``ds_to_universal`` writes beside
+them (``zero.tensor_parallel.universal_fields``) instead of ``cat_dim: 0``.
 ZeRO-3's loader gives every param group the settings of the first (DeepSpeed 0.19.8,
 ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): a DeepSpeed defect, not a property of the files.
 """
@@ -24,6 +26,7 @@ from ..formats.pickle_writer import NewTensor
 from ..plan.segments import TensorSource, ref_segments
 from ..zero import layout as L
 from ..zero.reader import Checkpoint
+from ..zero.tensor_parallel import universal_fields
 from .training_state import TrainingState
 
 STAGE12_PARTITIONS = (L.BASE_OPTIMIZER_STATE, L.PARAM_SLICE_MAPPINGS, L.SINGLE_PARTITION_OF_FP32_GROUPS)
@@ -51,24 +54,36 @@ def build_universal_plan(ckpt: Checkpoint, state: TrainingState) -> UniversalPla
     files = []
     stage3 = ckpt.zero_stage == 3
     for p in state.params:
+        fields = universal_fields(ckpt.tp_info, p.name) if ckpt.tp_slices else {L.UNIVERSAL_CAT_DIM_KEY: 0}
         for key, t in (("fp32", p.master), *p.moments.items()):
             if stage3:
                 tree = NewTensor(t.dtype, (t.numel,), t)
             else:
-                tree = {L.UNIVERSAL_CAT_DIM_KEY: 0, L.UNIVERSAL_PARAM_KEY: NewTensor(t.dtype, t.shape, t)}
+                tree = {**fields, L.UNIVERSAL_PARAM_KEY: NewTensor(t.dtype, t.shape, t)}
             files.append(UniversalFile(_param_file(p.name, key), tree))
         if not stage3 and p.step is not None:
             files.append(UniversalFile(f"{L.UNIVERSAL_DIR}/{p.name}/{L.UNIVERSAL_STEP_FILE}", p.step))
     if not stage3:
-        trainable = {p.name for p in state.params}
-        for name, ref in ckpt.module.items():
-            if name not in trainable and hasattr(ref, "shape"):
-                source = TensorSource(ref.dtype, "F32", ref_segments(ref))
-                files.append(UniversalFile(_param_file(name, "fp32"),
-                                           {L.UNIVERSAL_PARAM_KEY: NewTensor("F32", tuple(ref.shape), source)}))
+        files += _untrained(ckpt, state)
     files.append(UniversalFile(f"{L.UNIVERSAL_DIR}/{L.UNIVERSAL_OPTIMIZER_FILE}", _optimizer_state(ckpt)))
-    copies = tuple((f.path, f.path.name) for f in ckpt.model_files)
+    copies = tuple((f.path, f.path.name) for f in ckpt.every_model_file)
     return UniversalPlan(ckpt.layout.tag_dir.name, ckpt.zero_stage, tuple(files), copies)
+
+
+def _untrained(ckpt: Checkpoint, state: TrainingState) -> list[UniversalFile]:
+    """Every other ``module`` entry (frozen parameters, buffers, tied names) as float32, in module order; a
+    tensor-parallel run's whole, from the joined plan."""
+    trainable = {p.name for p in state.params}
+    planned = {t.name: t for t in state.model.tensors}
+    out = []
+    for name, ref in ckpt.module.items():
+        if name in trainable or not hasattr(ref, "shape"):
+            continue
+        t = planned.get(state.model.aliases.get(name, name)) if ckpt.tp_slices else None
+        source = TensorSource(t.src_dtype, "F32", tuple(t.pieces)) if t else TensorSource(ref.dtype, "F32", ref_segments(ref))
+        shape = t.shape if t else tuple(ref.shape)
+        out.append(UniversalFile(_param_file(name, "fp32"), {L.UNIVERSAL_PARAM_KEY: NewTensor("F32", shape, source)}))
+    return out
 
 
 def _optimizer_state(ckpt: Checkpoint) -> dict:

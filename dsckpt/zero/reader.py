@@ -98,6 +98,11 @@ class Checkpoint:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
     @property
+    def every_model_file(self) -> list[TorchFile]:
+        """The model-states files of every TP rank (``model_files``: TP rank 0's, which head the checkpoint)."""
+        return [f for s in self.tp_slices for f in s.model_files] if self.tp_slices else self.model_files
+
+    @property
     def tp_rank(self) -> int:
         """The TP rank whose files these are (``mp_rank_XX``; 0 without tensor parallelism)."""
         return self.layout.model_files[0].mp_rank if self.layout.model_files else 0

@@ -32,6 +32,7 @@ ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 SUB_PARAMS = "parameter_with_sub_params"  # [{"patterns": [...], "shape": [...], "partition_dim": d}]
 TWO_SUB_PARAMS_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"  # Megatron's fused gate/up (GLU)
 SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
+TO_AVERAGE = "parameter_to_average_patterns"  # Megatron: kept per TP rank, averaged on merge (not a byte join)
 UNSUPPORTED = "autotp_unsupported_parameter_patterns"  # pattern -> reason: AutoTP could not describe the split
 PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"  # {"tp_degree": T, "pp_degree": P}
 
@@ -233,10 +234,31 @@ def _split_dim(shape: tuple[int, ...], count: int) -> int:
     return dim
 
 
+def universal_fields(info: dict, name: str) -> dict[str, Any]:
+    """The keys ``ds_to_universal`` writes beside a TP parameter's merged ``param`` (0.19.8): none for one an affine
+    map or the replicated patterns describe, else ``cat_dim`` (+ ``param_n_sub_params`` for fused GLU weights);
+    ``vocab_tensor`` for a vocabulary parameter either way."""
+    fields: dict[str, Any] = {}
+    if _matching(_affine_maps(info, name), name) is None and _matching(info.get(REPLICATED) or [], name) is None:
+        if _matching(info.get(TWO_SUB_PARAMS_DIM_0) or [], name) is not None:
+            fields = {"cat_dim": 0, "param_n_sub_params": 2}
+        elif _matching({str(p): g for g in info.get(SUB_PARAMS) or [] for p in g.get("patterns", [])}, name) is not None:
+            raise UnsupportedCheckpointError(f"{name!r}: a sub-parameter split without an affine map; DeepSpeed's "
+                                             "universal format records it with a pickled SubparamShape, not written")
+        else:
+            fields = {"cat_dim": 1 if _matching(info.get(ROW_PARALLEL) or [], name) is not None else 0}
+    if _matching(info.get(VOCABULARY) or [], name) is not None:
+        fields["vocab_tensor"] = True
+    return fields
+
+
 # --- 2. the pattern categories ------------------------------------------------------------------------------
 
 def _from_categories(name: str, info: dict, shapes: list[tuple[int, ...]], where: str) -> Split:
     tp, sizes = len(shapes), [math.prod(s) for s in shapes]
+    if _matching(info.get(TO_AVERAGE) or [], name) is not None:
+        raise UnsupportedCheckpointError(f"{where}: parameter {name!r} is in '{TO_AVERAGE}': its TP copies are "
+                                         "averaged into one, which is arithmetic, not a join; not supported")
     if _matching(info.get(REPLICATED) or [], name) is not None:
         if len(set(shapes)) != 1:
             raise InconsistentCheckpointError(f"{where}: replicated {name!r} has shapes {[list(s) for s in shapes]} "
