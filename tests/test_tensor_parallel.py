@@ -321,3 +321,23 @@ def test_universal_export_is_what_ds_to_universal_writes(ds_universal, tmp_path)
         elif isinstance(b, torch.Tensor):
             assert torch.equal(a, b), rel
     assert json.loads(run_cli("inspect", out, "--json").stdout)["grid"]["tp"] == 2
+
+
+@pytest.mark.runtime
+def test_dcp_export_loads_in_fsdp2(tmp_path):
+    """convert --to dcp of a tp 2 x dp 2 run: an FSDP2 job at 2 ranks (no TP) loads the full masters, both moments
+    and the step through get_state_dict / dcp.load / set_state_dict, equal to the checkpoint's."""
+    import dsckpt
+    from conftest import run_job
+
+    name = "tp2_dp2_z3_fp32"
+    out, got = tmp_path / "dcp", tmp_path / "fsdp2.pt"
+    proc = run_cli("convert", FIXTURES / name, out, "--to", "dcp")
+    assert proc.returncode == 0, proc.stderr
+    run_job("fsdp2_tp_load.py", 2, name, out, got)
+    loaded = torch.load(got, weights_only=True)
+    assert loaded["steps"] == [3.0]
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        want = dsckpt.load_state_dict(FIXTURES / name, state=state)
+        assert set(loaded[state]) == set(want)
+        assert all(torch.equal(loaded[state][k], v) for k, v in want.items()), state

@@ -79,9 +79,27 @@ def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict
             entry = {"step": lazy(step) if isinstance(step, TensorPlan) else torch.tensor(step, dtype=torch.float32)} \
                 if step is not None else {}
             optim_state[p.name] = {**entry, **{k: lazy(t) for k, t in p.moments.items()}}
-        groups = [{**g.settings, "params": list(g.params)} for g in state.groups]
+        groups = [{**_torch_settings(g.settings), "params": list(g.params)} for g in state.groups]
         root[OPTIM_KEY] = {"state": optim_state, "param_groups": groups}
     return root
+
+
+def _torch_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A param group of DeepSpeed's own Adam (FusedAdam / DeepSpeedCPUAdam: ``bias_correction``, no ``amsgrad``)
+    with torch AdamW's other defaults added: DCP's loader wants every key the loading optimizer's groups have, and
+    DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is off (refused: no torch optimizer does that)."""
+    if "bias_correction" not in settings or "amsgrad" in settings:
+        return dict(settings)
+    import torch
+
+    if settings.get("adam_w_mode") is False:
+        from ..errors import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError("DeepSpeed Adam with adam_w_mode off (L2 weight decay) has no torch "
+                                         "optimizer counterpart", hint="--weights-only converts the weights")
+    defaults = dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
+    defaults.pop("params")
+    return {**defaults, **settings}
 
 
 def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] | None = None,
