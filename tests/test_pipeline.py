@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -50,7 +51,7 @@ def test_a_tied_copy_that_drifted_is_refused(tmp_path):
 
 
 def test_commands_that_do_not_join_stages_refuse_by_name(tmp_path):
-    for args in (("reshard", FIXTURES / NAME, tmp_path / "r", "-w", "1"), ("convert", FIXTURES / NAME, tmp_path / "c", "--to", "dcp")):
+    for args in (("convert", FIXTURES / NAME, tmp_path / "c", "--to", "dcp"),):
         proc = run_cli(*args)
         assert proc.returncode == 2 and "pp 2 x dp 2" in proc.stderr and "Traceback" not in proc.stderr
         assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
@@ -62,3 +63,23 @@ def test_a_missing_layer_file_is_named(tmp_path):
     (ckpt / "step3" / "layer_02-model_states.pt").unlink()
     proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
     assert proc.returncode == 2 and "2.scale" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.runtime
+def test_reshard_at_the_same_pipeline_degree_loads_in_stock_deepspeed(tmp_path):
+    """reshard -w 1 moves each stage's files on its own and copies the layer files; DeepSpeed's load_checkpoint
+    in a PipelineModule engine at pp 2 x dp 1 restores every master and buffer, and its re-save holds the original
+    masters and Adam moments."""
+    import dsckpt
+    from conftest import run_job
+
+    out, resave = tmp_path / "ws1", tmp_path / "resaved"
+    proc = run_cli("reshard", FIXTURES / NAME, out, "--world-size", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (out / "step3").glob("layer_*")) == [f"layer_0{i}-model_states.pt" for i in range(4)]
+    run_job("pp_load.py", 2, NAME, out, resave)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        before, after = dsckpt.load_state_dict(FIXTURES / NAME, state=state), dsckpt.load_state_dict(resave, state=state)
+        assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state
+    refused = run_cli("reshard", FIXTURES / NAME, tmp_path / "z2", "-w", "1", "--stage", "2")
+    assert refused.returncode == 2 and "ZeRO 0 and 1 only" in refused.stderr

@@ -242,7 +242,7 @@ def _serialized(progress: Callable[[int], None] | None) -> Callable[[int], None]
 def check_written(root: Path, plan: ReshardPlan) -> None:
     """What DeepSpeed will look for: one complete tag at world size M (read back with dsckpt's reader)."""
     written = open_checkpoint(root)
-    written.require_complete(tensor_parallel=True)
+    written.require_complete(tensor_parallel=True, pipeline=True)
     if written.world_size != plan.world_size or written.zero_stage != plan.stage:
         raise InconsistentCheckpointError(f"{root}: wrote stage {written.zero_stage} at world size "
                                           f"{written.world_size}, meant stage {plan.stage} at {plan.world_size}")

@@ -10,8 +10,8 @@ Steps:
 3. per target rank r and group: the segments of the fp32 partition and of every per-element optimizer
    state (Adam's ``exp_avg`` / ``exp_avg_sq``, any optimizer's like them), zero padding included;
    stage 3 frozen parameters' fragments the same way;
-4. per target file (named for its TP rank: a tensor-parallel checkpoint is planned one TP rank's files at a
-   time): the tree of source rank ``min(r, N - 1)`` (its client state, loss scaler, step
+4. per target file (named for its TP rank or pipeline stage: such a checkpoint is planned one rank's or
+   stage's files at a time, a pipeline's layer files copied as they are): the tree of source rank ``min(r, N - 1)`` (its client state, loss scaler, step
    counts, hyper-parameters, config) with the partitions, ``partition_count``, ``group_paddings``,
    ``param_slice_mappings`` and ``dp_world_size`` rewritten for M.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
 from ..formats.pickle_writer import NewTensor
 from ..formats.torchzip import TorchFile
@@ -44,11 +45,16 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
     """The one reshard plan: ``ckpt`` at data-parallel ``world_size`` (see the module docstring), at ZeRO ``stage``
     (default its own; another one: ``plan.restage``) and, for a mixture-of-experts run, expert-parallel size
     ``ep_size`` (``plan.experts``; default its own, same stage only)."""
-    ckpt.require_complete(tensor_parallel=True)
-    if ckpt.tp_slices:  # each TP rank's files moved on their own; the split itself is unchanged
-        plans = [build_reshard_plan(s, world_size, stage, ep_size) for s in ckpt.tp_slices]
+    ckpt.require_complete(tensor_parallel=True, pipeline=True)
+    if ckpt.pp_slices and stage not in (None, 0, 1):
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a pipeline run at ZeRO-{stage}: DeepSpeed's "
+                                         "pipeline engine runs ZeRO 0 and 1 only")
+    slices = ckpt.tp_slices or ckpt.pp_slices
+    if slices:  # each TP rank's (stage's) files moved on their own; the split is the same at any DP size
+        plans = [build_reshard_plan(s, world_size, stage, ep_size) for s in slices]
+        layers = [OutputFile(path.name, path, copy_tree(TorchFile(path).obj)) for path in ckpt.layout.pipeline_files]
         return replace(plans[0], groups=tuple(g for p in plans for g in p.groups),
-                       files=tuple(f for p in plans for f in p.files))
+                       files=tuple(f for p in plans for f in p.files) + tuple(layers))
     if stage is None or stage == ckpt.zero_stage:
         return _same_stage(ckpt, world_size, ep_size)
     same = _same_stage(ckpt, world_size, None) if ckpt.zero_stage in (1, 2) and stage in (1, 2) else None
