@@ -146,7 +146,7 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
         from ..zero.reader import open_checkpoint
 
         ckpt = open_checkpoint(checkpoint, tag=tag)
-        ckpt.require_complete()
+        ckpt.require_complete(tensor_parallel=True)
         if not kwargs.get("skip_crc_check"):  # DeepSpeed's loader reads every storage without checking them
             from ..io.integrity import check_files
 
@@ -156,9 +156,10 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
             from .safe_load import check_checkpoint_classes
 
             check_checkpoint_classes(ckpt)
-        if ckpt.world_size != world_size and not reshard:
+        if ckpt.world_size * ckpt.grid.tp != world_size and not reshard:
+            tp = f" x tensor parallel {ckpt.grid.tp} ({ckpt.world_size * ckpt.grid.tp} ranks)" if ckpt.grid.tp > 1 else ""
             raise WorldSizeMismatchError(
-                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
+                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}{tp}, but this run has "
                 f"world size {world_size}; DeepSpeed cannot reshard it",
                 hint=f"add --reshard, or run `dsckpt consolidate {shlex.quote(str(checkpoint))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")

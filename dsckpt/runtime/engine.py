@@ -83,6 +83,16 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def data_parallel(engine: Any) -> tuple[int, int]:
+    """(rank, ranks) over the replicas that see different batches: an AutoTP model's TP ranks share one."""
+    autotp = getattr(engine, "autotp_size", None)
+    if callable(autotp) and autotp() > 1:
+        from deepspeed.utils import groups
+
+        return groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
+    return rank(), world_size()
+
+
 def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     from ..dtypes import PRECISION_DTYPE, torch_dtype
 
@@ -171,7 +181,9 @@ class Runtime:
         self._warned_sharded = False
 
     def build_model(self, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-        if self.stage != 3:
+        # AutoTP: under zero.Init, DeepSpeed 0.19.8 partitions the parameters it leaves whole over every rank, TP
+        # ranks included, and records their shape as [0] (docs/format.md); built whole, they are ZeRO's as usual
+        if self.stage != 3 or (self.config.get("tensor_parallel") or {}).get("autotp_size", 1) > 1:
             return factory()
         import deepspeed
 
@@ -248,10 +260,10 @@ class Runtime:
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)
         safe_load.install(self.engine, trust)
-        if ckpt.world_size != world_size():
+        if ckpt.world_size * ckpt.grid.tp != world_size():
             raise WorldSizeMismatchError(
-                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, but this run has "
-                f"world size {world_size()}; DeepSpeed cannot reshard it",
+                f"{ckpt.layout.tag_dir}: saved at {ckpt.grid.describe()} ({ckpt.world_size * ckpt.grid.tp} ranks), "
+                f"but this run has world size {world_size()}; DeepSpeed cannot reshard it",
                 hint=f"run `dsckpt consolidate {shlex.quote(str(load_dir))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")
         path, client = self.engine.load_checkpoint(

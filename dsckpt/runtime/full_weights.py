@@ -10,6 +10,8 @@ Protocol (every rank runs it; only rank 0 opens the file):
 3. the optimizer's fp32 masters are set from the file: ``refresh_fp32_params()`` for fp32 models;
    for 16-bit models each parameter's fp32 value is broadcast and each rank sets its own slice of
    its partition (``set_full_fp32``) so masters keep full precision.
+AutoTP (``runtime.tensor_parallel``): the file's shapes are the full ones; rank 0 broadcasts each full value and
+every rank copies in and keeps as master its own TP slice.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..api.keys import KeyReport, compare, full_shape, state_slots, tie_groups
 from ..api.weights import WeightsFile
 from . import engine as eng
 from .moe import ep_rank_of, ep_size_of, global_name, local_experts
+from .tensor_parallel import tp_model
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -63,11 +66,14 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
 
     release_memory_promptly()
     module = engine.module
+    tp = tp_model(engine)  # AutoTP: each rank holds its slice of a parameter; the file holds it whole
     slots = state_slots(module)
     experts = {name: getattr(m, a) for name, (m, a, _) in slots.items() if ep_size_of(getattr(m, a)) > 1}
     per_rank = local_experts(module) if experts else {}
     slots = {name: slot for name, slot in slots.items() if name not in experts}  # (loaded by _load_experts)
     expected = {name: full_shape(getattr(m, a)) for name, (m, a, _) in slots.items()}
+    if tp:
+        expected = {name: tp.full_shape(name, shape) for name, shape in expected.items()}
     expected.update({global_name(name, e, per_rank): tuple(p.shape)  # every ep rank's experts, by global id
                      for name, p in experts.items() for e in range(ep_size_of(p))})
     src = WeightsFile(path, strip_prefixes) if eng.rank() == 0 else None
@@ -96,19 +102,24 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
         for i, (params, buffers) in enumerate(steps):
             values = ahead.result() if ahead else {}
             ahead = pool.submit(read, i + 1) if src and i + 1 < len(steps) else None
+            if tp:
+                values = _tp_slices(tp, params, values, masters.device)
             gathered = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0) if params \
                 else contextlib.nullcontext()
             with gathered, torch.no_grad():
                 for name, p in params:
-                    if eng.rank() == 0:
+                    if eng.rank() == 0 or tp:
                         # to the device first, then cast there (a CPU-side fp32 -> bf16 cast of every tensor
                         # cost more than the copy on an H200); the master below reuses the device copy
                         values[name] = values[name].to(p.device, non_blocking=True)
                         p.data.copy_(values[name].to(p.dtype).view(p.shape))
-                    if not hasattr(p, "ds_id") and eng.world_size() > 1:
+                    if not tp and not hasattr(p, "ds_id") and eng.world_size() > 1:
                         dist.broadcast(p.data, 0)  # stages 0-2: replicate rank 0's values
             for name, p in params:
-                masters.set(name, p, values.get(name))
+                if tp:
+                    masters.set_local(p, values[name].to(masters.device, torch.float32))
+                else:
+                    masters.set(name, p, values.get(name))
             for name, b in buffers:
                 if eng.rank() == 0:
                     b.data.copy_(values[name].to(b.dtype).view(b.shape))
@@ -120,6 +131,19 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     loaded += _load_experts(experts, per_rank, src, masters)
     masters.finish()
     return {"loaded": loaded, "expected": len(expected)}
+
+
+def _tp_slices(tp, params: list, values: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """AutoTP: rank 0 broadcasts each full value (fp32: exact for every dtype a file holds), every rank keeps its
+    own TP slice, shaped as its parameter."""
+    out = {}
+    for name, p in params:
+        shape = tp.full_shape(name, tuple(getattr(p, "ds_shape", p.shape)))
+        full = values[name].to(device, torch.float32).reshape(shape) if eng.rank() == 0 else \
+            torch.empty(shape, dtype=torch.float32, device=device)
+        dist.broadcast(full, 0)
+        out[name] = tp.local(name, full).reshape(tuple(getattr(p, "ds_shape", p.shape)))
+    return out
 
 
 def _load_experts(experts: dict[str, torch.nn.Parameter], per_rank: dict[str, int], src, masters) -> int:

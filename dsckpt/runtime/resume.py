@@ -23,6 +23,7 @@ from ..errors import VerificationError
 from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state, read_client_state
+from .tensor_parallel import tp_model
 from .full_weights import broadcast_object, get_fp32_master, load_full_weights
 from .moe import ep_rank_of, ep_size_of, global_name, is_moe_model, local_experts
 from .train import Trainer, states_equal
@@ -51,7 +52,7 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     from ..zero.reader import open_checkpoint
 
     ckpt = open_checkpoint(ckpt_dir, tag=tag)  # read once: metadata for every step below
-    if ckpt.world_size != eng.world_size() or (reshard and ckpt.zero_stage != trainer.runtime.stage):
+    if ckpt.world_size != trainer.data_ranks or (reshard and ckpt.zero_stage != trainer.runtime.stage):
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
             trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
         return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client, trust)
@@ -93,7 +94,7 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     try:
         if eng.rank() == 0:
             if keep_optimizer:
-                reshard(ckpt_dir, tmp / "ckpt", eng.world_size(), tag=tag, stage=trainer.runtime.stage, fsync=False,
+                reshard(ckpt_dir, tmp / "ckpt", trainer.data_ranks, tag=tag, stage=trainer.runtime.stage, fsync=False,
                         trust=trust)
             else:
                 consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False, trust=trust)
@@ -102,7 +103,8 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
         if keep_optimizer:
             moved = f"ZeRO-{ckpt.zero_stage}" + (f" -> ZeRO-{trainer.runtime.stage}"
                                                  if trainer.runtime.stage != ckpt.zero_stage else "")
-            console.note(f"resharded {moved} from {ckpt.world_size} to {eng.world_size()} ranks: weights, optimizer "
+            console.note(f"resharded {moved} from {ckpt.world_size} to {trainer.data_ranks} ranks"
+                         f"{f' (data parallel, x tp {ckpt.grid.tp})' if ckpt.grid.tp > 1 else ''}: weights, optimizer "
                          "state and client state carried over")
             resharded = str(tmp / "ckpt")
             return _load_sharded(trainer, resharded, None, open_checkpoint(resharded), skip_client, trust,
@@ -130,6 +132,7 @@ def check_against_file(trainer: Trainer, weights: str, restored: Position | None
     import deepspeed
     src = WeightsFile(weights, strip_prefixes)  # every rank reads, lazily: this is a check, not a load
     module = trainer.engine.module
+    tp = tp_model(trainer.engine)
     per_rank = local_experts(module) if is_moe_model(module) else {}
     in_file = lambda name, p: global_name(name, ep_rank_of(p), per_rank) if ep_size_of(p) > 1 else name  # noqa: E731
     checked, masters, max_diff, master_diff = 0, 0, 0.0, 0.0
@@ -137,6 +140,9 @@ def check_against_file(trainer: Trainer, weights: str, restored: Position | None
         prefix = f"{mod_name}." if mod_name else ""
         params = [(prefix + n, p) for n, p in mod.named_parameters(recurse=False) if in_file(prefix + n, p) in src.source]
         wanted = {name: src.get(in_file(name, p)) for name, p in params}  # each tensor read once
+        if tp:  # AutoTP: this rank's slice of each
+            wanted = {name: tp.local(name, wanted[name]).reshape(tuple(getattr(p, "ds_shape", p.shape)))
+                      for name, p in params}
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
             for name, p in params:
                 max_diff = max(max_diff, _max_diff(p, wanted[name].to(p.dtype)))

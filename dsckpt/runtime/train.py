@@ -61,6 +61,7 @@ class Trainer:
         factory = load_factory(opts.model, opts.freeze)
         self.engine = self.runtime.setup(factory, lambda params: torch.optim.AdamW(params, lr=opts.lr))
         module = self.engine.module
+        self.data_rank, self.data_ranks = eng.data_parallel(self.engine)
         self.vocab_size = getattr(module, "vocab_size", 256)
         self.seq_len = getattr(module, "seq_len", 32)
 
@@ -86,7 +87,7 @@ class Trainer:
         return pos
 
     def step(self) -> float:
-        tokens = synthetic_batch(self.data_position * eng.world_size() + eng.rank(), seed=self.opts.seed,
+        tokens = synthetic_batch(self.data_position * self.data_ranks + self.data_rank, seed=self.opts.seed,
                                  batch_size=self.opts.batch_size, seq_len=self.seq_len, vocab_size=self.vocab_size)
         loss = self.engine(tokens.to(self.engine.device))
         self.engine.backward(loss)

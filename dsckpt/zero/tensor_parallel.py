@@ -111,11 +111,17 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
             missing = next(r for r, s in enumerate(shapes) if s is None)
             raise InconsistentCheckpointError(f"{where}: parameter {name!r} is on TP rank 0 but not on TP rank {missing}")
         entry = _matching(maps, name)
-        if entry is not None:
+        if entry is not None and not _placeholder_map(entry, shapes):
             out[name] = _from_affine(name, entry, shapes, tp, where)
         else:
             out[name] = _from_categories(name, info, shapes, where)
     return out
+
+
+def _placeholder_map(entry: dict, shapes: list[tuple[int, ...]]) -> bool:
+    """A map of an empty tensor for a parameter that is not empty: DeepSpeed 0.19.8 describes the parameters AutoTP
+    leaves whole from their shapes after ``zero.Init`` partitioned them (``[0]``); the categories still hold."""
+    return not math.prod(int(d) for d in entry.get("logical_shape", [])) and any(math.prod(s) for s in shapes)
 
 
 def _affine_maps(info: dict, where: str) -> dict[str, Any]:
