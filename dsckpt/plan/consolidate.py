@@ -94,7 +94,7 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         strip_prefixes = prefixes(strip_prefixes)
         return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
     if ckpt.tp_slices and not ckpt.universal:  # (a universal checkpoint holds each parameter whole already)
-        plan = _joined(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.tp_slices])
+        plan = _joined(ckpt, [_slice_plan(s, ckpt.grid.tp, dtype, exclude_frozen, state) for s in ckpt.tp_slices])
         plan = replace(plan, metadata={**plan.metadata, M.TENSOR_PARALLEL: str(ckpt.grid.tp)})
         strip_prefixes = prefixes(strip_prefixes)
         return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
@@ -127,6 +127,18 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
     strip_prefixes = prefixes(strip_prefixes)
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
+
+
+def _slice_plan(ckpt: Checkpoint, tp: int, dtype: str | None, exclude_frozen: bool, state: str) -> Plan:
+    try:
+        return build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, state=state)
+    except InconsistentCheckpointError as exc:
+        if ckpt.zero_stage != 3:
+            raise
+        raise UnsupportedCheckpointError(str(exc), hint=(
+            f"an AutoTP model built under zero.Init: DeepSpeed 0.19.8 then partitions the parameters it leaves whole "
+            f"over all {ckpt.world_size * tp} ranks, TP ranks included; dsckpt does not join that layout yet "
+            "(docs/format.md)")) from exc
 
 
 def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
