@@ -59,7 +59,7 @@ def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
                                          "model states as DeepSpeed's own record; --optimizer reads ZeRO-1/2/3 partitions",
                                          hint="drop --optimizer")
     if optimizer:
-        for state in ("exp_avg", "exp_avg_sq"):
+        for state in ckpt.optimizer_state_keys():
             out += [Source(f"{state}/{s.name}", state, s.dtype, s.shape, s.pieces)
                     for s in _plan_sources(build_plan(ckpt, state=state), prefix="") if s.kind == "param"]
     return out

@@ -86,7 +86,11 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
 
 
 def _planned_sources(ckpt: Checkpoint, report: TagReport) -> list[Source]:
-    states = ("fp32",) + (("exp_avg", "exp_avg_sq") if ckpt.zero_stage and not ckpt.universal else ())
+    try:
+        states = ("fp32",) + (ckpt.optimizer_state_keys() if not ckpt.universal else ())
+    except DsckptError as exc:
+        report.add("structure", f"optimizer state: {exc}")
+        states = ("fp32",)
     out = []
     for state in states:
         try:

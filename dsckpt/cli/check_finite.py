@@ -14,7 +14,7 @@ EXIT_NON_FINITE = 3
 @cli.command("check-finite")
 @click.argument("path", type=click.Path())
 @click.option("--tag", default=None, help="Tag of a checkpoint (default: what `latest` names).")
-@click.option("--optimizer", is_flag=True, help="Check Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
+@click.option("--optimizer", is_flag=True, help="Check the optimizer's state too (Adam's exp_avg / exp_avg_sq, SGD's momentum; ZeRO 1-3).")
 @click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document: {finite, tensors, offending}.")
 def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool) -> None:

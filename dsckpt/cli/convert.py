@@ -36,11 +36,12 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
     """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint.
 
     \b
-    --to dcp: the layout get_state_dict(model, optimizer) gives for the same model and
-      torch.optim.AdamW - {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg",
-      "exp_avg_sq"}}, "param_groups": [...]}}; an FSDP2 job at any world size loads it with
-      dcp.load({"model": msd, "optim": osd}, checkpoint_id=OUT_DIR) + set_state_dict.  fp32 masters,
-      frozen parameters, buffers, tied names, each group's settings.  Needs torch.
+    --to dcp: the layout get_state_dict(model, optimizer) gives for the same model and its torch
+      optimizer - {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}
+      (SGD: "momentum_buffer", Adagrad: "sum"...), "param_groups": [...]}}; an FSDP2 job at any world
+      size loads it with dcp.load({"model": msd, "optim": osd}, checkpoint_id=OUT_DIR) + set_state_dict.
+      fp32 masters, frozen parameters, buffers, tied names, each group's settings; AutoTP runs joined.
+      Needs torch.
     --to universal: what DeepSpeed's ds_to_universal writes, tensor for tensor (OUT_DIR/latest_universal
       + OUT_DIR/<tag>/zero/...); engine.load_checkpoint(OUT_DIR) with {"checkpoint": {"load_universal":
       true}} loads it at any world size.  Needs neither torch nor DeepSpeed.

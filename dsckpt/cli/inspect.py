@@ -15,7 +15,7 @@ from .options import SKIP_CRC_HELP, crc_skipped_note
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema: docs/cli.md).")
 @click.option("--tensors", is_flag=True, help="List every tensor and the rank files that hold it.")
 @click.option("--stats", is_flag=True, help="Read the values: per tensor min, max, mean, std, L2 norm, NaN/Inf, zeros.")
-@click.option("--optimizer", is_flag=True, help="With --stats: Adam's exp_avg / exp_avg_sq too (ZeRO 1-3).")
+@click.option("--optimizer", is_flag=True, help="With --stats: the optimizer's state too (Adam's exp_avg / exp_avg_sq, SGD's momentum; ZeRO 1-3).")
 @click.option("--top", type=click.IntRange(min=1), default=None, help="With --stats: tensors listed by norm [default: 20].")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="With --stats: a PNG of the norm per tensor, by layer (needs dsckpt[plot]).")

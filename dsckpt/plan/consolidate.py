@@ -76,19 +76,19 @@ class Plan:
 
 
 
-OPTIMIZER_STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what a plan can gather for the trainable parameters
 
 
 def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bool = False,
                strip_prefixes: tuple[str, ...] = (), state: str = "fp32") -> Plan:
     """The full plan: buffers, frozen and trainable parameters, tied aliases, metadata.
 
-    ``state="exp_avg"`` / ``"exp_avg_sq"`` gathers Adam's moments instead of the fp32 masters
-    (trainable parameters only: frozen parameters and buffers have none).
+    ``state="exp_avg"`` / ``"exp_avg_sq"`` gathers Adam's moments instead of the fp32 masters (any per-element
+    optimizer state by its key: ``momentum_buffer``, ``sum``...; trainable parameters only: frozen parameters and
+    buffers have none).
     """
     ckpt.require_complete(tensor_parallel=True, pipeline=True)
-    if state not in OPTIMIZER_STATES:
-        raise ValueError(f"state must be one of {OPTIMIZER_STATES}, got {state!r}")
+    if not isinstance(state, str) or not state:
+        raise ValueError(f"state must be 'fp32' or an optimizer state key such as 'exp_avg', got {state!r}")
     if ckpt.pp_slices:
         plan = _stages(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.pp_slices])
         strip_prefixes = prefixes(strip_prefixes)
@@ -187,7 +187,7 @@ def _stored(t: TensorPlan) -> TensorSource:
 
 
 def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list[FlatSpace]:
-    """Per rank, the flat partition(s) of ``state`` ("fp32", "exp_avg", "exp_avg_sq"): one group, or all."""
+    """Per rank, the flat partition(s) of ``state`` ("fp32", or a per-element state key): one group, or all."""
     spaces = []
     for rank in ckpt.optimizer_states:
         groups = rank.groups if group is None else rank.groups[group:group + 1]
@@ -202,12 +202,30 @@ def _pieces(layout: GroupLayout, index: int, spaces: list[FlatSpace], where: str
     return [p for span in layout.params[index] for p in spaces[span.rank].pieces(span.rank_start, span.count, where)]
 
 
-def _plan_flat_groups(ckpt: Checkpoint, add, state: str) -> None:
+def group_plans(ckpt: Checkpoint, state: str) -> list[TensorPlan]:
+    """Optimizer state ``state`` of the parameters whose flat groups hold it - an optimizer that keeps different
+    state per group (DeepSpeed's Muon: momentum for its matrices, Adam's moments for the rest)."""
+    if ckpt.tp_slices:
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a tensor-parallel run whose optimizer keeps "
+                                         f"{state!r} in some param groups only; not joined yet")
+    tensors: list[TensorPlan] = []
+
+    def add(name, shape, src_dtype, kind, pieces, default_dtype):
+        tensors.append(TensorPlan(name, tuple(shape), src_dtype, default_dtype, kind, tuple(pieces)))
+
+    with structure_errors(ckpt):
+        _plan_flat_groups(ckpt, add, state, holding_only=True)
+    return tensors
+
+
+def _plan_flat_groups(ckpt: Checkpoint, add, state: str, holding_only: bool = False) -> None:
     """Per flat group (``plan.groups``), each parameter's elements from the ranks' partitions that hold them:
     ZeRO-1/2 one padded flat buffer per param group split in equal slices, ZeRO-3 each parameter split on
     its own within each sub-group (``zero.partitioning``)."""
     for group in group_layouts(ckpt):
         g, layout = group.index, group.layout
+        if holding_only and any(state not in ckpt.optimizer_states[r].groups[g].moments for r in group.ranks):
+            continue
         every_rank = _rank_spaces(ckpt, state, g)
         spaces = [every_rank[r] for r in group.ranks]
         for pos, (rank, space) in enumerate(zip(group.ranks, spaces)):

@@ -5,12 +5,13 @@ from this plan; neither asks how ZeRO partitioned anything.
 ``build_training_state(ckpt)`` is pure (no tensor bytes read):
 1. the model: the consolidation plan (fp32 masters, frozen parameters, buffers, tied aliases;
    ``plan.consolidate``), frozen parameters and buffers in their stored dtypes;
-2. per trainable parameter, the ``exp_avg`` and ``exp_avg_sq`` plans, in the same parameter order;
+2. per trainable parameter, the plans of its per-element optimizer state (Adam's ``exp_avg`` and ``exp_avg_sq``,
+   SGD's ``momentum_buffer``, Adagrad's ``sum``...: what its flat group holds), in the same parameter order;
 3. per parameter, its flat group (``plan.groups``) and through it the group's Adam step and the torch
    param group that owns it (ZeRO-3 sub-groups of one param group share its settings);
 4. per torch param group, its settings and the names of its parameters in flat order.
 What cannot map to one full tensor per name is refused by name: ZeRO-0 (no partitioned optimizer state),
-mixture-of-experts runs, universal checkpoints (already converted), an optimizer without Adam's moments.
+mixture-of-experts runs, universal checkpoints (already converted), pipeline runs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError
-from ..zero.optim_state import ADAM_MOMENTS
 from ..zero.reader import Checkpoint
 from .consolidate import Plan, TensorPlan, build_plan
 from .groups import group_layouts, structure_errors
@@ -28,7 +28,7 @@ from .groups import group_layouts, structure_errors
 class ParamState:
     name: str
     master: TensorPlan  # the fp32 master, full shape
-    moments: dict[str, TensorPlan]  # "exp_avg", "exp_avg_sq"
+    moments: dict[str, TensorPlan]  # per-element state by key: "exp_avg", "exp_avg_sq"; "momentum_buffer"...
     step: Any  # the flat group's Adam step: a 0-d TensorRef, a number, or None when the optimizer kept none
     group: int  # index into TrainingState.groups
 
@@ -60,20 +60,24 @@ def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
                                          "to convert", hint="--weights-only converts the weights")
 
 
+def _held(ckpt: Checkpoint, key: str) -> list[TensorPlan]:
+    """The plans of optimizer state ``key`` for the parameters whose flat groups hold it."""
+    if all(key in g.moments for r in ckpt.optimizer_states for g in r.groups):
+        return [t for t in build_plan(ckpt, state=key).tensors if t.kind == "param"]
+    from .consolidate import group_plans
+
+    return group_plans(ckpt, key)
+
+
 def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> TrainingState:
     require_convertible(ckpt, weights_only)
     model = build_plan(ckpt)
     if weights_only:
         return TrainingState(model, (), ())
-    for rank in ckpt.optimizer_states:
-        for g, group in enumerate(rank.groups):
-            if set(group.moments) != set(ADAM_MOMENTS):
-                raise UnsupportedCheckpointError(
-                    f"{rank.path}: flat group {g} holds no Adam moments ({', '.join(ADAM_MOMENTS)}): convert maps "
-                    "Adam/AdamW state, which this optimizer's has no counterpart of",
-                    hint="--to dcp --weights-only converts the weights")
+    keys = {key for r in ckpt.optimizer_states for g in r.groups for key in g.moments}
     fp32 = {t.name: t for t in build_plan(ckpt, "fp32").tensors if t.kind == "param"}
-    moments = {state: {t.name: t for t in build_plan(ckpt, state=state).tensors} for state in ADAM_MOMENTS}
+    # a key some flat groups lack (Muon's momentum beside its Adam groups' moments) is planned group by group
+    moments = {key: {t.name: t for t in _held(ckpt, key)} for key in sorted(keys)}
     with structure_errors(ckpt):
         layouts = group_layouts(ckpt)
         owners: dict[int, int] = {}  # torch param group -> index in groups
@@ -89,8 +93,8 @@ def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> Traini
             group = owners[state.param_group]
             for name in flat.names:
                 names[group].append(name)
-                params.append(ParamState(name, fp32[name],
-                                         {m: moments[m][name] for m in ADAM_MOMENTS}, state.step, group))
+                held = {key: plans[name] for key, plans in moments.items() if name in plans}
+                params.append(ParamState(name, fp32[name], held, state.step, group))
     order = sorted(owners, key=owners.get)
     groups = tuple(ParamGroup(settings[owners[g]], tuple(names[owners[g]])) for g in order)
     return TrainingState(model, tuple(params), groups)

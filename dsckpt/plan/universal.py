@@ -47,7 +47,8 @@ class UniversalPlan:
 
 
 def _param_file(name: str, state: str) -> str:
-    return f"{L.UNIVERSAL_DIR}/{name}/{L.UNIVERSAL_STATE_FILES[state]}"
+    """``zero/<name>/<state>.pt``: DeepSpeed's names for fp32 and Adam's moments, any other state key by its own."""
+    return f"{L.UNIVERSAL_DIR}/{name}/{L.UNIVERSAL_STATE_FILES.get(state, state + '.pt')}"
 
 
 def build_universal_plan(ckpt: Checkpoint, state: TrainingState) -> UniversalPlan:

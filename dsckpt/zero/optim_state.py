@@ -27,12 +27,20 @@ from ..formats.pickle_policy import Opaque, TensorRef
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def per_element(state: dict, numel: int) -> dict[str, TensorRef]:
+    """The optimizer's per-element state of one flat group: every tensor as long as the partition (Adam's
+    ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``, Adagrad's ``sum``, Muon's), Adam's first."""
+    keys = sorted((k for k, v in state.items() if isinstance(v, TensorRef) and v.numel == numel and numel > 1),
+                  key=lambda k: (k not in ADAM_MOMENTS, ADAM_MOMENTS.index(k) if k in ADAM_MOMENTS else 0, str(k)))
+    return {k: state[k] for k in keys}
+
+
 @dataclass(frozen=True)
 class GroupState:
     """One rank's partition of one flat group (a param group; at stage 3 a sub-group)."""
 
     fp32: TensorRef  # the fp32 master partition
-    moments: dict[str, TensorRef] = field(default_factory=dict)  # "exp_avg", "exp_avg_sq" (same layout as fp32)
+    moments: dict[str, TensorRef] = field(default_factory=dict)  # per-element state ("exp_avg"...), laid out as fp32
     step: Any = None  # Adam's step count: a 0-d tensor reference or a number
     hyperparams: dict[str, Any] = field(default_factory=dict)  # lr, betas, eps, weight_decay, ...
     trimmed: int = 0  # stage 1/2: tail padding left out of the saved fp32 partition (moments hold it)
@@ -72,9 +80,10 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
                 raise TypeError(f"flat group {g} is a {type(flat).__name__}")
             state = per_group.get(g, {})
             trimmed = trims[g] if g < len(trims) else 0
-            moments = {k: state[k] for k in ADAM_MOMENTS if isinstance(state.get(k), TensorRef)}
-            for name, ref in moments.items():
-                if ref.numel != flat.numel + trimmed:
+            moments = per_element(state, flat.numel + trimmed)
+            for name in ADAM_MOMENTS:
+                ref = state.get(name)
+                if isinstance(ref, TensorRef) and ref.numel != flat.numel + trimmed:
                     raise ValueError(f"group {g} {name} holds {ref.numel} elements, its fp32 partition {flat.numel}"
                                      + (f" + {trimmed} of trimmed padding" if trimmed else ""))
             groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {}), trimmed, owner.get(g, g)))

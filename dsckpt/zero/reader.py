@@ -97,6 +97,14 @@ class Checkpoint:
     def trainable(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_groups for name, shape in group.items()}
 
+    def optimizer_state_keys(self) -> tuple[str, ...]:
+        """The per-element optimizer state every flat group holds (Adam: ``exp_avg``, ``exp_avg_sq``); () at stage 0
+        and for universal checkpoints (read from their files)."""
+        if not self.zero_stage or self.universal:
+            return ("exp_avg", "exp_avg_sq") if self.universal else ()
+        held = [tuple(g.moments) for r in self.optimizer_states for g in r.groups]
+        return tuple(k for k in held[0] if all(k in h for h in held)) if held else ()
+
     @property
     def every_model_file(self) -> list[TorchFile]:
         """The model-states files of every TP rank (``model_files``: TP rank 0's, which head the checkpoint)."""
