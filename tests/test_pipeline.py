@@ -83,3 +83,37 @@ def test_reshard_at_the_same_pipeline_degree_loads_in_stock_deepspeed(tmp_path):
         assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state
     refused = run_cli("reshard", FIXTURES / NAME, tmp_path / "z2", "-w", "1", "--stage", "2")
     assert refused.returncode == 2 and "ZeRO 0 and 1 only" in refused.stderr
+
+
+PPTP = "pp2_tp2_z1_fp32"  # fixtures/make_pptp_fixtures.py: Megatron-style layers, patterns in client state
+
+
+def test_pipeline_by_tensor_parallel_joins_both(tmp_path):
+    """Each stage's TP ranks joined by the patterns Megatron-DeepSpeed keeps in client state (column dim 0, row
+    dim 1, replicated compared), then the stages put together: equal to the live engine's masters; the pickled
+    argparse Namespace (`args`) stays an inert record."""
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("consolidate", FIXTURES / PPTP, out)
+    assert proc.returncode == 0, proc.stderr
+    got, want = load_file(out), torch.load(FIXTURES / PPTP / "reference.pt", weights_only=True)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert got["1.down"].shape == (12, 20) and got["1.up"].shape == (20, 12)
+    sidecar = json.loads((tmp_path / "model.safetensors.client_state.json").read_text())
+    assert sidecar["client_state"]["args"] == {"__opaque__": "argparse.Namespace"}
+    doc = json.loads(run_cli("inspect", FIXTURES / PPTP, "--json").stdout)
+    assert doc["grid"] == {"tp": 2, "pp": 2, "dp": 1, "ep": 1}
+    assert doc["tensor_parallel"]["described_by"] == "patterns"
+    assert doc["tensor_parallel"]["categories"] == {"replicated": 10, "row parallel (dim 1)": 3, "split on dim 0": 6}
+    assert doc["pipeline"] == [{"stage": 0, "layers": [1, 2], "tied": ["embed"]}, {"stage": 1, "layers": [3], "tied": ["embed"]}]
+
+
+def test_pipeline_by_tensor_parallel_reshards_per_coordinate(tmp_path):
+    out = tmp_path / "dp2"
+    proc = run_cli("reshard", FIXTURES / PPTP, out, "-w", "2")
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in (out / "global_step3").iterdir())
+    assert [n for n in names if "optim" in n] == [f"zero_pp_rank_{d}_mp_rank_0{m}_optim_states.pt"
+                                                  for d in (0, 1) for m in range(4)]
+    assert len([n for n in names if n.startswith("layer_")]) == 8
+    assert "IDENTICAL" in run_cli("diff", out, FIXTURES / PPTP).stdout
+    assert "'args' left out" in proc.stderr  # Megatron's pickled Namespace: DeepSpeed's loader would run it

@@ -48,10 +48,10 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
     if not ckpt.problems:
         try:
             tensor_parallel = _tensor_parallel(ckpt)
-            if tensor_parallel:  # the full shapes, not TP rank 0's slices
-                shapes = {n: tuple(s) for n, s in tensor_parallel.pop("shapes").items()}
             for stage in ckpt.pp_slices:  # every stage's, not stage 0's
                 shapes.update({**stage.trainable, **stage.frozen})
+            if tensor_parallel:  # the full shapes, not TP rank 0's slices
+                shapes.update({n: tuple(s) for n, s in tensor_parallel.pop("shapes").items()})
             plan = build_plan(ckpt)
         except DsckptError as exc:
             plan_error = str(exc)
@@ -118,14 +118,16 @@ def _pipeline(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
 
 
 def _tensor_parallel(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """A TP run: its degree, where the split description came from, and each parameter's split."""
-    if not ckpt.tp_slices:
+    """A TP run (each pipeline stage's, in a pipeline x TP run): its degree, where the split description came
+    from, and each parameter's split."""
+    joined = [s for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices]
+    if not joined:
         return None
-    splits = ckpt.tp_splits
+    splits = {n: split for s in joined for n, split in s.tp_splits.items()}
     counts: dict[str, int] = {}
     for split in splits.values():
         counts[split.category] = counts.get(split.category, 0) + 1
-    return {"degree": ckpt.grid.tp, "described_by": "affine_map" if ckpt.tp_info.get("affine_map") else "patterns",
+    return {"degree": ckpt.grid.tp, "described_by": "affine_map" if joined[0].tp_info.get("affine_map") else "patterns",
             "categories": dict(sorted(counts.items())), "split": {n: s.category for n, s in splits.items()},
             "shapes": {n: list(s.shape) for n, s in splits.items()}}
 
@@ -144,7 +146,7 @@ def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
     if plan is None:  # problems: list what the metadata says, without file mapping
         return [{"name": n, "shape": list(s), "dtype": None, "kind": "frozen" if n in ckpt.frozen else "param",
                  "files": []} for n, s in shapes.items()]
-    splits = ckpt.tp_splits if ckpt.tp_slices else {}
+    splits = {n: split for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices for n, split in s.tp_splits.items()}
     rows = [{"name": t.name, "shape": list(t.shape), "dtype": label(t.src_dtype), "kind": t.kind,
              "files": sorted({p.path.name for p in t.pieces if hasattr(p, "path")}),
              **({"split": splits[t.name].category} if t.name in splits else {})} for t in plan.tensors]

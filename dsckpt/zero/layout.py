@@ -119,10 +119,15 @@ class Layout:
 
     def for_mp_rank(self, mp: int) -> "Layout":
         """The files of one model-parallel rank: a data-parallel checkpoint of its own (one TP slice)."""
+        return self.for_mp_ranks((mp,))
+
+    def for_mp_ranks(self, ranks) -> "Layout":
+        """The files of some model-parallel ranks (a pipeline stage's TP ranks)."""
         from dataclasses import replace
 
-        return replace(self, model_files=tuple(f for f in self.model_files if f.mp_rank == mp),
-                       optim_files=tuple(f for f in self.optim_files if f.mp_rank == mp))
+        ranks = set(ranks)
+        return replace(self, model_files=tuple(f for f in self.model_files if f.mp_rank in ranks),
+                       optim_files=tuple(f for f in self.optim_files if f.mp_rank in ranks))
 
 
 def file_kind(path: Path | str) -> str | None:

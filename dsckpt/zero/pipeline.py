@@ -6,7 +6,8 @@ DeepSpeed 0.19.8 writes, per stage ``s`` (ZeRO 0/1 only; ``mp_rank`` is the stag
   (held by every stage that uses it, kept equal by DeepSpeed);
 * ``zero_pp_rank_{dp}_mp_rank_{s:02d}_optim_states.pt``: the stage's flat fp32 partitions, as any ZeRO-1 run;
 * ``layer_{i:02d}-model_states.pt`` per layer (written by data-parallel rank 0): the layer's own ``state_dict`` in
-  the module's dtype - its buffers and frozen parameters live only here.
+  the module's dtype - its buffers and frozen parameters live only here; with TP (``PipeModelDataParallelTopology``)
+  ``layer_{i:02d}-model_{t:02d}-model_states.pt`` per TP rank, and ``mp_rank_{s * tp + t:02d}`` files.
 
 ``zero.reader`` opens each stage as a data-parallel checkpoint whose ``module`` is its layers' tensors from these
 files (``stage_layers``); ``plan.consolidate`` joins the stages, tied copies compared.
@@ -21,7 +22,6 @@ from ..errors import DsckptError, UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
 from ..formats.torchzip import TorchFile
 from .layout import PIPELINE_LAYER_RE
-from .tensor_parallel import PARALLEL_DIMENSIONS
 
 TIED_PREFIX = "tied_modules."
 
@@ -32,14 +32,13 @@ def layer_index(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[str, TensorRef], list[tuple[type, str]]]:
-    """Every layer file's tensors under ``{layer}.{key}``; an unreadable or foreign entry is a problem."""
-    out: dict[str, TensorRef] = {}
+def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRef]], list[tuple[type, str]]]:
+    """Per TP rank (``-model_YY``; 0 without TP), every layer file's tensors under ``{layer}.{key}``; an unreadable
+    or foreign file is a problem."""
+    out: dict[int, dict[str, TensorRef]] = {}
     problems: list[tuple[type, str]] = []
     for path in sorted(files):
         match = PIPELINE_LAYER_RE.match(path.name)
-        if match.group("mp") is not None and int(match.group("mp")):
-            continue  # PP x TP: other TP ranks' copies of the layer (refused by stage_problems)
         try:
             state = TorchFile(path).obj
         except DsckptError as exc:
@@ -49,9 +48,16 @@ def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[str, TensorRef], list[t
             problems.append((UnsupportedCheckpointError, f"{path}: a layer file holding a {type(state).__name__}, "
                              "expected a state dict"))
             continue
-        layer = int(match.group("layer"))
-        out.update((f"{layer}.{key}", ref) for key, ref in state.items() if isinstance(ref, TensorRef))
+        layer, tp = int(match.group("layer")), int(match.group("mp") or 0)
+        out.setdefault(tp, {}).update((f"{layer}.{key}", ref) for key, ref in state.items() if isinstance(ref, TensorRef))
     return out, problems
+
+
+def tp_degree(layout: Any) -> int:
+    """How many TP ranks each stage has: the layer files' ``-model_YY`` count (DeepSpeed's
+    ``checkpoint_parallel_dimensions`` says the same where it is recorded)."""
+    ranks = {int(PIPELINE_LAYER_RE.match(p.name).group("mp") or 0) for p in layout.pipeline_files}
+    return max(ranks, default=0) + 1
 
 
 def stage_layers(layers: dict[str, TensorRef], names: list[str]) -> dict[str, TensorRef]:
@@ -59,17 +65,6 @@ def stage_layers(layers: dict[str, TensorRef], names: list[str]) -> dict[str, Te
     under its own index, and stands in for nothing: its values come from the optimizer files)."""
     mine = {layer_index(n) for n in names} - {None}
     return {n: ref for n, ref in layers.items() if layer_index(n) in mine}
-
-
-def stage_problems(layout: Any, heads: list[tuple[Path, dict]]) -> list[tuple[type, str]]:
-    """What dsckpt cannot join yet: pipeline stages that are also tensor parallel."""
-    path, head = heads[0]
-    dims = head.get(PARALLEL_DIMENSIONS) if isinstance(head, dict) else None
-    tp = dims.get("tp_degree", 1) if isinstance(dims, dict) else 1
-    if tp != 1 or any(PIPELINE_LAYER_RE.match(p.name).group("mp") not in (None, "00") for p in layout.pipeline_files):
-        return [(UnsupportedCheckpointError, f"{path}: pipeline stages that are also tensor parallel (tp {tp}); "
-                 "dsckpt joins pipeline stages or TP slices, not both yet")]
-    return []
 
 
 def stage_map(stages: list[Any]) -> list[dict[str, Any]]:

@@ -166,16 +166,14 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     return ckpt
 
 
-def _tensor_parallel(lay: L.Layout) -> Checkpoint:
-    """One checkpoint per TP rank (its mp_rank_XX files), headed by TP rank 0's (``tensor_parallel.slice_problems``)."""
+def _tensor_parallel(lay: L.Layout, slices: list[Checkpoint] | None = None) -> Checkpoint:
+    """One checkpoint per TP rank (its mp_rank_XX files), headed by TP rank 0's (``tensor_parallel.slice_problems``).
+    ``slices``: a pipeline stage's, opened by ``_pipeline``."""
     from .tensor_parallel import slice_problems, tp_info
 
-    ranks = lay.model_parallel_ranks()
-    missing = next((mp for mp in range(max(ranks) + 1) if not any(f.mp_rank == mp for f in lay.model_files)), None)
-    if missing is not None:
-        raise MissingRankError(f"{lay.tag_dir}: the model-states file of tensor-parallel rank {missing} is missing "
-                               f"(files of TP ranks {', '.join(map(str, ranks))} are present)")
-    slices = [_open(lay.for_mp_rank(mp)) for mp in range(max(ranks) + 1)]
+    if slices is None:
+        _require_every_mp_rank(lay, "tensor-parallel rank")
+        slices = [_open(lay.for_mp_rank(mp)) for mp in lay.model_parallel_ranks()]
     head = slices[0]
     # DeepSpeed records tied names in TP rank 0's file only (0.19.8, ZeRO-3: the others say {})
     slices[1:] = [replace(s, shared=head.shared, unsaved=tuple(n for n in s.unsaved if n not in head.shared))
@@ -186,18 +184,33 @@ def _tensor_parallel(lay: L.Layout) -> Checkpoint:
                    tp_info=tp_info(head.model_files[0].obj, head.model_files[0].path))
 
 
-def _pipeline(lay: L.Layout) -> Checkpoint:
-    """One checkpoint per pipeline stage (``zero.pipeline``), headed by stage 0's."""
-    from .pipeline import layer_tensors, stage_layers, stage_problems
+def _require_every_mp_rank(lay: L.Layout, what: str) -> None:
+    ranks = lay.model_parallel_ranks()
+    missing = next((mp for mp in range(max(ranks) + 1) if not any(f.mp_rank == mp for f in lay.model_files)), None)
+    if missing is not None:
+        raise MissingRankError(f"{lay.tag_dir}: the model-states file of {what} {missing} is missing "
+                               f"(files of {what}s {', '.join(map(str, ranks))} are present)")
 
-    stages = lay.model_parallel_ranks()
+
+def _pipeline(lay: L.Layout) -> Checkpoint:
+    """One checkpoint per pipeline stage (``zero.pipeline``), headed by stage 0's; with TP, each stage's TP ranks
+    (``mp_rank_{stage * tp + t}``) joined as ``_tensor_parallel`` joins them."""
+    from .pipeline import layer_tensors, stage_layers, tp_degree
+
+    _require_every_mp_rank(lay, "model-parallel rank")
+    ranks = lay.model_parallel_ranks()
+    tp = tp_degree(lay)
     layers, problems = layer_tensors(lay.pipeline_files)
-    slices = [_open(lay.for_mp_rank(s), lambda names: stage_layers(layers, names)) for s in stages]
-    head = slices[0]
-    problems = [Problem(e, m) for e, m in problems] + [p for s in slices for p in s.problems]
-    problems += [Problem(e, m) for e, m in stage_problems(lay, [(s.model_files[0].path, s.model_files[0].obj) for s in slices])]
-    return replace(head, layout=lay, problems=problems, pp_slices=tuple(slices),
-                   grid=replace(head.grid, tp=1, pp=len(slices)))
+    stages = []
+    for stage in range(len(ranks) // tp):
+        mine = range(stage * tp, (stage + 1) * tp)
+        slices = [_open(lay.for_mp_rank(mp), lambda names, t=mp - stage * tp: stage_layers(layers.get(t, {}), names))
+                  for mp in mine]
+        stages.append(slices[0] if tp == 1 else _tensor_parallel(lay.for_mp_ranks(mine), slices))
+    head = stages[0]
+    problems = [Problem(e, m) for e, m in problems] + [p for s in stages for p in s.problems]
+    return replace(head, layout=lay, problems=problems, pp_slices=tuple(stages), tp_slices=(),
+                   grid=replace(head.grid, tp=tp, pp=len(stages)))
 
 
 def _open(lay: L.Layout, layers=None) -> Checkpoint:

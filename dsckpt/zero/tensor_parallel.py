@@ -84,6 +84,9 @@ def slice_problems(heads: list[tuple[Any, dict, int]]) -> list[tuple[type, str]]
     a recorded degree other than the files', split descriptions that differ, splits AutoTP could not describe."""
     problems: list[tuple[type, str]] = []
     path, head, recorded = heads[0]
+    dims = head.get(PARALLEL_DIMENSIONS)
+    if isinstance(dims, dict) and isinstance(dims.get("tp_degree"), int):
+        recorded = dims["tp_degree"]  # (mp_world_size counts the pipeline stages' ranks too)
     if recorded != len(heads):
         problems.append((MissingRankError if recorded > len(heads) else InconsistentCheckpointError,
                          f"{path}: records {recorded} tensor-parallel ranks, {len(heads)} wrote files"))
