@@ -367,3 +367,42 @@ def test_full_weights_resume_into_an_autotp_model(tmp_path):
     proc = run_cli("resume", run, *common, "--steps", "1")
     assert proc.returncode == 0, proc.stderr
     assert "resumed" in proc.stderr + proc.stdout and "at step 2" in proc.stderr + proc.stdout
+
+
+def _set_info(key, value):
+    def change(path):
+        state = torch.load(path, weights_only=False)
+        state["universal_checkpoint_info"][key] = value
+        torch.save(state, path)
+    return change
+
+
+BOTH_TP_RANKS = ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt")
+HOSTILE = {  # label: (fixture, change, files it applies to, what the error names)
+    "affine map entry not a dict": ("tp2_dp1_z1_fp32", _set_info("affine_map", {"version": 1, "params": {
+        "^model.norm.weight$": "junk"}}), BOTH_TP_RANKS, "does not describe 'model.norm.weight'"),
+    "affine piece of junk": ("tp2_dp1_z1_fp32", _set_info("affine_map", {"version": 1, "params": {"^model.norm.weight$": {
+        "logical_shape": [24], "ranks": {0: {"shard_shape": [24], "pieces": [{"shape": "x"}]},
+                                         1: {"shard_shape": [24], "pieces": []}}}}}), BOTH_TP_RANKS, "model.norm.weight"),
+    "split description of another run": ("tp2_dp1_z1_fp32", _set_info("original_vocab_size", 7),
+                                         ("mp_rank_01_model_states.pt",), "differs from TP rank 0's"),
+    "truncated TP rank 1 optimizer file": ("tp2_dp2_z3_fp32", lambda p: p.write_bytes(p.read_bytes()[:1000]),
+                                           ("zero_pp_rank_1_mp_rank_01_optim_states.pt",), "zero_pp_rank_1_mp_rank_01"),
+    "garbage layer file of TP rank 1": ("pp2_tp2_z1_fp32", lambda p: p.write_bytes(b"not a zip" * 10),
+                                        ("layer_01-model_01-model_states.pt",), "layer_01-model_01-model_states.pt"),
+    "a stage's TP rank missing": ("pp2_tp2_z1_fp32", lambda p: p.unlink(), ("mp_rank_03_model_states.pt",),
+                                  "model-parallel rank 3 is missing"),
+}
+
+
+@pytest.mark.parametrize("label", list(HOSTILE))
+def test_hostile_tp_and_pipeline_input_is_a_clean_error(label, tmp_path):
+    name, change, files, names = HOSTILE[label]
+    ckpt = _copy(name, tmp_path)
+    for f in files:
+        change(next(ckpt.glob(f"*/{f}")))
+    for args in (("consolidate", ckpt, tmp_path / "out.safetensors"), ("convert", ckpt, tmp_path / "dcp", "--to", "dcp")):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and names in proc.stderr and "Traceback" not in proc.stderr, (args[0], proc.stderr)
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "dcp").exists()
+    assert run_cli("inspect", ckpt).returncode in (1, 2)

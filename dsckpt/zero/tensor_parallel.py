@@ -113,11 +113,15 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
         if any(s is None for s in shapes):
             missing = next(r for r, s in enumerate(shapes) if s is None)
             raise InconsistentCheckpointError(f"{where}: parameter {name!r} is on TP rank 0 but not on TP rank {missing}")
-        entry = _matching(maps, name)
-        if entry is not None and not _placeholder_map(entry, shapes):
-            out[name] = _from_affine(name, entry, shapes, tp, where)
-        else:
-            out[name] = _from_categories(name, info, shapes, where)
+        try:
+            entry = _matching(maps, name)
+            if entry is not None and not _placeholder_map(entry, shapes):
+                out[name] = _from_affine(name, entry, shapes, tp, where)
+            else:
+                out[name] = _from_categories(name, info, shapes, where)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, re.error) as exc:
+            raise InconsistentCheckpointError(f"{where}: '{INFO}' does not describe {name!r} in a form dsckpt "
+                                              f"reads ({type(exc).__name__}: {str(exc)[:80]})") from None
     return out
 
 
