@@ -117,3 +117,43 @@ def test_pipeline_by_tensor_parallel_reshards_per_coordinate(tmp_path):
     assert len([n for n in names if n.startswith("layer_")]) == 8
     assert "IDENTICAL" in run_cli("diff", out, FIXTURES / PPTP).stdout
     assert "'args' left out" in proc.stderr  # Megatron's pickled Namespace: DeepSpeed's loader would run it
+
+
+def test_rename_maps_pipeline_names_onto_another_architecture(tmp_path):
+    """--rename: PipelineModule's `{layer}.{key}` / `tied_modules.*` names onto a plain module's, which then loads the
+    file strictly; a pattern that matches nothing is a note, rules that collide or do not parse are refused."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from make_pp_fixtures import DIM, VOCAB
+
+    class Block(torch.nn.Module):
+        def __init__(self, width, buffer=False):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(DIM, width), torch.nn.Linear(width, DIM, bias=False)
+            self.norm = torch.nn.LayerNorm(DIM)
+            if buffer:
+                self.register_buffer("scale", torch.zeros(DIM))
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, DIM)
+            self.layers = torch.nn.ModuleDict({"1": Block(20), "2": Block(14, True), "3": Block(18)})
+
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({r"(\d+)\.(.*)": r"layers.\1.\2"}))
+    out = tmp_path / "plain.safetensors"
+    proc = run_cli("consolidate", FIXTURES / NAME, out, "--rename", r"tied_modules\.embed\.(.*)=embed.\1",
+                   "--rename", f"@{rules}", "--rename", "nowhere=x")
+    assert proc.returncode == 0, proc.stderr
+    assert "--rename 'nowhere' matched no tensor name" in proc.stderr
+    model = Plain()
+    model.load_state_dict(load_file(out), strict=True)
+    want = torch.load(FIXTURES / NAME / "reference.pt", weights_only=True)
+    assert torch.equal(model.layers["2"].up.weight, want["2.up.weight"]) and torch.equal(model.layers["2"].scale, want["2.scale"])
+    assert torch.equal(model.embed.weight, want["tied_modules.embed.weight"])
+    clash = run_cli("consolidate", FIXTURES / NAME, tmp_path / "x.safetensors", "--rename", ".*=same")
+    assert clash.returncode == 2 and "share the name 'same'" in clash.stderr
+    bad = run_cli("consolidate", FIXTURES / NAME, tmp_path / "x.safetensors", "--rename", "(=x")
+    assert bad.returncode == 2 and "not a regular expression" in bad.stderr and not (tmp_path / "x.safetensors").exists()

@@ -36,7 +36,8 @@ from .frame import writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
-from ..plan.consolidate import Plan, TensorPlan, build_plan, duplicate_aliases, prefixes
+from ..plan.consolidate import Plan, TensorPlan, build_plan
+from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
 from ..plan.segments import tree_pieces
 from ..zero.reader import open_checkpoint
 
@@ -69,7 +70,7 @@ def parse_size(text: str) -> int:
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
-                strip_prefixes: str | tuple[str, ...] = (), max_shard_size: str = DEFAULT_SHARD,
+                strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
                 check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
@@ -86,6 +87,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         exclude_frozen: leave frozen parameters out.
         duplicate_tied: write a tied weight under each of its names (safetensors stores it once by default).
         strip_prefixes: a name prefix (or several) to remove, e.g. ``"module."``.
+        rename: ``{pattern: replacement}`` (or ``"PATTERN=REPLACEMENT"`` strings): each name the first pattern
+            matches in full becomes the replacement (``\\1`` groups expand) - a pipeline run's ``3.up`` onto an
+            HF architecture's ``model.layers.2.mlp.up_proj.weight``; applied after ``strip_prefixes``.
         max_shard_size: for folder outputs, e.g. ``"5GB"``, ``"500MiB"``.
         client_state: write the client state beside OUT (``OUT.client_state.json``) for formats that do not hold it.
         force: replace an existing OUT; in an existing folder only the files dsckpt writes are replaced.
@@ -114,7 +118,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
-                      prefixes(strip_prefixes), duplicate_tied, trust)
+                      prefixes(strip_prefixes), duplicate_tied, trust, rename_rules(rename))
     out = Path(out)
     with writing(group, checkpoint, tag, out, trust) as frame:
         view = frame.view
@@ -158,10 +162,14 @@ def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool, r
         fmt = fmt.resolve(ckpt.layout.root, request)
         plan = build_plan(ckpt, dtype, exclude_frozen=exclude_frozen or fmt.exclude_frozen,
                           strip_prefixes=request.strip_prefixes)
+        unmatched: list[str] = []
+        if request.renames:
+            plan, unmatched = renamed(plan, request.renames)
         if request.duplicate_tied and fmt.duplicates_tied:
             plan = duplicate_aliases(plan)
         prepared = fmt.prepare(ckpt, plan, request)
-    return ckpt, prepared, _notes(ckpt, prepared.plan, prepared.format, request.strip_prefixes) + prepared.notes
+    notes = tuple(f"--rename {p!r} matched no tensor name" for p in unmatched)
+    return ckpt, prepared, _notes(ckpt, prepared.plan, prepared.format, request.strip_prefixes) + notes + prepared.notes
 
 
 def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..plan.consolidate import prefixes
+from ..plan.names import prefixes
 from .keys import compare, state_slots, tie_groups
 from .paths import classify
 
@@ -43,7 +43,8 @@ class _Source:
         path = Path(source)
         if classify(path).is_checkpoint:
             from ..io.read import check_plan, torch_state_dict
-            from ..plan.consolidate import build_plan, strip_name
+            from ..plan.consolidate import build_plan
+            from ..plan.names import strip_name
             from ..zero.reader import open_checkpoint
 
             plan = build_plan(open_checkpoint(path, tag))

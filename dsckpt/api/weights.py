@@ -19,7 +19,7 @@ from ..formats.safetensors_file import parse_aliases
 from ..export.registry import Stored
 from .paths import classify
 from ..formats.positional import read_range_into
-from ..plan.consolidate import strip_name
+from ..plan.names import strip_name
 
 if TYPE_CHECKING:
     import torch

@@ -25,6 +25,9 @@ def _formats():
 @click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")
 @click.option("--duplicate-tied", is_flag=True, help="safetensors: write a copy of a tied weight under each of its names.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix (repeatable).")
+@click.option("--rename", multiple=True, metavar="PATTERN=REPLACEMENT",
+              help="Rename tensors: a regular expression matching a whole name, and what it becomes (\\1 for its "
+                   "groups); repeatable, the first match wins; @FILE.json: a {pattern: replacement} object.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Shard size when OUT is a folder.")
 @click.option("--no-client-state", is_flag=True, help="Do not write the client-state sidecar.")
 @click.option("--format", "form", type=Registered(lambda: _formats()[1]), default=None, cls=LazyHelp,
@@ -44,7 +47,7 @@ def _formats():
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix,
+def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix, rename,
                 max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, skip_crc_check,
                 no_fsync, nproc, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
@@ -64,6 +67,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
       dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
+      dsckpt consolidate runs/pipe model.safetensors --rename 'tied_modules\\.embed\\.(.*)=embed.\\1' \\
+                  --rename '(\\d+)\\.(.*)=layers.\\1.\\2'     (a PipelineModule run's names)
       torchrun --nnodes 4 --nproc-per-node 2 ... -m dsckpt consolidate /local/ckpt /data/model.safetensors
                   (each host reads its own rank files; OUT is written on rank 0's host)
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
@@ -84,7 +89,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
-                     duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), max_shard_size=max_shard_size,
+                     duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), rename=_rules(rename),
+                     max_shard_size=max_shard_size,
                      client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
                      form="hf" if hf else form, config=config, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group,
                      progress=bar.update, progress_total=announce)
@@ -98,3 +104,18 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         click.echo(f"wrote {result.out} ({result.format}, {result.tensors} tensors, {result.bytes:,} bytes)"
                    + (f"; client state: {result.client_state}" if result.client_state else "")
                    + ("; verified: identical to the shards" if result.verified else ""))
+
+
+def _rules(values: tuple[str, ...]) -> list:
+    """--rename values: PATTERN=REPLACEMENT, or @FILE.json holding a {pattern: replacement} object."""
+    rules: list = []
+    for value in values:
+        if value.startswith("@"):
+            from pathlib import Path
+
+            from ..formats.json_file import read_json_object
+
+            rules += list(read_json_object(Path(value[1:]), "--rename file").items())
+        else:
+            rules.append(value)
+    return rules

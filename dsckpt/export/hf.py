@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsafeCheckpointError
 from ..formats.json_file import read_json_object
-from ..plan.consolidate import duplicate_aliases
+from ..plan.names import duplicate_aliases
 from ..zero.layout import TRUST_HINT, inside
 from .registry import Format, Listing, Prepared, Progress, Request, by_name, register
 from ..formats.safetensors_file import INDEX_NAME

@@ -52,7 +52,7 @@ class LightningFormat(Format):
     summary = "one Lightning .ckpt: the client state (epoch, loops, hparams) + state_dict"
 
     def prepare(self, ckpt, plan, request: Request) -> Prepared:
-        from ..plan.consolidate import strip_prefix
+        from ..plan.names import strip_prefix
 
         if not request.strip_prefixes and plan.tensors and all(t.name.startswith(WRAPPER_PREFIX) for t in plan.tensors):
             plan = strip_prefix(plan, (WRAPPER_PREFIX,))  # Lightning's wrapper, as its own converter strips it

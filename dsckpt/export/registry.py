@@ -73,6 +73,7 @@ class Request:
     strip_prefixes: tuple[str, ...] = ()
     duplicate_tied: bool = False
     trust: bool = False  # follow links out of the checkpoint when copying companions
+    renames: tuple[tuple[str, str], ...] = ()  # --rename: (pattern, replacement), after the prefixes are stripped
 
 
 @dataclass(frozen=True)

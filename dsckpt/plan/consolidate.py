@@ -30,6 +30,7 @@ from ..zero import layout as L
 from ..zero.reader import Checkpoint
 from ..formats.torchzip import TorchFile
 from .groups import group_layouts, structure_errors
+from .names import prefixes, strip_prefix
 from .segments import ByteSource, FlatSpace, Interleaved, Piece, TensorSource, merged, ref_segments
 
 
@@ -323,44 +324,3 @@ def _metadata(ckpt: Checkpoint, tensors: list[TensorPlan], aliases: dict[str, st
     if frozen:
         meta[M.FROZEN_STORED_DTYPES] = json.dumps(frozen, sort_keys=True)
     return meta
-
-
-def prefixes(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    """Name prefixes to strip: one string is one prefix (not its characters)."""
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def strip_name(name: str, prefixes: tuple[str, ...]) -> str:
-    """``name`` without the first of ``prefixes`` it starts with (wrapper prefixes like ``module.``)."""
-    for p in prefixes:
-        if name.startswith(p):
-            return name[len(p):]
-    return name
-
-
-def strip_prefix(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
-    def strip(name: str) -> str:
-        return strip_name(name, prefixes)
-
-    tensors = tuple(TensorPlan(strip(t.name), t.shape, t.src_dtype, t.dtype, t.kind, t.pieces) for t in plan.tensors)
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        raise InconsistentCheckpointError(f"stripping prefixes {list(prefixes)} makes two tensors share a name",
-                                          hint="strip fewer prefixes (--strip-prefix)")
-    aliases = {strip(a): strip(s) for a, s in plan.aliases.items()}
-    meta = dict(plan.metadata)
-    if aliases:
-        import json
-        meta[M.ALIASES] = json.dumps(aliases, sort_keys=True)
-    return Plan(tensors, aliases, meta, tuple(replace(r, name=strip(r.name)) for r in plan.replicas))
-
-
-def duplicate_aliases(plan: Plan) -> Plan:
-    """Every tied name stored as a tensor of its own (what a strict ``load_state_dict`` of a file wants)."""
-    by_name = {t.name: t for t in plan.tensors}
-    extra = tuple(TensorPlan(a, by_name[s].shape, by_name[s].src_dtype, by_name[s].dtype, by_name[s].kind,
-                             by_name[s].pieces) for a, s in plan.aliases.items())
-    meta = {k: v for k, v in plan.metadata.items() if k != M.ALIASES}
-    return Plan(plan.tensors + extra, {}, meta, plan.replicas)
