@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DsckptError
+from ..formats.torchzip import TorchFile
 from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
 from ..zero.companions import TRAINER_STATE
@@ -65,13 +66,15 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
         report.add("structure", str(exc))
         return report
     report.zero_stage, report.world_size = ckpt.zero_stage, ckpt.world_size
-    files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files)
+    files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files) + list(ckpt.layout.pipeline_files)
     report.files = len(files)
     for problem in ckpt.problems:  # step 1
         report.add("structure", problem.message)
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
     failures = crc_failures(files)  # step 3
-    report.storages_checked = sum(len(ckpt_file.storages) for ckpt_file in ckpt.model_files + ckpt.optim_files)
+    parts = [t for s in (ckpt.pp_slices or (ckpt,)) for t in (s.tp_slices or (s,))]  # every TP rank's, every stage's
+    parsed = [f for part in parts for f in part.model_files + part.optim_files]
+    report.storages_checked = sum(len(ckpt_file.storages) for ckpt_file in parsed) + _layer_storages(ckpt)
     for failure in failures:
         report.add("crc", str(failure))
     if sources and not failures:  # step 4 (damaged bytes say nothing about finiteness)
@@ -83,6 +86,17 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
     for message in _companion_problems(ckpt):  # step 5
         report.add("companions", message)
     return report
+
+
+def _layer_storages(ckpt: Checkpoint) -> int:
+    """Storages in a pipeline run's layer files (an unreadable one is reported by the structure check)."""
+    count = 0
+    for path in ckpt.layout.pipeline_files:
+        try:
+            count += len(TorchFile(path).storages)
+        except DsckptError:
+            pass
+    return count
 
 
 def _planned_sources(ckpt: Checkpoint, report: TagReport) -> list[Source]:

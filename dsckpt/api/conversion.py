@@ -90,7 +90,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
 def _prepare(view: View, target: Target, request: ConvertRequest):
     ckpt = view.open(request.trust)
     with view.real_names():
-        ckpt.require_complete(tensor_parallel=True)
+        ckpt.require_complete(tensor_parallel=True, pipeline=True)
         state = build_training_state(ckpt, weights_only=request.weights_only)
         return ckpt, target.prepare(ckpt, state, request)
 

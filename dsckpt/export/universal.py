@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import InconsistentCheckpointError, OutputError
 from ..formats.pickle_policy import foreign_classes
 from ..formats.pickle_writer import StorageOut, dumps
+from ..formats.torchzip import TorchFile
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..plan.segments import written_source
@@ -84,7 +85,7 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
     copies = []
     model_files = {tf.path: tf for tf in ckpt.every_model_file}
     for source, name in plan.copies:
-        tree = model_files[source].obj
+        tree = model_files[source].obj if source in model_files else TorchFile(source).obj  # (a pipeline's layers)
         if foreign_classes(tree):
             files.append(UniversalFile(name, allowed_tree(tree, source, False, dropped)))
         else:
@@ -95,7 +96,7 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
 def _check_written(root: Path, plan: UniversalPlan) -> None:
     """What DeepSpeed's universal loader looks for, read back with dsckpt's reader."""
     written = open_checkpoint(root, plan.tag)
-    written.require_complete(tensor_parallel=True)
+    written.require_complete(tensor_parallel=True, pipeline=True)
     if not written.universal or written.zero_stage != plan.stage:
         raise InconsistentCheckpointError(f"{root}: wrote a universal checkpoint that reads back as stage "
                                           f"{written.zero_stage} (universal: {written.universal}), meant {plan.stage}")

@@ -11,7 +11,7 @@ from this plan; neither asks how ZeRO partitioned anything.
    param group that owns it (ZeRO-3 sub-groups of one param group share its settings);
 4. per torch param group, its settings and the names of its parameters in flat order.
 What cannot map to one full tensor per name is refused by name: ZeRO-0 (no partitioned optimizer state),
-mixture-of-experts runs, universal checkpoints (already converted), pipeline runs.
+mixture-of-experts runs, universal checkpoints (already converted).
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
 
 def _held(ckpt: Checkpoint, key: str) -> list[TensorPlan]:
     """The plans of optimizer state ``key`` for the parameters whose flat groups hold it."""
-    if all(key in g.moments for r in ckpt.optimizer_states for g in r.groups):
+    parts = ckpt.pp_slices or (ckpt,)
+    if all(key in g.moments for part in parts for r in part.optimizer_states for g in r.groups):
         return [t for t in build_plan(ckpt, state=key).tensors if t.kind == "param"]
     from .consolidate import group_plans
 
@@ -74,27 +75,30 @@ def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> Traini
     model = build_plan(ckpt)
     if weights_only:
         return TrainingState(model, (), ())
-    keys = {key for r in ckpt.optimizer_states for g in r.groups for key in g.moments}
+    parts = ckpt.pp_slices or (ckpt,)  # a pipeline run: each stage's flat groups, one torch optimizer per stage
+    keys = {key for part in parts for r in part.optimizer_states for g in r.groups for key in g.moments}
     fp32 = {t.name: t for t in build_plan(ckpt, "fp32").tensors if t.kind == "param"}
     # a key some flat groups lack (Muon's momentum beside its Adam groups' moments) is planned group by group
     moments = {key: {t.name: t for t in _held(ckpt, key)} for key in sorted(keys)}
-    with structure_errors(ckpt):
-        layouts = group_layouts(ckpt)
-        owners: dict[int, int] = {}  # torch param group -> index in groups
-        settings: list[dict[str, Any]] = []
-        names: list[list[str]] = []
-        params = []
-        for flat in layouts:
-            state = ckpt.optimizer_states[flat.ranks[0]].groups[flat.index]
-            if state.param_group not in owners:
-                owners[state.param_group] = len(settings)
-                settings.append(dict(state.hyperparams))
-                names.append([])
-            group = owners[state.param_group]
-            for name in flat.names:
-                names[group].append(name)
-                held = {key: plans[name] for key, plans in moments.items() if name in plans}
-                params.append(ParamState(name, fp32[name], held, state.step, group))
+    owners: dict[int, int] = {}  # torch param group (the same index on every stage) -> index in groups
+    settings: list[dict[str, Any]] = []
+    names: list[list[str]] = []
+    params: dict[str, ParamState] = {}  # a tied module held by several stages: once
+    for part in parts:
+        with structure_errors(part):
+            for flat in group_layouts(part):
+                state = part.optimizer_states[flat.ranks[0]].groups[flat.index]
+                if state.param_group not in owners:
+                    owners[state.param_group] = len(settings)
+                    settings.append(dict(state.hyperparams))
+                    names.append([])
+                group = owners[state.param_group]
+                for name in flat.names:
+                    if name in params:
+                        continue
+                    names[group].append(name)
+                    held = {key: plans[name] for key, plans in moments.items() if name in plans}
+                    params[name] = ParamState(name, fp32[name], held, state.step, group)
     order = sorted(owners, key=owners.get)
     groups = tuple(ParamGroup(settings[owners[g]], tuple(names[owners[g]])) for g in order)
-    return TrainingState(model, tuple(params), groups)
+    return TrainingState(model, tuple(params.values()), groups)

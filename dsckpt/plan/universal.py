@@ -68,19 +68,22 @@ def build_universal_plan(ckpt: Checkpoint, state: TrainingState) -> UniversalPla
         files += _untrained(ckpt, state)
     files.append(UniversalFile(f"{L.UNIVERSAL_DIR}/{L.UNIVERSAL_OPTIMIZER_FILE}", _optimizer_state(ckpt)))
     copies = tuple((f.path, f.path.name) for f in ckpt.every_model_file)
+    copies += tuple((path, path.name) for path in ckpt.layout.pipeline_files)  # a pipeline module loads its layers
     return UniversalPlan(ckpt.layout.tag_dir.name, ckpt.zero_stage, tuple(files), copies)
 
 
 def _untrained(ckpt: Checkpoint, state: TrainingState) -> list[UniversalFile]:
     """Every other ``module`` entry (frozen parameters, buffers, tied names) as float32, in module order; a
-    tensor-parallel run's whole, from the joined plan."""
+    tensor-parallel run's whole and every pipeline stage's, from the joined plan."""
     trainable = {p.name for p in state.params}
     planned = {t.name: t for t in state.model.tensors}
+    joined = bool(ckpt.tp_slices or ckpt.pp_slices)
+    modules = {n: ref for part in (ckpt.pp_slices or (ckpt,)) for n, ref in part.module.items()}
     out = []
-    for name, ref in ckpt.module.items():
+    for name, ref in modules.items():
         if name in trainable or not hasattr(ref, "shape"):
             continue
-        t = planned.get(state.model.aliases.get(name, name)) if ckpt.tp_slices else None
+        t = planned.get(state.model.aliases.get(name, name)) if joined else None
         source = TensorSource(t.src_dtype, "F32", tuple(t.pieces)) if t else TensorSource(ref.dtype, "F32", ref_segments(ref))
         shape = t.shape if t else tuple(ref.shape)
         out.append(UniversalFile(_param_file(name, "fp32"), {L.UNIVERSAL_PARAM_KEY: NewTensor("F32", shape, source)}))

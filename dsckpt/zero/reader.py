@@ -107,8 +107,10 @@ class Checkpoint:
 
     @property
     def every_model_file(self) -> list[TorchFile]:
-        """The model-states files of every TP rank (``model_files``: TP rank 0's, which head the checkpoint)."""
-        return [f for s in self.tp_slices for f in s.model_files] if self.tp_slices else self.model_files
+        """The model-states files of every TP rank and pipeline stage (``model_files``: the first's, which head the
+        checkpoint)."""
+        parts = self.pp_slices or self.tp_slices
+        return [f for s in parts for f in s.every_model_file] if parts else self.model_files
 
     @property
     def tp_rank(self) -> int:

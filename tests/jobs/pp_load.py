@@ -1,8 +1,10 @@
-"""Stock DeepSpeed loads a resharded pipeline checkpoint: ``pp_load.py FIXTURE CKPT RESAVE`` on pp x dp ranks.
+"""Stock DeepSpeed loads a converted pipeline checkpoint: ``pp_load.py FIXTURE CKPT RESAVE [PP [universal]]``.
 
-Builds fixtures/make_pp_fixtures.py's PipelineModule at this job's data-parallel size, runs DeepSpeed's own
-``load_checkpoint`` of CKPT, checks each stage's fp32 masters and buffers against the fixture's ``reference.pt`` bit
-for bit, then saves what the engine holds to RESAVE (the test compares its masters and moments with the original's).
+Builds fixtures/make_pp_fixtures.py's PipelineModule over PP stages (default the fixture's) and this job's other
+ranks as data parallel, runs DeepSpeed's own ``load_checkpoint`` of CKPT (``universal``: with
+``checkpoint.load_universal``), checks each stage's fp32 masters and buffers against the fixture's ``reference.pt``
+bit for bit, then saves what the engine holds to RESAVE (the test compares its masters and moments with the
+original's).
 """
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 
-def main(fixture: str, ckpt: str, resave: str) -> None:
+def main(fixture: str, ckpt: str, resave: str, stages: str = "", mode: str = "") -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -21,13 +23,14 @@ def main(fixture: str, ckpt: str, resave: str) -> None:
     from make_pp_fixtures import FIXTURES, layers, loss_fn
 
     stage, pp, _, precision = FIXTURES[fixture]
+    pp = int(stages or pp)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(11)  # other initial weights: the load must replace them all
     dp = dist.get_world_size() // pp
     model = PipelineModule(layers(), loss_fn=loss_fn, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                            partition_method="parameters")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "zero_optimization": {"stage": stage},
+              "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": mode == "universal"},
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -43,4 +46,4 @@ def main(fixture: str, ckpt: str, resave: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])
