@@ -52,7 +52,7 @@ def copy(tmp: Path, name: str) -> Path:
 
 
 def rank_file(root: Path, pattern: str) -> Path:
-    return next((root / "step3").glob(pattern))
+    return next(root.glob(f"*/{pattern}"))  # in the fixture's one tag folder
 
 
 # -- byte-level damage -------------------------------------------------------------------------
@@ -410,6 +410,23 @@ def cases() -> list[Case]:
     for damage in ("missing shard", "index not JSON"):
         out.append(Case(f"sharded: {damage}", "consolidated file", sharded(damage), {"inspect": P, "resume": E},
                         names="index.json"))
+    out += [  # tensor and pipeline parallel (fixtures/make_tp_fixtures.py, make_pp_fixtures.py, make_pptp_fixtures.py)
+        Case("TP rank 1's optimizer file truncated in its tensor data", "tensor parallel",
+             truncate("tp2_dp2_z3_fp32", "zero_pp_rank_1_mp_rank_01_optim_states.pt", "tensor data"), INSP_CONS(P, E),
+             names="zero_pp_rank_1_mp_rank_01", fixture="tp2_dp2_z3_fp32"),
+        Case("TP rank 1's model states missing", "tensor parallel", remove("tp2_dp2_z1_fp32", "mp_rank_01_model_states.pt"),
+             INSP_CONS(E, E), names="tensor-parallel rank 1", fixture="tp2_dp2_z1_fp32"),
+        Case("TP ranks' split descriptions differ", "tensor parallel",
+             torch_save("tp2_dp1_z1_fp32", "mp_rank_01_model_states.pt",
+                        set_key(("universal_checkpoint_info", "original_vocab_size"), 7), need_unsafe=True),
+             INSP_CONS(P, E), names="differs from TP rank 0's", fixture="tp2_dp1_z1_fp32"),
+        Case("pipeline layer file truncated in its pickle", "pipeline",
+             truncate("pp2_dp2_z1_fp32", "layer_02-model_states.pt", "pickle"), INSP_CONS(P, E),
+             names="layer_02-model_states.pt", fixture="pp2_dp2_z1_fp32"),
+        Case("pipeline x TP: a stage's TP rank missing", "pipeline",
+             remove("pp2_tp2_z1_fp32", "mp_rank_03_model_states.pt"), INSP_CONS(E, E),
+             names="model-parallel rank 3 is missing", fixture="pp2_tp2_z1_fp32"),
+    ]
     for case in out:
         if "reshard" not in case.expect and (expect := _reshard_expect(case)):
             case.expect["reshard"] = expect
