@@ -185,3 +185,18 @@ def test_dcp_export_holds_every_stage(tmp_path):
     dcp.load(state, checkpoint_id=str(out), no_dist=True)
     assert all(torch.equal(state["model"][k], v) for k, v in want.items())
     assert all(torch.equal(state["optim"]["state"][k]["exp_avg"], v) for k, v in moments.items())
+
+
+def test_frozen_parameters_come_from_the_layer_files(tmp_path):
+    """pp2_dp1_z1_frozen_fp32: block 1 frozen whole (no name in any stage's records: its layer file alone holds it),
+    block 3's `down` frozen; both written from the layer files, equal to the live module, and left out on request."""
+    name = "pp2_dp1_z1_frozen_fp32"
+    out = tmp_path / "model.safetensors"
+    assert run_cli("consolidate", FIXTURES / name, out).returncode == 0
+    got, want = load_file(out), torch.load(FIXTURES / name / "reference.pt", weights_only=True)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    doc = json.loads(run_cli("inspect", FIXTURES / name, "--json").stdout)
+    assert doc["frozen"]["count"] == 6
+    assert run_cli("consolidate", FIXTURES / name, tmp_path / "trained.safetensors", "--exclude-frozen").returncode == 0
+    assert set(load_file(tmp_path / "trained.safetensors")) == set(want) - {
+        "1.up.weight", "1.up.bias", "1.down.weight", "1.norm.weight", "1.norm.bias", "3.down.weight"}

@@ -10,7 +10,7 @@ DeepSpeed 0.19.8 writes, per stage ``s`` (ZeRO 0/1 only; ``mp_rank`` is the stag
   ``layer_{i:02d}-model_{t:02d}-model_states.pt`` per TP rank, and ``mp_rank_{s * tp + t:02d}`` files.
 
 ``zero.reader`` opens each stage as a data-parallel checkpoint whose ``module`` is its layers' tensors from these
-files (``stage_layers``); ``plan.consolidate`` joins the stages, tied copies compared.
+files (``layer_owners``); ``plan.consolidate`` joins the stages, tied copies compared.
 """
 from __future__ import annotations
 
@@ -60,11 +60,26 @@ def tp_degree(layout: Any) -> int:
     return max(ranks, default=0) + 1
 
 
-def stage_layers(layers: dict[str, TensorRef], names: list[str]) -> dict[str, TensorRef]:
-    """The tensors of the layers a stage's recorded ``names`` belong to (a tied layer's file is the tied module
-    under its own index, and stands in for nothing: its values come from the optimizer files)."""
-    mine = {layer_index(n) for n in names} - {None}
-    return {n: ref for n, ref in layers.items() if layer_index(n) in mine}
+def layer_owners(layers: dict[int, dict[str, TensorRef]], recorded: list[dict[str, Any]]) -> dict[str, int]:
+    """Which stage each layer-file tensor belongs to (``recorded[s]``: stage s's parameter names -> shapes, buffer
+    names): the stage whose names hold its layer. A layer no stage names is a tied module's file (its keys and
+    shapes are a ``tied_modules.*`` entry's: its values come from the optimizer files, so it is no stage's) or a
+    layer whose parameters are all frozen: the stage of the nearest named layer before it (stage 0 below)."""
+    claimed = {index: stage for stage, names in enumerate(recorded) for index in {layer_index(n) for n in names} - {None}}
+    tied = {(n.rsplit(".", 1)[-1], tuple(shape)) for names in recorded for n, shape in names.items()
+            if n.startswith(TIED_PREFIX) and shape is not None}
+    owners = {}
+    for tensors in layers.values():
+        by_layer: dict[int, list[str]] = {}
+        for name in tensors:
+            by_layer.setdefault(layer_index(name), []).append(name)
+        for index, names in by_layer.items():
+            if index in claimed:
+                owners.update((n, claimed[index]) for n in names)
+            elif not all((n.split(".", 1)[1], tuple(tensors[n].shape)) in tied for n in names):
+                before = [i for i in claimed if i < index]
+                owners.update((n, claimed[max(before)] if before else 0) for n in names)
+    return owners
 
 
 def stage_map(stages: list[Any]) -> list[dict[str, Any]]:
