@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import DsckptError, UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
 from ..formats.torchzip import TorchFile
+from . import layout as L
 from .layout import PIPELINE_LAYER_RE
 
 TIED_PREFIX = "tied_modules."
@@ -58,6 +59,17 @@ def tp_degree(layout: Any) -> int:
     ``checkpoint_parallel_dimensions`` says the same where it is recorded)."""
     ranks = {int(PIPELINE_LAYER_RE.match(p.name).group("mp") or 0) for p in layout.pipeline_files}
     return max(ranks, default=0) + 1
+
+
+def recorded_names(lay: Any, mp: int) -> dict[str, Any]:
+    """The parameter names (-> shapes) and buffer names (-> None) a pipeline stage's model states record (none when
+    unreadable: ``_open`` reports why)."""
+    try:
+        head = TorchFile(next(f.path for f in lay.model_files if f.mp_rank == mp)).obj
+        names = {str(n): shape for g in head.get(L.PARAM_SHAPES) or [] if isinstance(g, dict) for n, shape in g.items()}
+        return {**names, **{str(n): None for n in head.get(L.BUFFER_NAMES) or []}}
+    except (DsckptError, AttributeError, TypeError):
+        return {}
 
 
 def layer_owners(layers: dict[int, dict[str, TensorRef]], recorded: list[dict[str, Any]]) -> dict[str, int]:

@@ -197,13 +197,13 @@ def _require_every_mp_rank(lay: L.Layout, what: str) -> None:
 def _pipeline(lay: L.Layout) -> Checkpoint:
     """One checkpoint per pipeline stage (``zero.pipeline``), headed by stage 0's; with TP, each stage's TP ranks
     (``mp_rank_{stage * tp + t}``) joined as ``_tensor_parallel`` joins them."""
-    from .pipeline import layer_owners, layer_tensors, tp_degree
+    from .pipeline import layer_owners, layer_tensors, recorded_names, tp_degree
 
     _require_every_mp_rank(lay, "model-parallel rank")
     ranks = lay.model_parallel_ranks()
     tp = tp_degree(lay)
     layers, problems = layer_tensors(lay.pipeline_files)
-    owner = layer_owners(layers, [_recorded_names(lay, stage * tp) for stage in range(len(ranks) // tp)])
+    owner = layer_owners(layers, [recorded_names(lay, stage * tp) for stage in range(len(ranks) // tp)])
     stages = []
     for stage in range(len(ranks) // tp):
         mine = range(stage * tp, (stage + 1) * tp)
@@ -214,17 +214,6 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
     problems = [Problem(e, m) for e, m in problems] + [p for s in stages for p in s.problems]
     return replace(head, layout=lay, problems=problems, pp_slices=tuple(stages), tp_slices=(),
                    grid=replace(head.grid, tp=tp, pp=len(stages)))
-
-
-def _recorded_names(lay: L.Layout, mp: int) -> dict[str, Any]:
-    """The parameter names (-> shapes) and buffer names (-> None) a pipeline stage's model states record (none when
-    unreadable: ``_open`` reports why)."""
-    try:
-        head = TorchFile(next(f.path for f in lay.model_files if f.mp_rank == mp)).obj
-        names = {str(n): shape for g in head.get(L.PARAM_SHAPES) or [] if isinstance(g, dict) for n, shape in g.items()}
-        return {**names, **{str(n): None for n in head.get(L.BUFFER_NAMES) or []}}
-    except (DsckptError, AttributeError, TypeError):
-        return {}
 
 
 def _open(lay: L.Layout, layers=None) -> Checkpoint:
