@@ -67,8 +67,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
       dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
-      dsckpt consolidate runs/pipe model.safetensors --rename 'tied_modules\\.embed\\.(.*)=embed.\\1' \\
-                  --rename '(\\d+)\\.(.*)=layers.\\1.\\2'     (a PipelineModule run's names)
+      dsckpt consolidate runs/pipe model.safetensors --rename '(\\d+)\\.(.*)=layers.\\1.\\2'
+                  (a PipelineModule run's layer names; repeat --rename for more rules)
       torchrun --nnodes 4 --nproc-per-node 2 ... -m dsckpt consolidate /local/ckpt /data/model.safetensors
                   (each host reads its own rank files; OUT is written on rank 0's host)
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
