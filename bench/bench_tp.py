@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -63,14 +62,19 @@ def generate(hidden: int, layers: int) -> Path:
     return out
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and the peak RSS (bytes) of ``cmd`` as a fresh process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def timed(cmd: list[str]) -> float:
+    """Wall seconds of ``cmd`` as a fresh process."""
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    elapsed = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return elapsed, max(peak, before) * 1024
+    return time.perf_counter() - start
+
+
+def _peak_rss(cmd: list[str]) -> int:
+    """Peak RSS (bytes) of ``cmd`` alone: a helper process waits for it, so no earlier child counts."""
+    probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
+             "stderr=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    return int(subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True,
+                              cwd=ROOT).stdout) * 1024
 
 
 def main() -> None:
@@ -84,27 +88,28 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     out, copy = scratch / "model.safetensors", scratch / "copy.safetensors"
     jobs = {
-        "consolidate": DSCKPT + ["consolidate", str(ckpt), str(out), "--no-fsync", "--skip-crc-check", "-q", "--force"],
-        "consolidate crc": DSCKPT + ["consolidate", str(ckpt), str(out), "--no-fsync", "-q", "--force"],
+        "consolidate": DSCKPT + ["consolidate", str(ckpt), str(out), "--no-fsync", "--skip-crc-check", "-q"],
+        "consolidate crc": DSCKPT + ["consolidate", str(ckpt), str(out), "--no-fsync", "-q"],
         "cp": ["cp", str(out), str(copy)],
     }
+    out.unlink(missing_ok=True)
     subprocess.run(jobs["consolidate"], check=True, cwd=ROOT)  # the file cp copies; warms the checkpoint
     for path in ckpt.rglob("*.pt"):
         path.read_bytes()
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for round_ in range(args.runs):
         for name in (list(jobs) if round_ % 2 == 0 else list(reversed(jobs))):
-            if name == "cp":
-                copy.unlink(missing_ok=True)
+            (copy if name == "cp" else out).unlink(missing_ok=True)  # no run pays for freeing the last one's pages
             os.sync()
-            times[name].append(timed(jobs[name])[0])
+            times[name].append(timed(jobs[name]))
     from dsckpt.plan.consolidate import build_plan
     from dsckpt.plan.segments import Interleaved
     from dsckpt.zero.reader import open_checkpoint
 
     plan = build_plan(open_checkpoint(ckpt))
     rows = sum(sum(1 for _ in t.pieces) for t in plan.tensors if isinstance(t.pieces, Interleaved))
-    peak = timed(jobs["consolidate"])[1]
+    out.unlink()
+    peak = _peak_rss(jobs["consolidate"])
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"checkpoint": str(ckpt), "output_bytes": out.stat().st_size, "runs": args.runs,
               "median_s": med, "consolidate / cp": med["consolidate"] / med["cp"],

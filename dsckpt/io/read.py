@@ -127,7 +127,7 @@ class Reader:
         joined: a resharded ZeRO-3 partition is one piece per parameter from each source file in turn, and from a
         cold cache each piece read on its own waited for the disk (see ADVISE_GAP)."""
         spans: dict[Path, list[list[int]]] = {}
-        for piece in source.pieces:
+        for piece in getattr(source.pieces, "sources", source.pieces):  # (a row-parallel join: its slices whole)
             if isinstance(piece, Segment) and piece.nbytes:
                 runs = spans.setdefault(piece.path, [])
                 if runs and runs[-1][1] >= piece.offset - ADVISE_GAP:

@@ -20,10 +20,11 @@ from ..errors import CorruptFileError
 from ..dtypes import ITEMSIZE
 from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
-from ..plan.segments import Segment
+from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
 from .integrity import note
 from ..plan.consolidate import Plan, TensorPlan
+from .read import Reader
 
 CHUNK_BYTES = 64 << 20
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
@@ -158,11 +159,19 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
-        with LocalStorage() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool:
+        with LocalStorage() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool, \
+                Reader(src) as reader:
             pending = []
             for t, rel in mine:
                 pos = len(header) + rel
-                if t.src_dtype == t.dtype:
+                if t.src_dtype == t.dtype and isinstance(t.pieces, Interleaved):
+                    # a row-parallel join: a run per row and TP rank, too small to copy one by one - read into
+                    # the reader's buffers, written a buffer at a time
+                    for chunk in reader.chunks(t):
+                        pos += pwrite_all(fd, chunk, pos)
+                    if progress:
+                        progress(t.nbytes)
+                elif t.src_dtype == t.dtype:
                     for p in t.pieces:
                         if isinstance(p, Segment):  # (zero fills: see the module docstring)
                             _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path)

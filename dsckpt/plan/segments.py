@@ -89,10 +89,22 @@ class Interleaved:
     def nbytes(self) -> int:
         return self.count * sum(n for _, _, n in self.blocks)
 
+    @property
+    def sources(self) -> tuple[Piece, ...]:
+        """Every piece of every part (what the joined tensor reads, in no particular order): for read-ahead."""
+        return tuple(p for part in self.parts for p in part.pieces)
+
     def __iter__(self) -> Iterator[Piece]:
+        whole = [part.pieces[0] if len(part.pieces) == 1 and isinstance(part.pieces[0], Segment) else None
+                 for part in self.parts]
         for i in range(self.count):
             for part, start, n in self.blocks:
-                yield from self.parts[part].cut(i * self.periods[part] + start, n)
+                at = i * self.periods[part] + start
+                one = whole[part]
+                if one is not None:  # the slice is one byte range: no search (a ZeRO-1/2 slice within one partition)
+                    yield Segment(one.path, one.offset + at, n)
+                else:
+                    yield from self.parts[part].cut(at, n)
 
 
 @dataclass(frozen=True)
