@@ -93,7 +93,7 @@ def main() -> None:
         "cp": ["cp", str(out), str(copy)],
     }
     out.unlink(missing_ok=True)
-    subprocess.run(jobs["consolidate"], check=True, cwd=ROOT)  # the file cp copies; warms the checkpoint
+    subprocess.run(jobs["consolidate"], check=True, cwd=ROOT, capture_output=True)  # the file cp copies; warms the input
     for path in ckpt.rglob("*.pt"):
         path.read_bytes()
     times: dict[str, list[float]] = {k: [] for k in jobs}
