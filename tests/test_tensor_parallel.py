@@ -199,6 +199,22 @@ def test_categories_without_an_affine_map():
         assert torch.equal(_join(split, [s[name] for s in slices]), want), name
 
 
+def test_sub_parameters_without_a_map_as_ds_to_universal_reads_them():
+    """`parameter_with_sub_params`: sizes at partition_dim split evenly (GQA's q/k/v 8/4/4 over 2 ranks), or before
+    version 0.4 a count of equal parts (3, as in `(3, -1)`)."""
+    full = torch.arange(16 * 2.).reshape(16, 2)
+    q, k, v = full[:8], full[8:12], full[12:]
+    slices = [torch.cat([q[:4], k[:2], v[:2]]), torch.cat([q[4:], k[2:], v[2:]])]
+    info = {"parameter_with_sub_params": [{"patterns": [r"^qkv$"], "shape": [[8, 4, 4], 2], "partition_dim": 0}]}
+    split = tp_splits(info, [{"qkv": (8, 2)}, {"qkv": (8, 2)}], "here")["qkv"]
+    assert torch.equal(_join(split, slices), full) and split.category == "sub-parameters"
+    equal = torch.arange(12 * 2.).reshape(12, 2)
+    parts = [equal[:4], equal[4:8], equal[8:]]
+    legacy = {"parameter_with_sub_params": [{"patterns": [r"^qkv$"], "shape": [3, -1], "partition_dim": 0}]}
+    split = tp_splits(legacy, [{"qkv": (6, 2)}, {"qkv": (6, 2)}], "here")["qkv"]
+    assert torch.equal(_join(split, [torch.cat([p[:2] for p in parts]), torch.cat([p[2:] for p in parts])]), equal)
+
+
 def test_affine_map_with_uneven_slices_and_sub_parameters():
     """A map as DeepSpeed writes it (sub_param_map): fused q/k/v of widths 4/2/2 split 2/2, 1/1, 1/1 on dim 0."""
     rows, cols = 8, 3

@@ -298,7 +298,14 @@ def _sub_widths(info: dict, name: str, sub: dict | None, shapes: list[tuple[int,
     recorded = _matching(info.get(SUB_PARAM_SHARD_WIDTHS) or {}, name)
     if recorded:
         return [[int(w) for w in widths] for widths in recorded]
-    parts = len(sub["shape"][dim]) if sub and isinstance(sub["shape"][dim], (list, tuple)) else 2
+    spec = sub["shape"][dim] if sub else 2  # the sub-parameters' sizes, or before version 0.4 a count of equal ones
+    if isinstance(spec, (list, tuple)):  # each split evenly over the TP ranks (ds_to_universal's reading)
+        sizes, tp = [int(size) for size in spec], len(shapes)
+        if any(size % tp for size in sizes):
+            raise InconsistentCheckpointError(f"{where}: {name!r}: sub-parameter sizes {sizes} do not split evenly "
+                                              f"over {tp} TP ranks and no '{SUB_PARAM_SHARD_WIDTHS}' are recorded")
+        return [[size // tp] * tp for size in sizes]
+    parts = int(spec)
     for r, s in enumerate(shapes):
         if s[dim] % parts:
             raise InconsistentCheckpointError(f"{where}: {name!r} on TP rank {r} ({list(s)}) does not hold "
