@@ -422,3 +422,38 @@ def test_hostile_tp_and_pipeline_input_is_a_clean_error(label, tmp_path):
         assert proc.returncode == 2 and names in proc.stderr and "Traceback" not in proc.stderr, (args[0], proc.stderr)
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "dcp").exists()
     assert run_cli("inspect", ckpt).returncode in (1, 2)
+
+
+def test_universal_export_without_affine_maps_matches_ds_to_universal(tmp_path):
+    """The pattern path as Megatron-DeepSpeed records it (no affine map): ds_to_universal run on the same checkpoint
+    writes the same files, keys (cat_dim per category, vocab_tensor, a fused parameter's SubparamShape) and values."""
+    import subprocess
+    import sys
+
+    ckpt = _copy("tp2_dp1_z1_fp32", tmp_path)
+    gate = r"^model\.layers\.\d+\.mlp\.gate_proj\.weight$"
+    for t in (0, 1):
+        path = ckpt / "step3" / f"mp_rank_0{t}_model_states.pt"
+        state = torch.load(path, weights_only=False)
+        info = state["universal_checkpoint_info"]
+        del info["affine_map"]
+        info["parameter_with_sub_params"] = [{"patterns": [gate], "shape": [[20, 20], 24], "partition_dim": 0}]
+        info["sub_param_shard_widths"] = {gate: [[10, 10], [10, 10]]}
+        torch.save(state, path)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    proc = run_cli("convert", ckpt, ours, "--to", "universal")
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(ckpt / "step3"), "--output_folder", str(theirs / "step3"), "--inject_missing_state",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listing = lambda d: sorted(str(p.relative_to(d)) for p in (d / "zero").rglob("*.pt"))  # noqa: E731
+    assert listing(ours / "step3") == listing(theirs / "step3")
+    keys = set()
+    for rel in listing(theirs / "step3"):
+        a, b = (torch.load(d / "step3" / rel, weights_only=False) for d in (ours, theirs))
+        if isinstance(b, dict) and "param" in b:
+            assert {k: v for k, v in a.items() if k != "param"} == {k: v for k, v in b.items() if k != "param"}, rel
+            assert torch.equal(a["param"], b["param"]), rel
+            keys |= set(b)
+    assert {"cat_dim", "vocab_tensor", "sub_param_shape"} <= keys

@@ -198,6 +198,7 @@ DEEPSPEED_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # a universal checkpoint's fused sub-parameters
 )
 
 

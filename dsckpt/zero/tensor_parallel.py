@@ -249,20 +249,36 @@ def _split_dim(shape: tuple[int, ...], count: int) -> int:
 
 def universal_fields(info: dict, name: str) -> dict[str, Any]:
     """The keys ``ds_to_universal`` writes beside a TP parameter's merged ``param`` (0.19.8): none for one an affine
-    map or the replicated patterns describe, else ``cat_dim`` (+ ``param_n_sub_params`` for fused GLU weights);
-    ``vocab_tensor`` for a vocabulary parameter either way."""
+    map or the replicated patterns describe; ``sub_param_shape`` (its ``SubparamShape``, as a record) for fused
+    sub-parameters; else ``cat_dim`` (+ ``param_n_sub_params`` for fused GLU weights); ``vocab_tensor`` for a
+    vocabulary parameter either way."""
     fields: dict[str, Any] = {}
     if _matching(_affine_maps(info, name), name) is None and _matching(info.get(REPLICATED) or [], name) is None:
+        sub = _matching({str(p): g for g in info.get(SUB_PARAMS) or [] for p in g.get("patterns", [])}, name)
         if _matching(info.get(TWO_SUB_PARAMS_DIM_0) or [], name) is not None:
             fields = {"cat_dim": 0, "param_n_sub_params": 2}
-        elif _matching({str(p): g for g in info.get(SUB_PARAMS) or [] for p in g.get("patterns", [])}, name) is not None:
-            raise UnsupportedCheckpointError(f"{name!r}: a sub-parameter split without an affine map; DeepSpeed's "
-                                             "universal format records it with a pickled SubparamShape, not written")
+        elif sub is not None:
+            fields = {"sub_param_shape": _subparam_shape(sub)}
         else:
             fields = {"cat_dim": 1 if _matching(info.get(ROW_PARALLEL) or [], name) is not None else 0}
     if _matching(info.get(VOCABULARY) or [], name) is not None:
         fields["vocab_tensor"] = True
     return fields
+
+
+def _subparam_shape(sub: dict) -> Any:
+    """DeepSpeed's ``SubparamShape`` record of a sub-parameter group as ds_to_universal writes it: as recorded, or
+    (a count of equal parts before version 0.4) with that count's sizes unknown here - refused then."""
+    from ..formats.pickle_policy import opaque_type
+
+    dim, spec = int(sub["partition_dim"]), sub["shape"][int(sub["partition_dim"])]
+    if not isinstance(spec, (list, tuple)):
+        raise UnsupportedCheckpointError(f"{list(sub['patterns'])}: sub-parameters recorded as a count ({spec}) before "
+                                         "universal checkpoint version 0.4; their universal record is not written")
+    record = opaque_type("deepspeed.checkpoint.universal_checkpoint", "SubparamShape").__new__(
+        opaque_type("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"))
+    record.state = {"patterns": sub["patterns"], "shape": sub["shape"], "partition_dim": dim}
+    return record
 
 
 # --- 2. the pattern categories ------------------------------------------------------------------------------
