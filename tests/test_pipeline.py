@@ -218,3 +218,18 @@ def test_ds_to_universal_agrees_where_it_has_values_and_loses_the_rest(name, ds_
     lost = set(ours) - set(theirs)
     assert lost == ({"1.up.weight", "1.up.bias", "1.down.weight", "1.norm.weight", "1.norm.bias", "3.down.weight",
                      "2.scale"} if "frozen" in name else set())
+
+
+@pytest.mark.slow
+def test_pipeline_by_tensor_parallel_reshard_loads_in_stock_deepspeed(tmp_path):
+    """reshard -w 2 of the pp 2 x tp 2 run; DeepSpeed's load_checkpoint at tp 2 x pp 2 x dp 2 (8 ranks: `make
+    test-all`) restores every TP-local master, and its re-save holds the original masters and moments."""
+    import dsckpt
+    from conftest import run_job
+
+    out, resave = tmp_path / "dp2", tmp_path / "resaved"
+    assert run_cli("reshard", FIXTURES / PPTP, out, "-w", "2").returncode == 0
+    run_job("pptp_load.py", 8, out, resave, timeout=600)
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        before, after = dsckpt.load_state_dict(FIXTURES / PPTP, state=state), dsckpt.load_state_dict(resave, state=state)
+        assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state
