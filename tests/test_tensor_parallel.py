@@ -425,8 +425,9 @@ def test_hostile_tp_and_pipeline_input_is_a_clean_error(label, tmp_path):
 
 
 def test_universal_export_without_affine_maps_matches_ds_to_universal(tmp_path):
-    """The pattern path as Megatron-DeepSpeed records it (no affine map): ds_to_universal run on the same checkpoint
-    writes the same files, keys (cat_dim per category, vocab_tensor, a fused parameter's SubparamShape) and values."""
+    """The pattern path as Megatron-DeepSpeed records it (no affine map; a vocabulary padded past
+    `original_vocab_size`, 49 of 50 rows): ds_to_universal run on the same checkpoint writes the same files, keys
+    (cat_dim per category, vocab_tensor, a fused parameter's SubparamShape) and values; consolidate trims the head."""
     import subprocess
     import sys
 
@@ -439,6 +440,7 @@ def test_universal_export_without_affine_maps_matches_ds_to_universal(tmp_path):
         del info["affine_map"]
         info["parameter_with_sub_params"] = [{"patterns": [gate], "shape": [[20, 20], 24], "partition_dim": 0}]
         info["sub_param_shard_widths"] = {gate: [[10, 10], [10, 10]]}
+        info["original_vocab_size"] = 49
         torch.save(state, path)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     proc = run_cli("convert", ckpt, ours, "--to", "universal")
@@ -457,3 +459,7 @@ def test_universal_export_without_affine_maps_matches_ds_to_universal(tmp_path):
             assert torch.equal(a["param"], b["param"]), rel
             keys |= set(b)
     assert {"cat_dim", "vocab_tensor", "sub_param_shape"} <= keys
+    head = torch.load(ours / "step3" / "zero" / "lm_head.weight" / "fp32.pt", weights_only=True)["param"]
+    assert torch.equal(head, reference("tp2_dp1_z1_fp32")["lm_head.weight"][:49])
+    assert run_cli("consolidate", ckpt, tmp_path / "m.safetensors").returncode == 0
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["lm_head.weight"], head)
