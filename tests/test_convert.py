@@ -204,9 +204,10 @@ def test_universal_input_and_existing_output_are_refused(ds_universal, tmp_path)
 @pytest.mark.runtime
 def test_other_optimizers_convert_and_load(tmp_path):
     """Real DeepSpeed ZeRO-2 runs with torch's SGD (Nesterov momentum) and Adagrad, and DeepSpeed's Muon at ZeRO-3
-    (momentum for its matrices, Adam's moments for the rest): `convert --to dcp` gives what FSDP2 with the same torch
-    optimizer loads at 3 ranks (every master and state tensor equal to DeepSpeed's own, then one step moves every
-    parameter); `--to universal` writes each state key to its own file, equal to DeepSpeed's."""
+    (momentum for its matrices, Adam's moments for the rest): `convert --to dcp` gives what FSDP2 with the same
+    optimizer loads (SGD, Adagrad at 3 ranks; DeepSpeed's MuonWithAuxAdam at 1: every master and state tensor equal
+    to DeepSpeed's own, then one step moves every parameter); `--to universal` writes each state key to its own file,
+    equal to DeepSpeed's."""
     run_job("optimizers.py", 2, "train", tmp_path)
     run_job("optimizers.py", 2, "muon", tmp_path)
     for name in ("sgd", "adagrad", "muon"):
@@ -220,6 +221,11 @@ def test_other_optimizers_convert_and_load(tmp_path):
                 got = got["param"] if isinstance(got, dict) else got
                 assert torch.equal(got.reshape(-1), want.reshape(-1)), (name, key, param)
     run_job("optimizers.py", 3, "fsdp2", tmp_path)
+    run_job("optimizers.py", 1, "muon_fsdp2", tmp_path)  # DeepSpeed's MuonWithAuxAdam as the FSDP2 job's optimizer
+    muon = torch.load(tmp_path / "muon" / "fsdp2.pt", weights_only=True)
+    for key, tensors in torch.load(tmp_path / "muon" / "reference.pt", weights_only=True).items():
+        assert set(muon[key]) == set(tensors) and all(torch.equal(muon[key][n], t) for n, t in tensors.items()), key
+    assert muon["moved"]
     for name, key in (("sgd", "momentum_buffer"), ("adagrad", "sum")):
         reference, loaded = (torch.load(tmp_path / name / f, weights_only=True) for f in ("reference.pt", "fsdp2.pt"))
         for state in ("fp32", key):

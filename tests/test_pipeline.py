@@ -203,7 +203,7 @@ def test_frozen_parameters_come_from_the_layer_files(tmp_path):
         "1.up.weight", "1.up.bias", "1.down.weight", "1.norm.weight", "1.norm.bias", "3.down.weight"}
 
 
-@pytest.mark.parametrize("name", ["pp2_tp2_z1_fp32", "pp2_dp1_z1_frozen_fp32"])
+@pytest.mark.parametrize("name", [pytest.param("pp2_tp2_z1_fp32", marks=pytest.mark.slow), "pp2_dp1_z1_frozen_fp32"])
 def test_ds_to_universal_agrees_where_it_has_values_and_loses_the_rest(name, ds_universal):
     """DeepSpeed's converter merges the stages (and Megatron-style TP slices) too: every fp32 it writes equals ours;
     the frozen parameters and buffers that live only in layer files it leaves out, dsckpt writes them."""

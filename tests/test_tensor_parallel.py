@@ -73,7 +73,7 @@ def test_hf_export_loads_in_transformers_and_matches_the_engine(tmp_path):
         assert torch.equal(model(ids).logits, oracle(ids).logits)
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2_z1_fp32", "tp2_dp2_z3_fp32"])
+@pytest.mark.parametrize("name", ["tp2_dp2_z1_fp32", pytest.param("tp2_dp2_z3_fp32", marks=pytest.mark.slow)])
 def test_masters_and_moments_match_ds_to_universal(name, ds_universal):
     """DeepSpeed's own converter joins the TP slices too: its fp32, exp_avg and exp_avg_sq per parameter equal
     ours (values: it writes some ZeRO-3 parameters flat)."""
@@ -273,7 +273,7 @@ def test_interleaved_pieces_cut_partitions_at_any_byte():
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("name,stage", [("tp2_dp2_z1_fp32", 1), ("tp2_dp2_z3_fp32", 3)])
+@pytest.mark.parametrize("name,stage", [pytest.param("tp2_dp2_z1_fp32", 1, marks=pytest.mark.slow), ("tp2_dp2_z3_fp32", 3)])
 def test_reshard_at_the_same_tp_degree_loads_in_stock_deepspeed(name, stage, tmp_path):
     """reshard -w 1 moves each TP rank's files on their own; DeepSpeed's load_checkpoint in an AutoTP engine at
     tp 2 x dp 1 restores every TP-local master bit for bit, and what it then saves holds the original masters and
@@ -292,10 +292,11 @@ def test_reshard_at_the_same_tp_degree_loads_in_stock_deepspeed(name, stage, tmp
 
 
 @pytest.mark.runtime
-@pytest.mark.parametrize("name,args", [("tp2_dp2_z3_fp32", ("consolidate", "model.safetensors")),
-                                       ("pp2_dp2_z1_fp32", ("consolidate", "model.safetensors")),
-                                       ("tp2_dp2_z3_fp32", ("convert", "universal", "--to", "universal")),
-                                       ("pp2_tp2_z1_fp32", ("reshard", "dp2", "-w", "2"))])
+@pytest.mark.parametrize("name,args", [
+    ("tp2_dp2_z3_fp32", ("consolidate", "model.safetensors")),
+    pytest.param("pp2_dp2_z1_fp32", ("consolidate", "model.safetensors"), marks=pytest.mark.slow),
+    pytest.param("tp2_dp2_z3_fp32", ("convert", "universal", "--to", "universal"), marks=pytest.mark.slow),
+    ("pp2_tp2_z1_fp32", ("reshard", "dp2", "-w", "2"))])
 def test_two_processes_write_the_same_bytes(name, args, tmp_path):
     """One code path: --nproc 2 joins TP slices / pipeline stages, converts and reshards them into the same bytes as
     one process."""

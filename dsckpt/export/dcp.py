@@ -76,8 +76,12 @@ def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict
         optim_state = {}
         for p in state.params:
             step = step_plan(p.step)
-            entry = {"step": lazy(step) if isinstance(step, TensorPlan) else torch.tensor(step, dtype=torch.float32)} \
-                if step is not None else {}
+            if isinstance(p.step, int) and "use_muon" in state.groups[p.group].settings:
+                entry = {"step": p.step}  # DeepSpeed's Muon counts its Adam steps in a Python int, as it saved them
+            elif step is not None:
+                entry = {"step": lazy(step) if isinstance(step, TensorPlan) else torch.tensor(step, dtype=torch.float32)}
+            else:
+                entry = {}
             optim_state[p.name] = {**entry, **{k: lazy(t) for k, t in p.moments.items()}}
         groups = [{**_torch_settings(g.settings), "params": list(g.params)} for g in state.groups]
         root[OPTIM_KEY] = {"state": optim_state, "param_groups": groups}
@@ -88,7 +92,7 @@ def _torch_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """A param group of DeepSpeed's own Adam (FusedAdam / DeepSpeedCPUAdam: ``bias_correction``, no ``amsgrad``)
     with torch AdamW's other defaults added: DCP's loader wants every key the loading optimizer's groups have, and
     DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is off (refused: no torch optimizer does that)."""
-    if "bias_correction" not in settings or "amsgrad" in settings:
+    if "bias_correction" not in settings or "amsgrad" in settings or "use_muon" in settings:
         return dict(settings)
     import torch
 

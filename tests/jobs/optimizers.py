@@ -6,7 +6,8 @@ ROOT/<name>/ckpt; rank 0 records every trainable parameter's fp32 master and opt
 (``safe_get_full_optimizer_state``) in ROOT/<name>/reference.pt.
 ``fsdp2``: the same model under FSDP2 with the same torch optimizer loads ROOT/<name>/dcp through get_state_dict /
 dcp.load / set_state_dict, records what it holds in ROOT/<name>/fsdp2.pt, then trains one step (every trainable
-parameter must move).
+parameter must move). ``muon`` / ``muon_fsdp2``: the same for DeepSpeed's Muon (its MuonWithAuxAdam in the FSDP2
+job, at one rank: Muon orthogonalizes whole matrices).
 """
 import sys
 from pathlib import Path
@@ -117,5 +118,42 @@ def fsdp2(root: Path) -> None:
     dist.destroy_process_group()
 
 
+def muon_fsdp2(root: Path) -> None:
+    """FSDP2 with DeepSpeed's own MuonWithAuxAdam (the optimizer the Muon run used, as a torch optimizer) and the
+    same two param groups loads ROOT/muon/dcp; records what it holds in ROOT/muon/fsdp2.pt, then trains one step."""
+    import torch.distributed.checkpoint as dcp
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()  # noqa: E731
+    muon_names = set(torch.load(root / "muon" / "reference.pt", weights_only=True)["momentum_buffer"])
+    torch.manual_seed(123)
+    model = build()
+    fully_shard(model.up)
+    fully_shard(model)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = MuonWithAuxAdam([
+        {"params": [p for n, p in trainable if n in muon_names], "use_muon": True, "lr": 0.02, "momentum": 0.95,
+         "weight_decay": 0},
+        {"params": [p for n, p in trainable if n not in muon_names], "use_muon": False, "lr": 0.02,
+         "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0}])
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "muon" / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    record = {"fp32": {n: full(p) for n, p in trainable}, "momentum_buffer": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for n, p in trainable:
+        for key in ("momentum_buffer",) if n in muon_names else ("exp_avg", "exp_avg_sq"):
+            record[key][n] = full(optimizer.state[p][key])
+    model(batch(3)).backward()
+    optimizer.step()
+    record["moved"] = all(not torch.equal(full(p), record["fp32"][n]) for n, p in trainable)
+    if dist.get_rank() == 0:
+        torch.save(record, root / "muon" / "fsdp2.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"train": train, "muon": muon, "fsdp2": fsdp2}[sys.argv[1]](Path(sys.argv[2]))
+    {"train": train, "muon": muon, "fsdp2": fsdp2, "muon_fsdp2": muon_fsdp2}[sys.argv[1]](Path(sys.argv[2]))
