@@ -388,3 +388,86 @@ def test_universal_export_without_affine_maps_matches_ds_to_universal(tmp_path):
     assert torch.equal(head, reference("tp2_dp1_z1_fp32")["lm_head.weight"][:49])
     assert run_cli("consolidate", ckpt, tmp_path / "m.safetensors").returncode == 0
     assert torch.equal(load_file(tmp_path / "m.safetensors")["lm_head.weight"], head)
+
+
+@pytest.mark.runtime
+def test_universal_export_loads_at_another_tp_degree(tmp_path):
+    """convert --to universal of a tp 2 run writes what ds_to_universal writes, file for file; DeepSpeed's universal
+    loader restores it in a model without tensor parallelism (tp 1): every fp32 master equals the engine's join,
+    and its re-save holds the original masters and moments."""
+    import dsckpt
+    from conftest import run_job
+
+    name = "tp2_dp1_z1_fp32"
+    out, resave = tmp_path / "universal", tmp_path / "resaved"
+    proc = run_cli("convert", FIXTURES / name, out, "--to", "universal")
+    assert proc.returncode == 0, proc.stderr
+    run_job("tp_load.py", 1, name, out, resave, 1, 1, "universal")
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        before, after = dsckpt.load_state_dict(FIXTURES / name, state=state), dsckpt.load_state_dict(resave, state=state)
+        assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before), state
+
+
+def test_universal_export_is_what_ds_to_universal_writes(ds_universal, tmp_path):
+    """Every file, every key (``vocab_tensor`` on the head, no ``cat_dim`` where an affine map describes the split),
+    every tensor: the same as DeepSpeed's converter's for an AutoTP run."""
+    name = "tp2_dp1_z1_fp32"
+    out = tmp_path / "universal"
+    assert run_cli("convert", FIXTURES / name, out, "--to", "universal").returncode == 0
+    ours, theirs = out / "step3", ds_universal(name) / "step3_universal"
+    listing = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    assert listing(ours) == listing(theirs)
+    for rel in listing(theirs / "zero"):
+        a, b = (torch.load(d / "zero" / rel, weights_only=False) for d in (ours, theirs))
+        if isinstance(b, dict) and "param" in b:
+            assert {k: v for k, v in a.items() if k != "param"} == {k: v for k, v in b.items() if k != "param"}, rel
+            assert torch.equal(a["param"], b["param"]), rel
+        elif isinstance(b, torch.Tensor):
+            assert torch.equal(a, b), rel
+    assert json.loads(run_cli("inspect", out, "--json").stdout)["grid"]["tp"] == 2
+
+
+@pytest.mark.runtime
+def test_dcp_export_loads_in_fsdp2(tmp_path):
+    """convert --to dcp of a tp 2 x dp 2 run: an FSDP2 job at 2 ranks (no TP) loads the full masters, both moments
+    and the step through get_state_dict / dcp.load / set_state_dict, equal to the checkpoint's."""
+    import dsckpt
+    from conftest import run_job
+
+    name = "tp2_dp2_z3_fp32"
+    out, got = tmp_path / "dcp", tmp_path / "fsdp2.pt"
+    proc = run_cli("convert", FIXTURES / name, out, "--to", "dcp")
+    assert proc.returncode == 0, proc.stderr
+    run_job("fsdp2_tp_load.py", 2, name, out, got)
+    loaded = torch.load(got, weights_only=True)
+    assert loaded["steps"] == [3.0]
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        want = dsckpt.load_state_dict(FIXTURES / name, state=state)
+        assert set(loaded[state]) == set(want)
+        assert all(torch.equal(loaded[state][k], v) for k, v in want.items()), state
+
+
+@pytest.mark.runtime
+def test_full_weights_resume_into_an_autotp_model(tmp_path):
+    """resume --full-weights of a consolidated AutoTP run into the same Llama under AutoTP (tp 2, ZeRO-3, a tied
+    head): --check finds every rank's slice and fp32 master equal to the file; training on saves an AutoTP
+    checkpoint that consolidate joins and a sharded resume at the same grid continues."""
+    weights = tmp_path / "model.safetensors"
+    assert run_cli("consolidate", FIXTURES / "tp2_dp1_z3_bf16", weights).returncode == 0
+    config = tmp_path / "tp.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                  "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}}))
+    common = ("--model", "tiny_llama:build_tied", "--config", config, "--nproc", "2")
+    proc = run_cli("resume", "--full-weights", weights, *common, "--check", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # rank 0's; a difference on any rank fails the command
+    assert report["fp32_masters_checked"] == 21 and report["max_abs_diff"] == report["fp32_master_max_abs_diff"] == 0
+    run = tmp_path / "run"
+    proc = run_cli("resume", "--full-weights", weights, *common, "--steps", "2", "--save-dir", run)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(run_cli("inspect", run, "--json").stdout)
+    assert doc["grid"]["tp"] == 2 and doc["problems"] == []
+    assert run_cli("consolidate", run, tmp_path / "after.safetensors").returncode == 0
+    proc = run_cli("resume", run, *common, "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed" in proc.stderr + proc.stdout and "at step 2" in proc.stderr + proc.stdout
