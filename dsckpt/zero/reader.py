@@ -207,8 +207,8 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
     stages = []
     for stage in range(len(ranks) // tp):
         mine = range(stage * tp, (stage + 1) * tp)
-        slices = [_open(lay.for_mp_rank(mp), lambda names, t=mp - stage * tp, s=stage: {
-            n: ref for n, ref in layers.get(t, {}).items() if owner.get(n) == s}) for mp in mine]
+        slices = [_open(lay.for_mp_rank(mp), {n: ref for n, ref in layers.get(mp - stage * tp, {}).items()
+                                              if owner.get(n) == stage}) for mp in mine]
         stages.append(slices[0] if tp == 1 else _tensor_parallel(lay.for_mp_ranks(mine), slices))
     head = stages[0]
     problems = [Problem(e, m) for e, m in problems] + [p for s in stages for p in s.problems]
@@ -216,9 +216,9 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
                    grid=replace(head.grid, tp=tp, pp=len(stages)))
 
 
-def _open(lay: L.Layout, layers=None) -> Checkpoint:
+def _open(lay: L.Layout, layers: dict[str, TensorRef] | None = None) -> Checkpoint:
     """One data-parallel checkpoint (one TP rank's or pipeline stage's files, or a run without either).
-    ``layers``: a pipeline stage's tensors from its layer files, given the names its model states record."""
+    ``layers``: a pipeline stage's tensors from its layer files (its ``module``: DeepSpeed leaves that None)."""
     problems = [Problem(error, message) for error, message in lay.problems]
     model_files = _parse(lay.model_files, problems)
     optim_files = _parse(lay.optim_files, problems)
@@ -238,8 +238,7 @@ def _open(lay: L.Layout, layers=None) -> Checkpoint:
     check_same_run(model_files, optim_files, world, problems, _expert_groups(stage, head, optim_files))
     buffer_names = _typed(head.get(L.BUFFER_NAMES) or [], list, where, L.BUFFER_NAMES)
     param_groups = [_shapes(g, where, L.PARAM_SHAPES) for g in _typed(head.get(L.PARAM_SHAPES) or [], list, where, L.PARAM_SHAPES)]
-    stage_layers = layers([n for g in param_groups for n in g] + buffer_names) if layers else {}
-    module = _typed(head.get(L.MODULE) or stage_layers, dict, where, L.MODULE)
+    module = _typed(head.get(L.MODULE) or layers or {}, dict, where, L.MODULE)
     shared = _typed(head.get(L.SHARED_PARAMS) or {}, dict, where, L.SHARED_PARAMS)
     trainable = {n for g in param_groups for n in g}
     frozen = _shapes(head.get(L.FROZEN_PARAM_SHAPES) or {}, where, L.FROZEN_PARAM_SHAPES)
@@ -267,7 +266,7 @@ def _open(lay: L.Layout, layers=None) -> Checkpoint:
                       global_steps=head.get(L.GLOBAL_STEPS), model_files=model_files, optim_files=optim_files,
                       param_groups=param_groups, frozen=frozen, shared=shared, buffers=buffers,
                       client_state=client, problems=problems, unsaved=unsaved, universal=universal, grid=grid,
-                      experts=experts, layers=stage_layers)
+                      experts=experts, layers=layers or {})
 
 
 def _count(value: Any, path, key: str) -> int:
