@@ -57,7 +57,7 @@ bench: setup
 	$(BIN)/python bench/bench_consolidate.py
 	$(BIN)/python bench/bench_reshard.py
 
-# A regression guard in about a minute (the first run also generates two cached checkpoints); CI does not run it.
+# A regression guard in about a minute (the first run also generates three cached checkpoints); CI does not run it.
 bench-quick: setup
 	$(BIN)/python bench/bench_quick.py
 

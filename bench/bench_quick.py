@@ -10,6 +10,7 @@ from the page cache (untimed):
   reshard 4 -> 3 ranks (--no-fsync)   against   `cp -r` of the folder it writes (the same bytes, written once
                                                 untimed at the start: outputs are deterministic)
   consolidate (--no-fsync)            against   `cp` of the file it writes
+  consolidate of an AutoTP checkpoint against   `cp` of the file it writes (reported: row-parallel joins)
   consolidate / reshard with fsync    against   `cp` then `sync` of every file and folder it wrote (equal
                                                 durability), and against the same run without fsync (the
                                                 price of durability: reported, no bound)
@@ -38,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench_consolidate import generate, settle  # noqa: E402
+from bench_tp import generate as generate_tp  # noqa: E402
 
 import dsckpt  # noqa: E402
 
@@ -51,6 +53,7 @@ BOUNDS: dict[str, float | None] = {  # ratio -> the largest median accepted (Non
     "reshard fsync / no-fsync": None,
     "consolidate crc / no-crc": None,  # the default CRC-32 check of every storage read, its price reported
     "reshard z3 crc / no-crc": None,
+    "consolidate tp / cp": None,  # an AutoTP checkpoint's row-parallel joins (bench_tp.py), reported
 }
 
 
@@ -126,15 +129,19 @@ def main() -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     ckpts = {stage: generate(stage, args.layers) for stage in (2, 3)}
+    tp_ckpt = generate_tp(512, args.layers)  # a Llama at tp 2 (hidden 512): its dim-1 joins are row runs
     # What cp copies: each tool's output, written once untimed (the same bytes every run writes: outputs are
     # deterministic), so that cp does not depend on the run before it and the two sides can swap places.
     refs = {f"r{stage}": scratch / f"ref_r{stage}" for stage in ckpts} | {"c": scratch / "ref_c.safetensors"}
     for stage, ckpt in ckpts.items():
         dsckpt.reshard(ckpt, refs[f"r{stage}"], 3, fsync=False)
     dsckpt.consolidate(ckpts[3], refs["c"], fsync=False, client_state=False)
-    inputs = tuple(ckpts.values()) + tuple(refs.values())
+    refs["t"] = scratch / "ref_t.safetensors"
+    dsckpt.consolidate(tp_ckpt, refs["t"], fsync=False, client_state=False)
+    inputs = tuple(ckpts.values()) + (tp_ckpt,) + tuple(refs.values())
     sizes = {f"reshard z{stage}": sum(f.stat().st_size for f in _files(refs[f"r{stage}"])) for stage in ckpts}
     sizes["consolidate z3"] = refs["c"].stat().st_size
+    sizes["consolidate tp"] = refs["t"].stat().st_size
 
     def job(out: Path, reads: Path, fn):
         def run() -> float:
@@ -155,6 +162,9 @@ def main() -> int:
         "reshard z3 no-crc": job(scratch / "r3", ckpts[3], lambda o: dsckpt.reshard(ckpts[3], o, 3, fsync=False,
                                                                                    check_crc=False)),
         "cp c": job(scratch / "c_cp.safetensors", refs["c"], lambda o: cp(refs["c"], o)),
+        "consolidate tp": job(scratch / "t.safetensors", tp_ckpt,
+                              lambda o: dsckpt.consolidate(tp_ckpt, o, fsync=False, client_state=False)),
+        "cp t": job(scratch / "t_cp.safetensors", refs["t"], lambda o: cp(refs["t"], o)),
         "cp+sync r3": job(scratch / "r3_cps", refs["r3"], lambda o: cp_synced(refs["r3"], o)),
         "cp+sync c": job(scratch / "c_cps.safetensors", refs["c"], lambda o: cp_synced(refs["c"], o)),
     }
@@ -165,7 +175,8 @@ def main() -> int:
              "consolidate fsync / no-fsync": ("consolidate fsync", "consolidate"),
              "reshard fsync / no-fsync": ("reshard z3 fsync", "reshard z3"),
              "consolidate crc / no-crc": ("consolidate", "consolidate no-crc"),
-             "reshard z3 crc / no-crc": ("reshard z3", "reshard z3 no-crc")}
+             "reshard z3 crc / no-crc": ("reshard z3", "reshard z3 no-crc"),
+             "consolidate tp / cp": ("consolidate tp", "cp t")}
     ratios: dict[str, list[float]] = {name: [] for name in BOUNDS}
     seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in BOUNDS}  # (numerator, denominator)
     for run in range(-args.warmup, args.runs):
