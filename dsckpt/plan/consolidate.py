@@ -159,8 +159,11 @@ def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
             raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r} is not held in "
                                               f"{local.src_dtype} by every TP rank")
         size = ITEMSIZE[local.src_dtype]
-        pieces = Interleaved([p.pieces for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
-                             [period * size for period in split.periods], split.count)
+        try:
+            pieces = Interleaved([p.pieces for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
+                                 [period * size for period in split.periods], split.count)
+        except InconsistentCheckpointError as exc:
+            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r}: {exc}") from None
         tensors.append(replace(local, shape=split.shape, pieces=merged(list(pieces)) if split.count == 1 else pieces))
         replicas += [Replica(local.name, r, _stored(parts[r]), _stored(local)) for r in split.replicas]
     head = slice_plans[0]
