@@ -68,6 +68,17 @@ def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT) -> subprocess.C
     return proc
 
 
+def nudge_first_master(path: Path) -> None:
+    """Add 1 to the first fp32 master element of a ZeRO-1/2 optimizer file, rewritten with a valid CRC: a copy that
+    drifted from its twin (test code may unpickle its own fixtures)."""
+    import torch
+
+    state = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1
+    torch.save(state, path)
+
+
 @pytest.fixture
 def fixture_copy(tmp_path):
     """A writable copy of a committed fixture."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, nudge_first_master, run_cli
 
 NAME = "pp2_dp2_z1_fp32"
 
@@ -40,10 +40,7 @@ def test_a_tied_copy_that_drifted_is_refused(tmp_path):
     ckpt = tmp_path / NAME
     shutil.copytree(FIXTURES / NAME, ckpt)
     path = ckpt / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    state = torch.load(path, weights_only=False)
-    with torch.no_grad():
-        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1  # the tied embedding first
-    torch.save(state, path)
+    nudge_first_master(path)  # its tied embedding first
     proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
     assert proc.returncode == 2
     assert "pipeline stage 1's copy of the replicated parameter 'tied_modules.embed.weight' differs" in proc.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, TP_FIXTURE_NAMES, run_cli
+from conftest import FIXTURES, TP_FIXTURE_NAMES, nudge_first_master, run_cli
 from dsckpt.errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from dsckpt.zero.tensor_parallel import Block, tp_splits
 
@@ -127,10 +127,7 @@ def test_a_replica_that_drifted_is_refused(tmp_path):
     """TP rank 1's copy of the (replicated) embedding differs, with a valid CRC: refused, naming both."""
     ckpt = _copy("tp2_dp1_z1_fp32", tmp_path)
     path = ckpt / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    state = torch.load(path, weights_only=False)
-    with torch.no_grad():
-        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1  # the embedding comes first
-    torch.save(state, path)
+    nudge_first_master(path)  # its embedding comes first
     proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
     assert proc.returncode == 2, proc.stderr
     assert "TP rank 1's copy of the replicated parameter 'model.embed_tokens.weight' differs" in proc.stderr

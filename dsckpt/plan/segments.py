@@ -86,10 +86,6 @@ class Interleaved:
                                                   f"from a slice of {self.parts[part].nbytes} bytes")
 
     @property
-    def nbytes(self) -> int:
-        return self.count * sum(n for _, _, n in self.blocks)
-
-    @property
     def sources(self) -> tuple[Piece, ...]:
         """Every piece of every part (what the joined tensor reads, in no particular order): for read-ahead."""
         return tuple(p for part in self.parts for p in part.pieces)

@@ -58,10 +58,6 @@ class Split:
     replicas: tuple[int, ...] = ()
     category: str = "split on dim 0"
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 def tp_info(head: dict, path: Any) -> dict:
     """The split description a model-states file carries (empty when the run recorded none)."""
