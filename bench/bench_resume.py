@@ -268,6 +268,13 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     sampler.join()
     row = {"rank": dist.get_rank(), "growth": sampler.peak - before, "seconds": elapsed,
            "gpu_peak": torch.cuda.max_memory_allocated() if cuda else 0, "phases": phases.seconds}
+    def publish(row: dict) -> None:
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+        if dist.get_rank() == 0:
+            Path(report).write_text(json.dumps(rows))
+
+    publish(row)  # the load's figures stand even if the training steps after it run out of memory
     steps = int(os.environ.get("BENCH_STEPS_AFTER", "0"))
     if steps:  # training speed after the load: 2 warm-up steps, then ``steps`` timed
         for _ in range(2):
@@ -279,10 +286,8 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
         if cuda:
             torch.cuda.synchronize()
         row["steps_per_s"] = steps / (time.perf_counter() - start)
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
-    if dist.get_rank() == 0:
-        Path(report).write_text(json.dumps(rows))
+        row["gpu_peak_training"] = torch.cuda.max_memory_allocated() if cuda else 0
+        publish(row)
     from dsckpt.runtime.engine import shutdown
 
     shutdown(exit_process=True)

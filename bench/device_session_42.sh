@@ -1,0 +1,20 @@
+#!/bin/bash
+# Issue 42 on the lent 16-core H200 host, one part per `run` (each well inside its 10-minute limit):
+#   bash bench/device_session_42.sh resume7b $OUT   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU, against Transformers
+#   bash bench/device_session_42.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
+# DeepSpeed 0.19.8 and einops travel as wheels in .whl/ (installed to /tmp/site).
+part=${1:?part}; out=${2:?OUT}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nproc; free -g | head -2; df -h . /tmp | tail -2
+case $part in
+  resume7b)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 bench/bench_gpu_resume.py --out /tmp/r7b --dim 4096 --layers 32 --vocab 32000 --file-dtype bf16 \
+      --formats safetensors --steps 2 --runs 2 --approaches dsckpt,transformers,floor 2>&1 | tail -12
+    cp /tmp/r7b/report.md $out/resume7b.md; cp /tmp/r7b/report.json $out/resume7b.json
+    cp /tmp/r7b/*.stderr $out/ 2>/dev/null; rm -rf /tmp/r7b ;;
+  scaling)
+    BENCH_DIM=${4:-1024} python3 bench/bench_scaling.py --layers $3 --procs 1 2 4 8 --runs ${5:-2} --out /tmp/scaling
+    cp /tmp/scaling/*.json /tmp/scaling/*.md $out/ ;;
+esac
