@@ -82,3 +82,27 @@ def test_sigint_to_the_launcher_alone_stops_every_rank(tmp_path):
 
 def test_interrupted_is_not_an_exception_libraries_swallow():
     assert not issubclass(Interrupted, Exception)  # as KeyboardInterrupt: `except Exception` lets it pass
+
+
+def test_nproc_ranks_meet_without_torch_and_a_vanished_rank_is_one_typed_error(tmp_path, monkeypatch):
+    """``--nproc``'s ranks gather and broadcast over the launcher's local hub; none imports torch for it, and
+    when rank 2 exits mid-run the others get a DistributedError at once (not a hang until the timeout)."""
+    script = _script(tmp_path, "from dsckpt.parallel.group import init_group\n"
+                               "from dsckpt.errors import DistributedError\n"
+                               "g = init_group()\n"
+                               "seen = {'gather': g.gather(rank * 10), 'bcast': g.broadcast(f'from {rank}', src=1),\n"
+                               "        'torch': 'torch' in sys.modules}\n"
+                               "if rank == 2: sys.exit(0)\n"
+                               "try: g.gather(rank)\n"
+                               "except DistributedError as exc: seen['error'] = str(exc)\n"
+                               "json.dump(seen, open(sys.argv[1] + f'/seen{rank}.json', 'w'))\n")
+    monkeypatch.setenv("DSCKPT_DIST_TIMEOUT", "60")
+    started = time.monotonic()
+    assert launch.launch(3, [str(tmp_path)], script=script) == 0
+    assert time.monotonic() - started < 30
+    for r in range(3):
+        if r == 2:
+            continue
+        seen = json.loads((tmp_path / f"seen{r}.json").read_text())
+        assert seen["gather"] == [0, 10, 20] and seen["bcast"] == "from 1" and seen["torch"] is False
+        assert "a process of the run stopped or cannot be reached" in seen["error"]

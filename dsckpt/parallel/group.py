@@ -1,24 +1,24 @@
-"""The processes of a run: one (``ONE_PROCESS``, no torch) or torchrun's over gloo; one verdict for all.
+"""The processes of a run: one (``ONE_PROCESS``), ``--nproc``'s (no torch) or torchrun's over gloo; one verdict for all.
 
 Every phase of a distributed command ends in ``Group.agree(error)``: each process says whether its part
 worked, and if any failed, every process raises the same typed error (the lowest failing rank's, naming
 it), so no process goes on into a collective the others have left.  A process that dies mid-phase makes
-the others' gloo calls fail (or time out, ``DSCKPT_DIST_TIMEOUT`` seconds, default 600): that becomes one
+the others' calls fail (or time out, ``DSCKPT_DIST_TIMEOUT`` seconds, default 600): that becomes one
 ``DistributedError`` too, and nothing is published.  The verbs (``api``) take ``group=None`` for one process
-and run the same steps: with one process every collective is the identity and nothing imports torch.
+and run the same steps: with one process every collective is the identity.  How objects travel is the
+``transport``'s business (``parallel.transport``): only torchrun's processes import torch for it.
 """
 from __future__ import annotations
 
-import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from .. import errors
 from ..errors import DistributedError, DsckptError
+from .transport import HUB_ENV, GlooTransport, LocalTransport, Transport
 
 T = TypeVar("T")
-TIMEOUT_ENV = "DSCKPT_DIST_TIMEOUT"
 
 
 def launched() -> bool:
@@ -32,25 +32,13 @@ class Group:
     size: int = 1
     node: int = 0  # torchrun's node rank (GROUP_RANK): processes of one node share a host
 
-    def gather(self, obj: Any) -> list[Any]:
-        if self.size == 1:
-            return [obj]
-        import torch.distributed as dist
+    transport: Transport | None = field(default=None, compare=False, repr=False)
 
-        out: list[Any] = [None] * self.size
-        with comm_errors():
-            dist.all_gather_object(out, obj)
-        return out
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj] if self.size == 1 else self.transport.gather(obj)
 
     def broadcast(self, obj: Any, src: int) -> Any:
-        if self.size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        with comm_errors():
-            dist.broadcast_object_list(box, src=src)
-        return box[0]
+        return obj if self.size == 1 else self.transport.broadcast(obj, src)
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every process if ``error`` was raised on any (re-raised here unchanged)."""
@@ -90,27 +78,9 @@ def _describe(error: BaseException) -> tuple[str, str, str | None]:
     return "DistributedError", f"{type(error).__name__}: {error}", None
 
 
-class comm_errors:
-    """gloo's failures (a peer gone, a timeout) as one typed error."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, DsckptError):
-            raise DistributedError(f"a process of the run stopped or cannot be reached ({str(exc).splitlines()[0][:200]}); "
-                                   "nothing was published",
-                                   hint="see that process's own output; rerun the same command on every host") from None
-        return False
-
-
 def init_group() -> Group:
-    """Join torchrun's group over gloo (TCP: the only service it needs)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
-        with comm_errors():
-            dist.init_process_group("gloo", timeout=timeout)
-    return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("GROUP_RANK", "0")))
-
+    """Join the run's group: ``--nproc``'s local hub, else torchrun's over gloo (TCP: the only service it needs)."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hub = os.environ.get(HUB_ENV)
+    transport = LocalTransport(rank, size, hub) if hub else GlooTransport()
+    return Group(rank, size, int(os.environ.get("GROUP_RANK", "0")), transport)

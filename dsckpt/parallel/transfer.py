@@ -16,7 +16,8 @@ from typing import Iterable
 
 from ..formats.positional import pwrite_all
 from ..plan.segments import Segment
-from .group import Group, comm_errors
+from .group import Group
+from .transport import comm_errors
 from .view import View
 
 CHUNK = 16 << 20
@@ -56,10 +57,12 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
     """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here."""
     if group.size == 1:
         return 0
+    everyone = group.gather(wanted)
+    if not any(everyone):  # every process sees every file (one host; always so under --nproc)
+        return 0
     import torch
     import torch.distributed as dist
 
-    everyone = group.gather(wanted)
     received, error = 0, None
     buffer = torch.empty(CHUNK, dtype=torch.uint8)
     handles: dict[str, int] = {}

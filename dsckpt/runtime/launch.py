@@ -3,7 +3,8 @@
 1. The parent re-runs its own command line as ``python -m dsckpt ...`` (or a script) N times, each child
    with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and torchrun's other worker
    variables; a child sees ``LOCAL_RANK`` and runs the work instead of launching again.  Rank 0 hosts the
-   rendezvous store (``env://``), on a port the parent found free.
+   rendezvous store (``env://``), on a port the parent found free; a command that needs no torch
+   (consolidate, reshard, convert) meets on another, through ``parallel.transport.LocalTransport``.
 2. The parent does not import torch (torchrun's agent does, before its workers import it again: seconds per
    job, docs/dev/performance-log.md).
 3. It waits for every rank.  When one fails, the others get ``FAILURE_GRACE_S`` to notice (a broken
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import DsckptError, Interrupted
+from ..parallel.transport import hub_environment
 from . import console
 
 FAILURE_GRACE_S = 10.0  # after a rank fails, the time the others get to stop by themselves
@@ -62,6 +64,7 @@ def run_ranks(command: list[str], nproc: int, env: dict[str, str] | None = None,
     the ranks are stopped and ``subprocess.TimeoutExpired`` is raised."""
     base = {**os.environ, **(env or {})}
     base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
+    base.update(hub_environment(free_port()))
     port = free_port()
     procs = [subprocess.Popen(command, env={**base, **rank_environment(r, nproc, port)}, **popen)
              for r in range(nproc)]
