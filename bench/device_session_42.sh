@@ -17,7 +17,8 @@ case $part in
   scaling)
     BENCH_DIM=${4:-1024} python3 bench/bench_scaling.py --layers $3 --procs 1 2 4 8 --runs ${5:-2} --out /tmp/scaling
     cp /tmp/scaling/*.json /tmp/scaling/*.md $out/ ;;
-  generate)  # the checkpoint only (cached under bench/cache/ while the machine is held)
+  generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks
+    export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu
     start=$(date +%s)
     BENCH_DIM=${4:-1024} python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_consolidate as b; print(b.generate(3, $3))"
     echo "generated in $(( $(date +%s) - start )) s"; du -sh bench/cache/* ;;

@@ -313,3 +313,43 @@ def test_the_ledger_joins_what_a_write_read_and_reads_only_the_rest(tmp_path):
             reader.read(t)
     with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
         damaged.check(pieces)
+
+
+def test_processes_of_one_host_share_the_crc_checks_out_disjointly_and_a_damaged_storage_is_still_found(tmp_path):
+    """--nproc N on one host: together the processes read each storage once, about evenly split."""
+    import shutil
+
+    from dsckpt.errors import CorruptFileError
+    from dsckpt.formats import storage
+    from dsckpt.io import integrity
+    from dsckpt.plan.consolidate import build_plan
+    from dsckpt.zero.reader import open_checkpoint
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_ws3_bf16", root)
+    pieces = [p for t in build_plan(open_checkpoint(root)).tensors for p in t.pieces]
+
+    def bytes_read(share) -> int:
+        read = []
+        real = storage.LocalStorage.pread
+        storage.LocalStorage.pread = lambda self, name, n, off, into=None: read.append(n) or real(self, name, n, off, into)
+        try:
+            integrity.Ledger().check(pieces, share=share)
+        finally:
+            storage.LocalStorage.pread = real
+        return sum(read)
+
+    alone = bytes_read((0, 1))
+    shares = [bytes_read((k, 3)) for k in range(3)]
+    assert sum(shares) == alone and all(shares) and max(shares) < alone * 0.6
+    victim = pieces[-1]
+    data = bytearray(victim.path.read_bytes())
+    data[victim.offset] ^= 0x01
+    victim.path.write_bytes(bytes(data))
+    failed = []
+    for k in range(3):
+        try:
+            integrity.Ledger().check(pieces, share=(k, 3))
+        except CorruptFileError:
+            failed.append(k)
+    assert len(failed) == 1  # the one process that owns the damaged storage

@@ -33,8 +33,9 @@ class Frame:
     @contextlib.contextmanager
     def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = ()) -> Iterator[list[str]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
-        one process notes what its write reads and checks after it, reading only what nobody read; the processes
-        of a distributed run each check the files they hold, before writing.  Tensor parallel: the ``replicas``
+        one process notes what its write reads and checks after it, reading only what nobody read (processes of one
+        host: each its share of the storages); processes that see different files each check the files they
+        hold, before writing.  Tensor parallel: the ``replicas``
         compared with the copies written first.  Yields the notes to report."""
         if not enabled:
             yield [SKIPPED_NOTE]
@@ -53,7 +54,10 @@ class Frame:
                 ledger.check(pieces)  # a damaged byte is the better answer, when it is one
                 raise
             yield []
-        ledger.check(pieces)
+        if self.group.size == 1:
+            ledger.check(pieces)
+        else:
+            self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
 
     def stage(self, staged: Staged) -> Staged:
         """Create OUT's temp (every process agrees) and abandon it if the verb fails."""

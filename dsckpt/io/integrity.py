@@ -8,7 +8,8 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
   files on a few threads.  Before writing: a distributed run's processes check the files they hold this way.
 * ``Ledger`` + ``recording``: while a write runs, the one reader and the mapped copy note the CRC-32 of each range
   they pass through user space; ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
-  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  One process writing.
+  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  Several processes of one
+  host share the storages out (``share``), so the checkpoint is checked once, not once per process.
 ``--skip-crc-check`` skips both (a note says so).
 """
 from __future__ import annotations
@@ -59,13 +60,14 @@ class Ledger:
         with self._lock:
             self._spans.setdefault(Path(path), []).append((offset, len(data), crc))
 
-    def check(self, pieces: Iterable[object]) -> None:
-        """Every storage the ``Segment``s among ``pieces`` overlap, from the noted CRCs and what is left to read."""
+    def check(self, pieces: Iterable[object], share: tuple[int, int] = (0, 1)) -> None:
+        """Every storage the ``Segment``s among ``pieces`` overlap, from the noted CRCs and what is left to read.
+        ``share=(k, n)``: only process ``k`` of ``n``'s part of those storages (the others check the rest)."""
         ranges: dict[Path, list[tuple[int, int]]] = {}
         for piece in pieces:
             if isinstance(piece, Segment):
                 ranges.setdefault(piece.path, []).append((piece.offset, piece.nbytes))
-        failures = _run(ranges, stop_at_first=True, noted=self._spans)
+        failures = _run(ranges, stop_at_first=True, noted=self._spans, share=share)
         if failures:
             raise failures[0]
 
@@ -110,9 +112,11 @@ def _whole(paths: Iterable[Path]) -> list[Segment]:
 
 
 def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
-         noted: dict[Path, list[tuple[int, int, int]]] | None = None) -> list[CorruptFileError]:
-    work = [(path, loc, key, (noted or {}).get(path, ())) for path, spans in ranges.items() if is_torch_zip(path)
-            for key, loc in _overlapping(path, spans)]
+         noted: dict[Path, list[tuple[int, int, int]]] | None = None,
+         share: tuple[int, int] = (0, 1)) -> list[CorruptFileError]:
+    work = [(path, loc, key, (noted or {}).get(path, ())) for path, spans in sorted(ranges.items())
+            if is_torch_zip(path) for key, loc in _overlapping(path, spans)]
+    work = _share(work, *share)
     failures: list[CorruptFileError] = []
     with ThreadPoolExecutor(max(1, min(THREADS, len(work)))) as pool:
         for done in [pool.submit(_check, *item) for item in work]:
@@ -123,6 +127,20 @@ def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
                 if stop_at_first:
                     break
     return failures
+
+
+def _share(work: list, k: int, n: int) -> list:
+    """Process ``k`` of ``n``'s storages: the largest first, each to the process with the fewest bytes so far
+    (every process computes the same split)."""
+    if n == 1:
+        return work
+    load, mine = [0] * n, []
+    for item in sorted(work, key=lambda item: (-item[1].nbytes, str(item[0]), item[2])):
+        owner = load.index(min(load))
+        load[owner] += item[1].nbytes
+        if owner == k:
+            mine.append(item)
+    return mine
 
 
 def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:
