@@ -128,12 +128,18 @@ def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str,
 
 
 def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str]) -> None:
-    """The file at its final size: header written, data zeros (``ftruncate``) until filled."""
+    """The file at its final size: header written, data zeros until filled.  Its blocks are allocated up front
+    where the filesystem can (several writers filling it out of order would otherwise scatter them)."""
     header, _ = safetensors_header(tensors, metadata)
+    size = len(header) + sum(t.nbytes for t in tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(fd, header, 0)
-        os.ftruncate(fd, len(header) + sum(t.nbytes for t in tensors))
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:  # (not every filesystem allocates ahead)
+            pass
+        os.ftruncate(fd, size)
     finally:
         os.close(fd)
 
