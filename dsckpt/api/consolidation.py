@@ -32,7 +32,8 @@ from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..parallel.group import ONE_PROCESS, Group
-from .frame import writing
+from ..io.remote import is_url
+from .frame import uploading, writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
@@ -111,6 +112,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     Raises:
         a ``DsckptError`` subclass naming the file at fault; nothing is left at OUT.
     """
+    if is_url(out):  # staged here, uploaded after (frame.uploading)
+        arguments = {k: v for k, v in locals().items() if k != "out"}
+        return uploading(group or ONE_PROCESS, str(out), force, lambda local: consolidate(out=local, **arguments))
     group = group or ONE_PROCESS
     output_dtype(dtype)  # a dtype no output can have is refused before anything is read
     fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read

@@ -23,7 +23,8 @@ from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
 from ..io.output import check_output, write_errors
 from ..parallel.group import ONE_PROCESS, Group
-from .frame import writing
+from ..io.remote import is_url
+from .frame import uploading, writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
@@ -57,6 +58,9 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     storage read against its CRC-32 (default).  ``group``: the processes of a torchrun run (None: one process).
     Returns a ``ConvertResult`` (the names of ``dsckpt convert --json``).
     """
+    if is_url(out):  # staged here, uploaded after (frame.uploading)
+        arguments = {k: v for k, v in locals().items() if k != "out"}
+        return uploading(group or ONE_PROCESS, str(out), force, lambda local: convert(out=local, **arguments))
     group = group or ONE_PROCESS
     target = target_named(to)
     request = ConvertRequest(weights_only, trust, fsync)

@@ -5,14 +5,17 @@
 2. the view of the checkpoint (``parallel.view``: the checkpoint itself for one process);
 3. the verb's own steps, which stage OUT through ``Frame.stage`` and write inside ``Frame.checked_reads``;
 4. on any error the staged output is abandoned; the view is closed either way.
+A checkpoint in object storage is a view like any other; an OUT in object storage is staged and uploaded around
+the verb (``uploading``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from ..errors import InconsistentCheckpointError
 from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources, recording
@@ -20,8 +23,11 @@ from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
+from ..io.remote import Upload, is_url
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -70,7 +76,7 @@ class Frame:
 def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Path, trust: bool) -> Iterator[Frame]:
     check_parent(out)
     group.step(lambda: require_checkpoint(checkpoint))
-    frame = Frame(group, build_view(group, Path(checkpoint), tag, out.parent, trust))
+    frame = Frame(group, build_view(group, checkpoint if is_url(checkpoint) else Path(checkpoint), tag, out.parent, trust))
     try:
         yield frame
     except BaseException:
@@ -79,3 +85,22 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
         raise
     finally:
         frame.view.close()
+
+
+def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R]) -> R:
+    """A verb whose OUT is a URL (``io.remote``): ``run(local)`` publishes into a staging folder as it would locally,
+    then rank 0 uploads it (what a reader looks for last) and the result names the URLs."""
+    upload = Upload(url, force) if group.rank == 0 else None
+    try:
+        group.step(lambda: upload.check() if upload else None)  # an existing OUT without --force: before any work
+        local = Path(group.broadcast(str(upload.local) if upload else None, 0))
+        local.parent.mkdir(parents=True, exist_ok=True)  # (another host's processes do not write; the folder is there)
+        result = run(local)
+        files = group.broadcast(group.step(lambda: upload.publish() if upload else None), 0)
+    finally:
+        if upload:
+            upload.close()
+    changes: dict = {"out": url, "files": tuple(files)}
+    if getattr(result, "client_state", None) is not None:
+        changes["client_state"] = next((f for f in files if ".client_state." in f.rsplit("/", 1)[-1]), None)
+    return dataclasses.replace(result, **changes)

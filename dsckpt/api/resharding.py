@@ -34,7 +34,8 @@ from ..io.output import check_output, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
-from .frame import writing
+from ..io.remote import is_url
+from .frame import uploading, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
@@ -81,6 +82,9 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     run sharing the work (None: one process); target rank r's files are written on the host of process
     ``r * N // M`` (torchrun numbers processes host by host), or all on rank 0's with ``gather``.
     """
+    if is_url(out_dir):  # staged here, uploaded after (frame.uploading)
+        arguments = {k: v for k, v in locals().items() if k != "out_dir"}
+        return uploading(group or ONE_PROCESS, str(out_dir), force, lambda local: reshard(out_dir=local, **arguments))
     group = group or ONE_PROCESS
     out = Path(out_dir)
     with writing(group, checkpoint, tag, out, trust) as frame:

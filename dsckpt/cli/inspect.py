@@ -34,8 +34,18 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
       dsckpt inspect model.safetensors
       dsckpt inspect runs/demo --stats --optimizer --top 10
       dsckpt inspect model.safetensors --stats --json | jq '.stats[] | select(.nan > 0)'
+      dsckpt inspect s3://bucket/runs/demo          (gs://, az:// too: pip install 'dsckpt[s3]')
     Exit code 1 when problems (missing ranks, truncated files...) are found.
     """
+    from ..parallel.view import readable
+
+    with readable(path, tag, whole=stats) as (local, local_tag):
+        shown = (lambda text: click.echo(text.replace(local, path))) if local != path else click.echo
+        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du, shown)
+
+
+def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int | None,
+             plot: str | None, skip_crc_check: bool, du: bool, echo) -> None:
     import json
     import math
 
@@ -64,7 +74,7 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
 
             bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
                      title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
-        click.echo(json_document(input=str(path), tag=resolved_tag(path, tag), tensors=len(records),
+        echo(json_document(input=str(path), tag=resolved_tag(path, tag), tensors=len(records),
                                  stats=[s.record() for s in records]) if as_json
                    else render_stats(records, top or 20))
         return
@@ -76,14 +86,14 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
         ckpt = open_checkpoint(path, tag)
         usage = disk_usage(ckpt)
         if as_json:
-            click.echo(json_document(input=str(path), tag=ckpt.layout.tag, **usage))
+            echo(json_document(input=str(path), tag=ckpt.layout.tag, **usage))
             return
         width = max(len(k) for k in usage["components"]) + 2
         for name, n in usage["components"].items():
-            click.echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
-        click.echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({usage['files']} files, tag {ckpt.layout.tag})")
+            echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
+        echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({usage['files']} files, tag {ckpt.layout.tag})")
         return
     summary = summarize(path, tag, tensors)
-    click.echo(json.dumps(summary, indent=2) if as_json else render(summary))
+    echo(json.dumps(summary, indent=2) if as_json else render(summary))
     if summary["problems"]:
         sys.exit(EXIT_PROBLEMS)

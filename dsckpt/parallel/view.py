@@ -21,15 +21,16 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedError, DsckptError, OutputError, TagError,
                       UnsafeCheckpointError)
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import TorchFile
+from ..io.remote import RemoteStore, is_url
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
-from .group import Group
+from .group import ONE_PROCESS, Group
 
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
 
@@ -43,9 +44,13 @@ class View:
     owners: dict[str, int] = field(default_factory=dict)  # relative path -> the process that reads it
     local: set[str] = field(default_factory=set)  # relative paths this process sees itself
     rank: int = 0  # this process
+    store: Any = None  # io.remote.RemoteStore: CKPT is a URL, every byte comes from there (checked as it lands)
 
     def owns(self, path: Path) -> bool:
-        """This process is the one that reads ``path`` (a view path) for everyone."""
+        """This process is the one that reads ``path`` (a view path) for everyone (a store's bytes are checked as
+        they arrive, not read again)."""
+        if self.store is not None:
+            return False
         return self.direct or self.owners.get(self.rel(path) or "") == self.rank
 
     @property
@@ -73,7 +78,7 @@ class View:
 
     def real_path(self, path: Path) -> Path:
         """A path of the view as this process sees it in CKPT (a tag folder's checkpoint root: CKPT's parent)."""
-        if self.direct:
+        if self.direct or self.store is not None:
             return Path(path)
         return self.real.parent / Path(path).relative_to(self.root.parent)
 
@@ -89,7 +94,7 @@ class View:
         except DsckptError as exc:
             if self.direct:
                 raise
-            message = str(exc).replace(str(self.root), str(self.real))
+            message = str(exc).replace(str(self.root), self.store.url if self.store is not None else str(self.real))
             if message == str(exc):
                 raise
             raise type(exc)(message, hint=exc.hint) from None
@@ -172,7 +177,9 @@ def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
         return f"{path}: reading failed ({exc.strerror or exc})"
 
 
-def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, trust: bool) -> View:
+def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: Path, trust: bool) -> View:
+    if is_url(ckpt):
+        return group.step(lambda: remote_view(group, str(ckpt), tag, Path(scratch_parent)))
     if group.size == 1:
         return View(Path(ckpt), tag, None, Path(ckpt))
     ckpt, scratch_parent = Path(ckpt).absolute(), Path(scratch_parent).absolute()
@@ -231,3 +238,62 @@ def build_view(group: Group, ckpt: Path, tag: str | None, scratch_parent: Path, 
         view.close()
         raise
     return view
+
+
+class _Url(str):
+    """A URL that joins like a path in messages (``url / "latest"``)."""
+
+    def __truediv__(self, name: str) -> "_Url":
+        return _Url(f"{self.rstrip('/')}/{name}")
+
+
+def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path) -> View:
+    """A checkpoint in object storage as a view (``io.remote``, steps 1-2): each process lists and fetches the
+    skeleton itself; the storages come when a command asks for them (``transfer.fetch``)."""
+    store = RemoteStore(url)
+    sizes = store.list()
+    latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \
+        if L.LATEST_FILE in sizes else None
+    chosen = _choose_tag(sizes, tag, latest, _Url(store.url))
+    wanted = sorted(rel for rel in sizes if "/" not in rel or (chosen is not None and rel.split("/")[0] == chosen))
+    name = store.url.rsplit("/", 1)[-1]
+    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    view = View(scratch / name, chosen, scratch, scratch / name, {rel: group.rank for rel in wanted}, set(),
+                group.rank, store)
+    try:
+        (view.root / chosen if chosen else view.root).mkdir(parents=True)
+        for rel in wanted:
+            with open(view.path(rel), "wb") as fh:
+                fh.truncate(sizes[rel])
+                for offset, data in store.skeleton(rel, sizes[rel]):
+                    pwrite_all(fh.fileno(), data, offset)
+    except OSError as exc:
+        view.close()
+        raise OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - the local view of {url}") from None
+    except BaseException:
+        view.close()
+        raise
+    return view
+
+
+@contextlib.contextmanager
+def readable(path: str, tag: str | None, whole: bool = False) -> Iterator[tuple[str, str | None]]:
+    """What a reading command opens: PATH itself, or for a URL a local view of it (its skeleton; every object
+    fetched, CRC-checked, when ``whole``), removed afterwards; errors name the URL."""
+    if not is_url(path):
+        yield path, tag
+        return
+    from ..io.remote import scratch_folder
+
+    scratch = scratch_folder(".dsckpt-read-")
+    try:
+        view = remote_view(ONE_PROCESS, path, tag, scratch)
+        with view.real_names():
+            if whole:
+                sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
+                view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()],
+                                lambda rel: list(TorchFile(view.path(rel)).storages.values())
+                                if rel.endswith(".pt") else [])
+            yield str(view.root), view.tag
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,292 @@
+"""Checkpoints and outputs in object storage (``s3://``, ``gs://``, ``az://``) through fsspec.
+
+Reading: a checkpoint in a bucket opens as a view (``parallel.view.View`` with a ``store``), the way a distributed
+run sees files other hosts hold:
+1. list: the objects under the URL, top level and one folder down, with their sizes (nothing outside the prefix
+   is ever read);
+2. skeleton: a sparse local file of each wanted object's size, holding what every reader parses - a small object
+   whole; of a torch zip its directory, every entry's local header and the records that are not storages
+   (ranged GETs, ``THREADS`` in flight);
+3. fill: before a command writes, the storages its plan reads arrive in ``CHUNK`` ranged GETs, ``THREADS`` in
+   flight, each storage checked against its zip CRC-32 as it lands (``transfer.fetch`` calls it), so a truncated
+   or damaged object is a typed error naming its URL before anything is published.
+Scratch disk: the bytes the command reads (sparse files, removed at the end); memory: ``THREADS`` x ``CHUNK``.
+
+Writing: ``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would
+locally; then each file is uploaded (fsspec ``put_file``: multipart for large ones, an object is visible only once
+complete), the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``) last; a failed or
+interrupted upload deletes what this run uploaded.  Credentials and endpoints come from the clouds' own
+settings (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import CheckpointNotFoundError, CorruptFileError, MissingExtraError, OutputError, UnreadableFileError
+from ..formats.crc import crc32
+from ..formats.positional import pwrite_all
+
+URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
+EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
+          "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
+CHUNK = 8 << 20
+THREADS = 16
+SMALL_OBJECT = 1 << 20  # read whole: `latest`, configs, trainer state
+HEADER_WINDOW = 1024  # a zip local header, its name and torch's alignment padding fit in this
+SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
+
+
+def is_url(path: Any) -> bool:
+    return bool(URL_RE.match(str(path)))
+
+
+def scratch_folder(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SCRATCH_ENV)))
+
+
+def filesystem(url: str):
+    """fsspec's filesystem for ``url`` and the path inside it; a missing backend is a ``MissingExtraError``."""
+    scheme = url.split("://", 1)[0].lower()
+    package, extra = EXTRAS[scheme]
+    try:
+        from fsspec.core import url_to_fs
+
+        return url_to_fs(url)
+    except ImportError:
+        raise MissingExtraError(f"{url}: reading {scheme}:// needs fsspec and {package}, not installed",
+                                hint=f"pip install 'dsckpt[{extra}]'") from None
+
+
+def _typed(url: str, exc: BaseException, doing: str) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(f"{url}: no such object or prefix")
+    if isinstance(exc, PermissionError):
+        return UnreadableFileError(f"{url}: access denied while {doing}", hint="check the credentials the cloud's "
+                                   "own tools use (AWS_PROFILE, the credential chain) and the bucket's policy")
+    return UnreadableFileError(f"{url}: {doing} failed ({type(exc).__name__}: {str(exc)[:200]})")
+
+
+@dataclass
+class RemoteStore:
+    """The objects under one URL prefix (a checkpoint folder in a bucket)."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+
+    def object_url(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
+
+    def list(self) -> dict[str, int]:
+        """Relative name -> size of the objects at the top level and one folder down."""
+        try:
+            found = self.fs.find(self.root, maxdepth=2, detail=True)
+        except Exception as exc:
+            raise _typed(self.url, exc, "listing") from None
+        prefix = self.root.rstrip("/") + "/"
+        out = {}
+        for name, info in found.items():
+            if info.get("type", "file") == "file" and name.startswith(prefix):
+                rel = name[len(prefix):]
+                if rel and not any(part.startswith(".") for part in rel.split("/")):
+                    out[rel] = int(info["size"])
+        if not out:
+            raise CheckpointNotFoundError(f"{self.url}: no such object or prefix (nothing listed under it)")
+        return out
+
+    def read(self, rel: str, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(f"{self.root}/{rel}", start=start, end=end)
+        except Exception as exc:
+            raise _typed(self.object_url(rel), exc, f"reading bytes {start}-{end}") from None
+        if len(data) != end - start:
+            raise CorruptFileError(f"{self.object_url(rel)}: {len(data):,} of {end - start:,} bytes at offset {start:,} "
+                                   "(the object is shorter than listed: truncated or replaced while reading?)")
+        return data
+
+    def read_many(self, jobs: Iterable[tuple[str, int, int]]) -> list[bytes]:
+        jobs = list(jobs)
+        with ThreadPoolExecutor(max(1, min(THREADS, len(jobs)))) as pool:
+            return list(pool.map(lambda job: self.read(*job), jobs))
+
+    # 2. skeleton
+    def skeleton(self, rel: str, size: int) -> list[tuple[int, bytes]]:
+        """The ranges of object ``rel`` a reader parses before any storage (see the module docstring)."""
+        if size <= SMALL_OBJECT:
+            return [(0, self.read(rel, 0, size))] if size else []
+        head = self.read(rel, 0, 4)
+        if head != b"PK\x03\x04":
+            return [(0, head)]  # not a torch zip: its reader says so in its own words
+        tail_start = max(0, size - (1 << 16) - 22)
+        tail = self.read(rel, tail_start, size)
+        try:
+            directory = _directory_offset(tail, tail_start)
+            if directory < tail_start:  # a directory larger than the tail: fetch the rest of it
+                tail, tail_start = self.read(rel, directory, tail_start) + tail, directory
+            entries = _entries(_Tail(tail, tail_start, size))
+        except Exception as exc:  # hostile bytes reach zipfile's parser: every failure is a format error
+            raise CorruptFileError(f"{self.object_url(rel)}: unreadable zip archive ({type(exc).__name__}: {exc}); "
+                                   "truncated or damaged?") from None
+        jobs = [(rel, e.header_offset, min(size, e.header_offset + HEADER_WINDOW +
+                                           (0 if "/data/" in e.filename else e.compress_size))) for e in entries]
+        return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
+
+    # 3. fill
+    def fill(self, local_root: Path, ranges: list[tuple[str, int, int]], storages) -> int:
+        """Fetch the storages overlapping ``ranges`` (whole, CRC-checked) and any other range as it is, into the
+        sparse files under ``local_root``; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s."""
+        spans: dict[tuple[str, int], tuple[int, int | None]] = {}  # (rel, start) -> (nbytes, crc or None)
+        for rel, offset, nbytes in ranges:
+            locations = storages(rel)
+            hit = [loc for loc in locations if loc.offset < offset + nbytes and offset < loc.offset + loc.nbytes]
+            for loc in hit:
+                spans[(rel, loc.offset)] = (loc.nbytes, loc.crc32)
+            if not hit:
+                spans.setdefault((rel, offset), (nbytes, None))
+        jobs = [(rel, start + k, min(CHUNK, nbytes - k), crc) for (rel, start), (nbytes, crc) in sorted(spans.items())
+                for k in range(0, nbytes, CHUNK)]
+        handles: dict[str, int] = {}
+        crcs: dict[tuple[str, int], int] = {}
+
+        def one(job) -> tuple[tuple[str, int, int, Any], int]:
+            rel, offset, n, _ = job
+            data = self.read(rel, offset, offset + n)
+            pwrite_all(handles[rel], data, offset)
+            return job, crc32(data)
+
+        try:
+            for rel in {job[0] for job in jobs}:
+                handles[rel] = os.open(local_root / rel, os.O_WRONLY)
+            with ThreadPoolExecutor(THREADS) as pool:
+                results = dict(pool.map(one, jobs))  # pool.map: in order, THREADS in flight
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+        from ..formats.crc import crc32_combine
+
+        for (rel, offset, n, crc), part in results.items():
+            key = next(k for k in spans if k[0] == rel and k[1] <= offset < k[1] + spans[k][0])
+            crcs[key] = part if key not in crcs else crc32_combine(crcs[key], part, n)
+        for (rel, start), (nbytes, crc) in spans.items():
+            if crc is not None and crcs.get((rel, start), 0) != crc:
+                raise CorruptFileError(f"{self.object_url(rel)}: the storage at byte {start:,} ({nbytes:,} bytes) "
+                                       "fails its CRC-32 check: the object is damaged")
+        return sum(n for n, _ in spans.values())
+
+
+class _Tail:
+    """A file-like over the last bytes of an object: what ``zipfile`` reads to list the entries."""
+
+    def __init__(self, data: bytes, start: int, size: int):
+        self.data, self.start, self.size, self.pos = data, start, size, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos < self.start:
+            raise CorruptFileError(f"zip structure at byte {self.pos:,}, before the directory")
+        end = self.size if n < 0 else min(self.size, self.pos + n)
+        out = self.data[self.pos - self.start:end - self.start]
+        self.pos += len(out)
+        return out
+
+
+def _entries(tail: _Tail) -> list[zipfile.ZipInfo]:
+    with zipfile.ZipFile(tail) as zf:
+        return zf.infolist()
+
+
+def _directory_offset(tail: bytes, tail_start: int) -> int:
+    """Where the zip's central directory starts, from its end record (zip64's when the plain one says so)."""
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0:
+        raise CorruptFileError("no end-of-directory record in the object's last 64 KiB")
+    offset = int.from_bytes(tail[end + 16:end + 20], "little")
+    if offset != 0xFFFFFFFF:
+        return offset
+    locator = tail.rfind(b"PK\x06\x07", 0, end)
+    record = int.from_bytes(tail[locator + 8:locator + 16], "little") - tail_start
+    if locator < 0 or not 0 <= record < len(tail) - 56 or tail[record:record + 4] != b"PK\x06\x06":
+        raise CorruptFileError("a zip64 end record outside the object's last 64 KiB")
+    return int.from_bytes(tail[record + 48:record + 56], "little")
+
+
+# Writing
+LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"))
+
+
+def upload_order(names: list[str], last: str | None = None) -> list[str]:
+    """Data first, then what points at it: index files, then `latest*`, then ``last`` (a single-file OUT after its
+    sidecars): what a reader looks for comes last."""
+    def rank(name: str) -> tuple[int, str]:
+        tail = name.split("/", 1)[-1]
+        order = 3 if name == last else next((i + 1 for i, rule in enumerate(LAST) if rule.search(tail)), 0)
+        return order, name
+    return sorted(names, key=rank)
+
+
+class Upload:
+    """A command's OUT in a bucket: staged locally under ``local``, uploaded by ``publish``."""
+
+    def __init__(self, url: str, force: bool):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+        self.force = force
+        self.scratch = scratch_folder(".dsckpt-upload-")
+        self.local = self.scratch / Path(self.root).name
+        self.uploaded: list[str] = []
+
+    def check(self) -> None:
+        """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
+        try:
+            exists = self.fs.exists(self.root)
+        except Exception as exc:
+            raise _typed(self.url, exc, "looking at the destination") from None
+        if exists and not self.force:
+            raise OutputError(f"{self.url}: already exists", hint="--force replaces what dsckpt writes there")
+
+    def publish(self) -> list[str]:
+        """Upload what the command staged (OUT and its sidecars beside it); on any failure delete what this run
+        uploaded, then raise.  The URLs written."""
+        files = {p.relative_to(self.scratch).as_posix(): p for p in sorted(self.scratch.rglob("*"))
+                 if p.is_file() and ".dsckpt-" not in p.relative_to(self.scratch).as_posix()}
+        parent = self.root.rsplit("/", 1)[0]
+        single = self.local.name if self.local.is_file() else None
+        try:
+            for rel in upload_order(list(files), last=single):
+                self.fs.put_file(str(files[rel]), f"{parent}/{rel}")
+                self.uploaded.append(f"{parent}/{rel}")
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, Exception):
+                raise OutputError(f"{self.url}: upload failed ({type(exc).__name__}: {str(exc)[:200]}); what this "
+                                  "run uploaded was deleted") from None
+            raise
+        base = self.url.rsplit("/", 1)[0]
+        return [f"{base}/{rel}" for rel in files]
+
+    def abort(self) -> None:
+        for key in reversed(self.uploaded):
+            try:
+                self.fs.rm_file(key)
+            except Exception:  # best effort: the error that brought us here is the one to report
+                pass
+        self.uploaded.clear()
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
