@@ -20,17 +20,20 @@ settings (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import threading
 import shutil
 import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import CheckpointNotFoundError, CorruptFileError, MissingExtraError, OutputError, UnreadableFileError
+from ..errors import Interrupted, CheckpointNotFoundError, CorruptFileError, MissingExtraError, OutputError, UnreadableFileError
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
 
@@ -240,6 +243,28 @@ def upload_order(names: list[str], last: str | None = None) -> list[str]:
     return sorted(names, key=rank)
 
 
+@contextlib.contextmanager
+def _signals_between_objects() -> Iterator[Callable[[], None]]:
+    """Ctrl-C (SIGINT, SIGTERM) while uploading lands between two objects: a request in flight on fsspec's own
+    thread would otherwise finish after the clean-up deleted what it knew of."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop() -> None:
+        if caught:
+            raise Interrupted
+
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stop()
+
+
 class Upload:
     """A command's OUT in a bucket: staged locally under ``local``, uploaded by ``publish``."""
 
@@ -263,14 +288,17 @@ class Upload:
     def publish(self) -> list[str]:
         """Upload what the command staged (OUT and its sidecars beside it); on any failure delete what this run
         uploaded, then raise.  The URLs written."""
-        files = {p.relative_to(self.scratch).as_posix(): p for p in sorted(self.scratch.rglob("*"))
-                 if p.is_file() and ".dsckpt-" not in p.relative_to(self.scratch).as_posix()}
+        staged = sorted(self.local.rglob("*")) if self.local.is_dir() else [self.local]
+        staged += sorted(self.scratch.glob(self.local.name + ".client_state.*"))  # a single file's sidecars
+        files = {p.relative_to(self.scratch).as_posix(): p for p in staged if p.is_file()}
         parent = self.root.rsplit("/", 1)[0]
         single = self.local.name if self.local.is_file() else None
         try:
-            for rel in upload_order(list(files), last=single):
-                self.fs.put_file(str(files[rel]), f"{parent}/{rel}")
-                self.uploaded.append(f"{parent}/{rel}")
+            with _signals_between_objects() as stop:
+                for rel in upload_order(list(files), last=single):
+                    self.uploaded.append(f"{parent}/{rel}")
+                    self.fs.put_file(str(files[rel]), f"{parent}/{rel}")
+                    stop()
         except BaseException as exc:
             self.abort()
             if isinstance(exc, Exception):
