@@ -167,3 +167,31 @@ def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
         pytest.skip("the upload finished before Ctrl-C reached it")
     assert proc.returncode == 130 and b"Traceback" not in stderr
     assert s3.find(out) == []
+
+
+def test_the_reading_api_and_commands_take_urls(s3, tmp_path):
+    """load_state_dict, iter_state_dict and load_into (a checkpoint and a weights file in the bucket); diff,
+    check-finite and verify (every tag) read the bucket as they read the folder."""
+    import torch
+
+    import dsckpt
+    from dsckpt.runtime.demo_model import TinyCausalLM
+
+    url, local = f"s3://{BUCKET}/z3_ws2_fp32", FIXTURES / "z3_ws2_fp32"
+    expected = dsckpt.load_state_dict(local)
+    got = dsckpt.load_state_dict(url)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert all(torch.equal(t, expected[n]) for n, t in dsckpt.iter_state_dict(url))
+    weights = f"{BUCKET}/weights-{tmp_path.name}/model.safetensors"
+    ok("consolidate", local, tmp_path / "model.safetensors")
+    s3.put_file(str(tmp_path / "model.safetensors"), weights)
+    vocab, dim = expected["embed.weight"].shape
+    layers = len({k.split(".")[1] for k in expected if k.startswith("blocks.")})
+    for source in (url, f"s3://{weights}"):
+        model = TinyCausalLM(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=2,
+                             seq_len=expected["pos_embed"].shape[0])
+        assert dsckpt.load_into(model, source).missing_keys == []
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert "IDENTICAL" in ok("diff", url, f"s3://{weights}").stdout
+    assert "tensors finite" in ok("check-finite", url, "--optimizer").stdout
+    assert ok("verify", url, "--all-tags").stdout == ok("verify", local, "--all-tags").stdout

@@ -33,6 +33,7 @@ from ..io.read import Reader, check_plan, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
 from ..parallel.group import ONE_PROCESS, Group
 from ..io.remote import is_url
+from ..parallel.view import readable
 from .frame import uploading, writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
@@ -278,9 +279,11 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
     parameters out.  ``state="exp_avg"`` / ``"exp_avg_sq"``: Adam's moments of the trainable parameters instead.
     Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
-    plan = build_plan(open_checkpoint(checkpoint, tag), dtype, exclude_frozen=exclude_frozen, state=state)
-    check_plan(plan, skip=not check_crc)
-    return torch_state_dict(plan)
+    with readable(checkpoint, tag) as source:  # (a URL: a local view, the plan's storages fetched)
+        plan = build_plan(open_checkpoint(source.path, source.tag), dtype, exclude_frozen=exclude_frozen, state=state)
+        source.fetch(p for t in plan.tensors for p in t.pieces)
+        check_plan(plan, skip=not check_crc)
+        return torch_state_dict(plan)
 
 
 def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
@@ -291,9 +294,11 @@ def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
     ``"fp16"`` (or a torch dtype) for floating-point tensors; None keeps the fp32 masters and the buffers' types.
     Every storage read is checked against its CRC-32 first (``check_crc=False`` skips it).
     """
-    plan = build_plan(open_checkpoint(checkpoint, tag), dtype)
-    check_plan(plan, skip=not check_crc)
-    for t in plan.tensors:
-        yield t.name, torch_state_dict(plan, only={t.name})[t.name]
-    for alias, target in plan.aliases.items():
-        yield alias, torch_state_dict(plan, only={target})[target]
+    with readable(checkpoint, tag) as source:
+        plan = build_plan(open_checkpoint(source.path, source.tag), dtype)
+        source.fetch(p for t in plan.tensors for p in t.pieces)
+        check_plan(plan, skip=not check_crc)
+        for t in plan.tensors:
+            yield t.name, torch_state_dict(plan, only={t.name})[t.name]
+        for alias, target in plan.aliases.items():
+            yield alias, torch_state_dict(plan, only={target})[target]

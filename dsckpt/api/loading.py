@@ -23,6 +23,7 @@ from torch import nn
 
 from ..plan.names import prefixes
 from .keys import compare, state_slots, tie_groups
+from ..parallel.view import readable
 from .paths import classify
 
 
@@ -39,8 +40,8 @@ class LoadReport:
 class _Source:
     """Names, shapes and one-tensor reads of a checkpoint folder or a consolidated file."""
 
-    def __init__(self, source: str | os.PathLike, tag: str | None, strip_prefixes: tuple[str, ...]):
-        path = Path(source)
+    def __init__(self, source, tag: str | None, strip_prefixes: tuple[str, ...]):
+        path, tag = Path(source.path), source.tag
         if classify(path).is_checkpoint:
             from ..io.read import check_plan, torch_state_dict
             from ..plan.consolidate import build_plan
@@ -48,6 +49,7 @@ class _Source:
             from ..zero.reader import open_checkpoint
 
             plan = build_plan(open_checkpoint(path, tag))
+            source.fetch(p for t in plan.tensors for p in t.pieces)
             check_plan(plan)
             by_name = {t.name: t for t in plan.tensors}
             targets = {**{n: n for n in by_name}, **plan.aliases}
@@ -58,6 +60,7 @@ class _Source:
         else:
             from .weights import WeightsFile
 
+            source.fetch_all()
             weights = WeightsFile(path, strip_prefixes)
             self.shapes = {n: tuple(weights.shape(n)) for n in weights.source}
             self.read = weights.get
@@ -70,7 +73,7 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
     Args:
         model: any ``nn.Module``; meta-device tensors are materialized as they load; tied weights stay tied.
         source: a DeepSpeed checkpoint folder (the fp32 masters) or a weights file / folder (``.safetensors``,
-            ``.pt``/``.bin``, a sharded folder with its index).
+            ``.pt``/``.bin``, a sharded folder with its index); a local path or an ``s3://``/``gs://``/``az://`` URL.
         strict: refuse (``StateDictMismatchError``, before anything is touched) when names or shapes differ;
             ``False`` loads what matches and reports the rest.
         tag: the checkpoint's tag (default: ``latest``).
@@ -80,7 +83,11 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
         ``LoadReport``: ``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` and ``still_meta``.
     Every storage read is checked against its CRC-32 first.
     """
-    src = _Source(source, tag, prefixes(strip_prefixes))
+    with readable(source, tag) as opened:  # (a URL: a local view, what is read fetched first)
+        return _load_into(model, _Source(opened, tag, prefixes(strip_prefixes)), source, strict)
+
+
+def _load_into(model: nn.Module, src: _Source, source, strict: bool) -> LoadReport:
     slots = state_slots(model)  # name -> (module, attribute, is parameter)
     groups = tie_groups(model)  # name -> every name sharing its tensor
     keys = compare({n: tuple(getattr(m, a).shape) for n, (m, a, _) in slots.items()}, src.shapes, groups)

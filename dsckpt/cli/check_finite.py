@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, shown
 
 EXIT_NON_FINITE = 3
 
@@ -27,6 +27,13 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
       dsckpt check-finite runs/demo --optimizer --tag step30
     Works on checkpoint folders and consolidated files; exit 2 on unreadable input.
     """
+    from ..parallel.view import readable
+
+    with readable(path, tag, whole=True) as (local, local_tag, *_):
+        _check_finite(local, local_tag, optimizer, skip_crc_check, as_json, shown({local: path}))
+
+
+def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool, echo) -> None:
     from ..analysis.sources import resolved_tag, sources
     from ..analysis.stats import compute_stats
 
@@ -34,13 +41,13 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
     crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
-        click.echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
+        echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
                                  offending=bad))
     elif bad:
-        click.echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
+        echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
         for b in bad:
-            click.echo(f"  {b['name']}: {b['nan']:,} NaN, {b['inf']:,} Inf of {b['count']:,}")
+            echo(f"  {b['name']}: {b['nan']:,} NaN, {b['inf']:,} Inf of {b['count']:,}")
     else:
-        click.echo(f"all {len(stats)} tensors finite")
+        echo(f"all {len(stats)} tensors finite")
     if bad:
         sys.exit(EXIT_NON_FINITE)

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, shown
 
 
 @cli.command()
@@ -32,6 +32,15 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
       dsckpt diff runs/demo runs/demo_ws3 --atol 1e-6 --json    # a resharded copy holds the same weights
     Exit 0 when identical (bitwise, or within --atol/--rtol), 1 when not, 2 on errors.
     """
+    from ..parallel.view import readable
+
+    with readable(a, tag_a, whole=True) as (local_a, tag_a, *_), readable(b, tag_b, whole=True) as (local_b, tag_b, *_):
+        _diff(local_a, local_b, tag_a, tag_b, atol, rtol, optimizer, as_json, plot, skip_crc_check,
+              shown({local_a: a, local_b: b}))
+
+
+def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool,
+          plot: str | None, skip_crc_check: bool, echo) -> None:
     from ..analysis.diff import diff as compare
     from ..analysis.report import render_diff
     from ..analysis.sources import resolved_tag, sources
@@ -46,6 +55,6 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
 
         bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
                  title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
-    click.echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record()) if as_json else render_diff(report))
+    echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record()) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

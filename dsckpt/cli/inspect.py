@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, shown
 
 
 @cli.command()
@@ -39,9 +39,9 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     """
     from ..parallel.view import readable
 
-    with readable(path, tag, whole=stats) as (local, local_tag):
-        shown = (lambda text: click.echo(text.replace(local, path))) if local != path else click.echo
-        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du, shown)
+    with readable(path, tag, whole=stats) as (local, local_tag, *_):
+        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du,
+                 shown({local: path}))
 
 
 def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int | None,

@@ -122,3 +122,13 @@ def crc_skipped_note(skipped: bool) -> None:
         from ..io.integrity import SKIPPED_NOTE
 
         click.echo(f"note: {SKIPPED_NOTE}", err=True)
+
+
+def shown(locals_to_given: dict[str, str]):
+    """``click.echo`` that names the inputs as the user gave them (a URL, not the local view read in its place)."""
+    def echo(text: str = "") -> None:
+        for local, given in locals_to_given.items():
+            if local != given:
+                text = text.replace(local, given)
+        click.echo(text)
+    return echo

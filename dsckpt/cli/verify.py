@@ -6,6 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
+from .options import shown
 
 
 @cli.command()
@@ -30,20 +31,27 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
       dsckpt verify runs/demo --all-tags --json
       dsckpt verify out/checkpoint-500 && rm -r /backup/checkpoint-500
     """
-    from ..analysis.verify import verify as run
+    from ..parallel.view import readable
 
     if tag and all_tags:
         raise click.UsageError("--tag names one tag, --all-tags every one: give one of them")
+    with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False) as (local, local_tag, *_):
+        _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}))
+
+
+def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, echo) -> None:
+    from ..analysis.verify import verify as run
+
     reports = run(checkpoint, tag, all_tags)
     ok = not any(r.problems for r in reports)
     if as_json:
-        click.echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
+        echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
     else:
         for r in reports:
             head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {r.files} rank files, " \
                    f"{r.storages_checked} storages CRC-checked, {r.tensors_checked} tensors checked finite"
-            click.echo(f"{head}: {'ok' if not r.problems else f'{len(r.problems)} problems'}")
+            echo(f"{head}: {'ok' if not r.problems else f'{len(r.problems)} problems'}")
             for p in r.problems:
-                click.echo(f"  [{p['check']}] {p['message']}")
+                echo(f"  [{p['check']}] {p['message']}")
     if not ok:
         sys.exit(EXIT_PROBLEMS)

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Iterable
 
 from ..formats.positional import pwrite_all
-from ..formats.torchzip import TorchFile, is_torch_zip
 from ..plan.segments import Segment
 from .group import Group
 from .transport import comm_errors
-from .view import View
+from .view import View, zip_storages
 
 CHUNK = 16 << 20
 
@@ -58,7 +57,7 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
     """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here.  A view of a
     checkpoint in object storage fetches them from there (``io.remote``)."""
     if view.store is not None:
-        return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: _storages(view.path(rel))))
+        return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel))))
     if group.size == 1:
         return 0
     everyone = group.gather(wanted)
@@ -96,10 +95,6 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
             os.close(fd)
     group.agree(error)
     return received
-
-
-def _storages(path: Path) -> list:
-    return list(TorchFile(path).storages.values()) if is_torch_zip(path) else []
 
 
 def _read_into(path: Path, offset: int, chunk) -> OSError | None:

@@ -21,13 +21,14 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedError, DsckptError, OutputError, TagError,
                       UnsafeCheckpointError)
 from ..formats.positional import pwrite_all
-from ..formats.torchzip import TorchFile
+from ..formats.torchzip import TorchFile, is_torch_zip
 from ..io.remote import RemoteStore, is_url
+from ..plan.segments import Segment
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
 from .group import ONE_PROCESS, Group
@@ -247,15 +248,18 @@ class _Url(str):
         return _Url(f"{self.rstrip('/')}/{name}")
 
 
-def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path) -> View:
+def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, every_tag: bool = False) -> View:
     """A checkpoint in object storage as a view (``io.remote``, steps 1-2): each process lists and fetches the
-    skeleton itself; the storages come when a command asks for them (``transfer.fetch``)."""
+    skeleton itself; the storages come when a command asks for them (``transfer.fetch``).  ``every_tag``: the
+    objects of every tag folder, not only the chosen one's."""
     store = RemoteStore(url)
     sizes = store.list()
     latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \
         if L.LATEST_FILE in sizes else None
-    chosen = _choose_tag(sizes, tag, latest, _Url(store.url))
-    wanted = sorted(rel for rel in sizes if "/" not in rel or (chosen is not None and rel.split("/")[0] == chosen))
+    no_ranks = not any(L.RANK_FILE_RE.match(rel.rsplit("/", 1)[-1]) for rel in sizes)  # a weights folder
+    chosen = None if every_tag or no_ranks else _choose_tag(sizes, tag, latest, _Url(store.url))
+    wanted = sorted(rel for rel in sizes if "/" not in rel or every_tag or
+                    (chosen is not None and rel.split("/")[0] == chosen))
     name = store.url.rsplit("/", 1)[-1]
     scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
     view = View(scratch / name, chosen, scratch, scratch / name, {rel: group.rank for rel in wanted}, set(),
@@ -263,6 +267,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path) -
     try:
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
         for rel in wanted:
+            view.path(rel).parent.mkdir(parents=True, exist_ok=True)
             with open(view.path(rel), "wb") as fh:
                 fh.truncate(sizes[rel])
                 for offset, data in store.skeleton(rel, sizes[rel]):
@@ -276,24 +281,70 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path) -
     return view
 
 
+def zip_storages(path: Path) -> list:
+    """Where the storages of a torch zip lie (none for any other file, or one its reader will refuse)."""
+    try:
+        return list(TorchFile(path).storages.values()) if is_torch_zip(path) else []
+    except CorruptFileError:
+        return []
+
+
+class Readable(NamedTuple):
+    """What ``readable`` hands a reader: the path and tag to open, and how to get the bytes of a plan's pieces
+    (nothing to do for a local path)."""
+    path: str
+    tag: str | None
+    fetch: Callable[[Iterable[object]], None]
+    fetch_all: Callable[[], None]
+
+
+def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
+    for piece in pieces:
+        if isinstance(piece, Segment):
+            yield piece
+        elif hasattr(piece, "sources"):  # a tensor-parallel join's strided runs: the whole source pieces
+            yield from _segments(piece.sources)
+
+
 @contextlib.contextmanager
-def readable(path: str, tag: str | None, whole: bool = False) -> Iterator[tuple[str, str | None]]:
-    """What a reading command opens: PATH itself, or for a URL a local view of it (its skeleton; every object
-    fetched, CRC-checked, when ``whole``), removed afterwards; errors name the URL."""
+def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, every_tag: bool = False,
+             check: bool = True) -> Iterator[Readable]:
+    """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
+    or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
+    through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
+    (``verify`` makes its own)."""
     if not is_url(path):
-        yield path, tag
+        yield Readable(str(path), tag, lambda pieces: None, lambda: None)
         return
     from ..io.remote import scratch_folder
 
+    path = str(path)
     scratch = scratch_folder(".dsckpt-read-")
     try:
-        view = remote_view(ONE_PROCESS, path, tag, scratch)
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        size = RemoteStore(path).object_size()
+        if size is not None:  # one object: a consolidated file, a weights file
+            view = View(scratch, None, scratch, scratch, {name: 0}, set(), 0, RemoteStore(parent))
+            sizes = {name: size}
+        else:
+            view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
+            sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
+        storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
+        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check)  # noqa: E731
+
+        def fetch(pieces: Iterable[object]) -> None:
+            wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]
+            view.store.fill(view.root, [w for w in wanted if w[0] is not None], storages, check)
+
         with view.real_names():
+            if size is not None:
+                with open(view.path(name), "wb") as fh:
+                    fh.truncate(size)
+                    for offset, data in view.store.skeleton(name, size):
+                        pwrite_all(fh.fileno(), data, offset)
             if whole:
-                sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
-                view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()],
-                                lambda rel: list(TorchFile(view.path(rel)).storages.values())
-                                if rel.endswith(".pt") else [])
-            yield str(view.root), view.tag
+                fetch_all()
+            yield Readable(str(view.path(name) if size is not None else view.root),
+                           tag if size is not None else view.tag, fetch, fetch_all)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
