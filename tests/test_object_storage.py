@@ -195,3 +195,20 @@ def test_the_reading_api_and_commands_take_urls(s3, tmp_path):
     assert "IDENTICAL" in ok("diff", url, f"s3://{weights}").stdout
     assert "tensors finite" in ok("check-finite", url, "--optimizer").stdout
     assert ok("verify", url, "--all-tags").stdout == ok("verify", local, "--all-tags").stdout
+
+
+def test_resume_from_a_bucket_sharded_and_from_full_weights(s3, tmp_path):
+    """resume fetches what DeepSpeed's loader reads to a scratch folder; its messages name the URL."""
+    model = "dsckpt.runtime.demo_model:build_small_model"
+    env = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    weights = f"{BUCKET}/full-{tmp_path.name}/model.safetensors"
+    ok("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "model.safetensors")
+    s3.put(f"{tmp_path}/", f"{BUCKET}/full-{tmp_path.name}/", recursive=True)  # with its client-state sidecars
+    check = run_cli("resume", "--full-weights", f"s3://{weights}", "--model", model, "--stage", "3", "--check", env=env)
+    assert check.returncode == 0, check.stderr
+    assert f"identical to s3://{weights}" in check.stdout + check.stderr and "step 3" in check.stderr
+    url = f"s3://{BUCKET}/z3_ws2_fp32"
+    sharded = run_cli("resume", url, "--model", model, "--nproc", "2", "--steps", "1", "--save-dir", tmp_path / "run",
+                      env=env)
+    assert sharded.returncode == 0, sharded.stderr
+    assert f"resumed {url} at step 3" in sharded.stderr and (tmp_path / "run" / "step4").is_dir()

@@ -1,6 +1,7 @@
 """`dsckpt resume`: carry on training from a sharded checkpoint or a full-weights file."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -37,16 +38,27 @@ def resume(nproc: int, **kwargs) -> None:
       dsckpt resume --full-weights model.safetensors --nproc 2 --check
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5
       dsckpt resume runs/z2 --nproc 3 --reshard --stage 3 --steps 5      (ZeRO-2 -> ZeRO-3, optimizer kept)
+      dsckpt resume s3://bucket/runs/demo --nproc 2 --steps 10      (fetched to a scratch folder first)
     Full weights load into ZeRO-3 module by module through GatheredParameters (rank 0 reads);
     optimizer moments start fresh; the client state comes from the sidecar.  A sharded CHECKPOINT
     resumes at its own ZeRO stage unless --stage, --preset or --config say otherwise.
     """
     require_runtime("resume")
-    from ..runtime import commands, launch
+    from ..io.remote import is_url
+    from ..parallel.view import readable
+    from ..runtime import commands, console, launch
 
-    if not in_launched_rank():
-        commands.preflight_resume(world_size_for(nproc), **kwargs)
-    with commands.interruptible(kwargs.get("save_dir")):
-        if launch.should_launch(nproc):
-            sys.exit(launch.launch(nproc))
-        commands.run_resume(**kwargs)
+    with contextlib.ExitStack() as local_copies:
+        for key in ("checkpoint", "full_weights"):  # a URL: every byte fetched (DeepSpeed's loader reads them all)
+            url = kwargs.get(key)
+            if url and is_url(url):
+                opened = local_copies.enter_context(readable(url, kwargs.get("tag"), whole=True))
+                kwargs[key] = opened.path
+                console.name_as(opened.path, url)
+                sys.argv = [opened.path if arg == url else arg for arg in sys.argv]  # what --nproc's ranks run
+        if not in_launched_rank():
+            commands.preflight_resume(world_size_for(nproc), **kwargs)
+        with commands.interruptible(kwargs.get("save_dir")):
+            if launch.should_launch(nproc):
+                sys.exit(launch.launch(nproc))
+            commands.run_resume(**kwargs)

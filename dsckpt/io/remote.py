@@ -117,6 +117,15 @@ class RemoteStore:
             raise CheckpointNotFoundError(f"{self.url}: no such object or prefix (nothing listed under it)")
         return out
 
+    def starting_with(self, prefix: str) -> dict[str, int]:
+        """Relative name -> size of the objects directly under the URL whose names start with ``prefix``."""
+        try:
+            found = self.fs.glob(f"{self.root}/{prefix}*", detail=True)
+        except Exception as exc:
+            raise _typed(self.url, exc, "listing") from None
+        return {name.rsplit("/", 1)[-1]: int(info["size"]) for name, info in found.items()
+                if info.get("type", "file") == "file"}
+
     def read(self, rel: str, start: int, end: int, exact: bool = True) -> bytes:
         try:
             data = self.fs.cat_file(f"{self.root}/{rel}", start=start, end=end)

@@ -323,9 +323,10 @@ def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, ever
     try:
         parent, name = path.rstrip("/").rsplit("/", 1)
         size = RemoteStore(path).object_size()
-        if size is not None:  # one object: a consolidated file, a weights file
-            view = View(scratch, None, scratch, scratch, {name: 0}, set(), 0, RemoteStore(parent))
-            sizes = {name: size}
+        if size is not None:  # one object (a consolidated file, a weights file) and its client-state sidecars
+            store = RemoteStore(parent)
+            sizes = {name: size, **store.starting_with(f"{name}.client_state.")}
+            view = View(scratch, None, scratch, scratch, dict.fromkeys(sizes, 0), set(), 0, store)
         else:
             view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
             sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
@@ -338,10 +339,11 @@ def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, ever
 
         with view.real_names():
             if size is not None:
-                with open(view.path(name), "wb") as fh:
-                    fh.truncate(size)
-                    for offset, data in view.store.skeleton(name, size):
-                        pwrite_all(fh.fileno(), data, offset)
+                for rel, n in sizes.items():
+                    with open(view.path(rel), "wb") as fh:
+                        fh.truncate(n)
+                        for offset, data in view.store.skeleton(rel, n):
+                            pwrite_all(fh.fileno(), data, offset)
             if whole:
                 fetch_all()
             yield Readable(str(view.path(name) if size is not None else view.root),

@@ -38,6 +38,20 @@ def claim_stdout(verbose: bool = False) -> None:
         os.close(devnull)
 
 
+SHOWN_AS_ENV = "DSCKPT_SHOWN_AS"  # JSON {local path: what the user named}: a URL's local copy, named as given
+
+
+def shown(text: str) -> str:
+    for local, given in json.loads(os.environ.get(SHOWN_AS_ENV, "{}")).items():
+        text = text.replace(local, given)
+    return text
+
+
+def name_as(local: str, given: str) -> None:
+    """From here on (in this process and the ranks it starts) ``local`` is written as ``given``."""
+    os.environ[SHOWN_AS_ENV] = json.dumps({**json.loads(os.environ.get(SHOWN_AS_ENV, "{}")), local: given})
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -46,6 +60,7 @@ def result(text: str) -> None:
     """A result line (human summary or the one JSON document): rank 0 only, on the real stdout."""
     if _rank() != 0:
         return
+    text = shown(text)
     data = (text + "\n").encode()
     if _result_fd is None:
         sys.stdout.write(text + "\n")
@@ -57,7 +72,7 @@ def result(text: str) -> None:
 def info(text: str) -> None:
     """A note for the user (rank 0 only), on stderr."""
     if _rank() == 0:
-        print(text, file=sys.stderr, flush=True)
+        print(shown(text), file=sys.stderr, flush=True)
 
 
 def note(text: str) -> None:
@@ -71,7 +86,7 @@ def report_rank_error(message: str, hint: str | None) -> bool:
     if not folder:
         return False
     path = Path(folder) / f"rank{_rank()}.json"
-    path.write_text(json.dumps({"message": message, "hint": hint}))
+    path.write_text(json.dumps({"message": shown(message), "hint": hint}))
     return True
 
 
