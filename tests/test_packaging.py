@@ -41,6 +41,8 @@ def test_inspect_and_consolidate_need_no_torch(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert blocked_cli("inspect", tmp_path / "m.safetensors").returncode == 0
     assert blocked_cli("inspect", tmp_path / "m.pt").returncode == 0
+    proc = blocked_cli("consolidate", ckpt, tmp_path / "n2.safetensors", "--nproc", "2", "-q")  # nor --nproc
+    assert proc.returncode == 0 and (tmp_path / "n2.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
     proc = blocked_cli("reshard", ckpt, tmp_path / "ws2", "--world-size", "2", "-q")  # reshard needs no torch either
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert blocked_cli("inspect", tmp_path / "ws2").returncode == 0

@@ -71,14 +71,6 @@ def require_runtime(command: str) -> None:
                                 hint="pip install 'dsckpt[runtime]'  (inspect and consolidate work without it)")
 
 
-def require_torch(what: str) -> None:
-    from ..errors import MissingExtraError, missing_modules
-
-    if missing_modules("torch"):
-        raise MissingExtraError(f"{what} runs processes over torch.distributed: torch is not installed",
-                                hint="pip install torch, or run without it in one process")
-
-
 def quiet_rank() -> bool:
     """A process of a torchrun-launched run other than rank 0: every process reaches the same verdict
     (``parallel.group``), rank 0 prints it."""

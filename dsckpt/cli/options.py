@@ -94,8 +94,8 @@ def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
 
 
 
-NPROC_HELP = ("Split the work over N local processes (torch.distributed, gloo); under torchrun the processes "
-              "of every host share it instead (docs/cli.md, 'Many processes, many hosts').")
+NPROC_HELP = ("Split the work over N local processes (no torch needed); under torchrun the processes of every "
+              "host share it instead (docs/cli.md, 'Many processes, many hosts').")
 
 
 def parallel_group(nproc: int):
@@ -108,10 +108,8 @@ def parallel_group(nproc: int):
     from ..parallel.group import init_group, launched
 
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from .app import require_torch
         from ..runtime import launch
 
-        require_torch("--nproc")
         sys.exit(launch.launch(nproc))
     return init_group() if launched() else None  # (left without teardown at exit: cli.app._exit)
 
