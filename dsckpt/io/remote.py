@@ -41,9 +41,12 @@ URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
           "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
 CHUNK = 8 << 20
-THREADS = 16
+THREADS = 8
 SMALL_OBJECT = 1 << 20  # read whole: `latest`, configs, trainer state
 HEADER_WINDOW = 1024  # a zip local header, its name and torch's alignment padding fit in this
+EDGE = 1 << 16  # the first bytes of an object fetched with its tail: a zip's first records, a safetensors header
+MERGE_GAP = 1 << 20  # skeleton ranges closer than this come in one request
+PART, PARTS_IN_FLIGHT = 8 << 20, 8  # multipart uploads: memory PART x PARTS_IN_FLIGHT
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
 
 
@@ -143,15 +146,17 @@ class RemoteStore:
 
     # 2. skeleton
     def skeleton(self, rel: str, size: int) -> list[tuple[int, bytes]]:
-        """The ranges of object ``rel`` a reader parses before any storage (see the module docstring)."""
+        """The ranges of object ``rel`` a reader parses before any storage (see the module docstring): its first
+        and last 64 KiB at once, then the entries' headers and records, nearby ones in one request."""
         if size <= SMALL_OBJECT:
             return [(0, self.read(rel, 0, size))] if size else []
-        head = self.read(rel, 0, 8)
-        if head[:4] != b"PK\x03\x04":
-            header = int.from_bytes(head, "little")  # a safetensors file: its JSON header; else its reader refuses it
-            return [(0, head), (8, self.read(rel, 8, 8 + header))] if 0 < header < min(size - 8, 1 << 27) else [(0, head)]
         tail_start = max(0, size - (1 << 16) - 22)
-        tail = self.read(rel, tail_start, size)
+        head, tail = self.read_many([(rel, 0, min(size, EDGE)), (rel, tail_start, size)])
+        if head[:4] != b"PK\x03\x04":
+            header = 8 + int.from_bytes(head[:8], "little")  # a safetensors file: its JSON header
+            if len(head) < header < min(size, 1 << 27):
+                head += self.read(rel, len(head), header)
+            return [(0, head)]  # (anything else: its reader refuses it in its own words)
         try:
             directory = _directory_offset(tail, tail_start)
             if directory < tail_start:  # a directory larger than the tail: fetch the rest of it
@@ -159,8 +164,10 @@ class RemoteStore:
             entries = _entries(_Tail(tail, tail_start, size))
         except Exception:  # damaged or truncated: the bytes at hand, for the local reader to refuse in its words
             return [(0, head), (tail_start, tail)]
-        jobs = [(rel, e.header_offset, min(size, e.header_offset + HEADER_WINDOW +
-                                           (0 if "/data/" in e.filename else e.compress_size))) for e in entries]
+        wanted = [(e.header_offset, min(size, e.header_offset + HEADER_WINDOW +
+                                        (0 if "/data/" in e.filename else e.compress_size))) for e in entries]
+        jobs = [(rel, start, end) for start, end in _merged(wanted, gap=MERGE_GAP)
+                if not (end <= len(head) or start >= tail_start)]
         return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
 
     # 3. fill
@@ -206,6 +213,16 @@ class RemoteStore:
                 raise CorruptFileError(f"{self.object_url(rel)}: the storage at byte {start:,} ({nbytes:,} bytes) "
                                        "fails its CRC-32 check: the object is damaged")
         return sum(n for n, _ in spans.values())
+
+
+def _merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 class _Tail:
@@ -296,6 +313,8 @@ class Upload:
         self.scratch = scratch_folder(".dsckpt-upload-")
         self.local = self.scratch / Path(self.root).name
         self.uploaded: list[str] = []
+        # s3fs: parts of PART bytes, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
+        self.part_options = {"chunksize": PART, "max_concurrency": PARTS_IN_FLIGHT} if self.url.startswith("s3") else {}
 
     def check(self) -> None:
         """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
@@ -318,7 +337,7 @@ class Upload:
             with _signals_between_objects() as stop:
                 for rel in upload_order(list(files), last=single):
                     self.uploaded.append(f"{parent}/{rel}")
-                    self.fs.put_file(str(files[rel]), f"{parent}/{rel}")
+                    self.fs.put_file(str(files[rel]), f"{parent}/{rel}", **self.part_options)
                     stop()
         except BaseException as exc:
             self.abort()

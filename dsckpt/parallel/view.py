@@ -19,6 +19,7 @@ import contextlib
 import os
 import secrets
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -266,11 +267,13 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
                 group.rank, store)
     try:
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
-        for rel in wanted:
+        with ThreadPoolExecutor(8) as pool:  # every object's skeleton at once: a few round trips in all
+            skeletons = list(pool.map(lambda rel: store.skeleton(rel, sizes[rel]), wanted))
+        for rel, skeleton in zip(wanted, skeletons):
             view.path(rel).parent.mkdir(parents=True, exist_ok=True)
             with open(view.path(rel), "wb") as fh:
                 fh.truncate(sizes[rel])
-                for offset, data in store.skeleton(rel, sizes[rel]):
+                for offset, data in skeleton:
                     pwrite_all(fh.fileno(), data, offset)
     except OSError as exc:
         view.close()
