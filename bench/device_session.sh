@@ -1,7 +1,8 @@
 #!/bin/bash
-# Issue 42 on the lent 16-core H200 host, one part per `run` (each well inside its 10-minute limit):
-#   bash bench/device_session_42.sh resume7b $OUT   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU, against Transformers
-#   bash bench/device_session_42.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
+# Issues 41 and 42 on the lent 16-core H200 host, one part per `run` (each well inside its 10-minute limit):
+#   bash bench/device_session.sh resume7b $OUT   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU, against Transformers
+#   bash bench/device_session.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
+#   bash bench/device_session.sh s3 $OUT LAYERS [DIM]    bench_s3.py against a local moto server (wheels in .whl/s3/)
 # DeepSpeed 0.19.8 and einops travel as wheels in .whl/ (installed to /tmp/site).
 part=${1:?part}; out=${2:?OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -17,6 +18,9 @@ case $part in
   scaling)
     BENCH_DIM=${4:-1024} python3 bench/bench_scaling.py --layers $3 --procs 1 2 4 8 --runs ${5:-2} --out /tmp/scaling
     cp /tmp/scaling/*.json /tmp/scaling/*.md $out/ ;;
+  s3)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/s3/*.whl || exit 1
+    BENCH_DIM=${4:-1024} python3 bench/bench_s3.py --layers $3 --runs 3 --json $out/s3.json 2>&1 | tail -8 | tee $out/s3.md ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks
     export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu
     start=$(date +%s)
