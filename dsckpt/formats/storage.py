@@ -5,8 +5,8 @@ turns such names into bytes and staged outputs into published ones.  ``LocalStor
 descriptors opened once per file and shared by threads (positional reads need no seek), ``pread``/``preadv``
 into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  The writers'
 kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.writer``) are local-only and stay
-with them.  An object-storage backend (s3://, gs://, az://) implements the same methods over ranged GETs and
-multipart uploads; what it must guarantee is in docs/architecture.md ("A storage backend").
+with them.  Checkpoints in object storage reach these readers as local views filled by ranged GETs (``io.remote``);
+a backend of this protocol over multipart uploads is where streamed uploads would go (docs/architecture.md).
 """
 from __future__ import annotations
 
