@@ -7,7 +7,7 @@ import tomllib
 
 from conftest import FIXTURES, ROOT
 
-HEAVY = ("torch", "deepspeed", "safetensors")
+HEAVY = ("torch", "deepspeed", "safetensors", "s3fs")
 # Run the CLI in a process where importing any heavy package fails, as on a machine without them.
 BLOCKED = f"""
 import sys
@@ -51,6 +51,12 @@ def test_inspect_and_consolidate_need_no_torch(tmp_path):
     assert blocked_cli("inspect", tmp_path / "universal").returncode == 0
     proc = blocked_cli("convert", ckpt, tmp_path / "dcp", "--to", "dcp")  # DCP is torch's format
     assert proc.returncode == 2 and "torch is not installed" in proc.stderr and not (tmp_path / "dcp").exists()
+
+
+def test_a_url_without_its_backend_names_the_extra():
+    proc = blocked_cli("inspect", "s3://bucket/runs/demo")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "s3fs" in proc.stderr and "pip install 'dsckpt[s3]'" in proc.stderr
 
 
 def test_runtime_commands_name_the_extra():

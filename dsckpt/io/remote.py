@@ -23,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import threading
 import shutil
+import signal
 import tempfile
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import Interrupted, CheckpointNotFoundError, CorruptFileError, MissingExtraError, OutputError, UnreadableFileError
+from ..errors import (CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, OutputError,
+                      UnreadableFileError)
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
 
