@@ -353,3 +353,14 @@ def test_processes_of_one_host_share_the_crc_checks_out_disjointly_and_a_damaged
         except CorruptFileError:
             failed.append(k)
     assert len(failed) == 1  # the one process that owns the damaged storage
+
+
+def test_work_is_dealt_by_bytes_the_same_on_every_process():
+    """Alternating large and small tensors (weights, biases): every n-th would give one writer everything."""
+    from dsckpt.plan.deal import dealt
+
+    sizes = [1000, 1] * 8 + [500, 500]
+    owners = dealt(sizes, 2)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == k) for k in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(sizes) and owners == dealt(list(sizes), 2)
+    assert dealt(sizes, 1) == [0] * len(sizes) and dealt([], 3) == []

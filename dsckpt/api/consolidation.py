@@ -31,6 +31,7 @@ from ..formats.safetensors_file import INDEX_NAME
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
 from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
+from ..plan.deal import dealt
 from ..parallel.group import ONE_PROCESS, Group
 from ..io.remote import is_url
 from ..parallel.view import readable
@@ -229,11 +230,13 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
 
 
 def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int) -> list:
-    """The tensors writer ``k`` of ``n`` writes: every n-th tensor of one file, or the tensors of every n-th shard."""
+    """The tensors writer ``k`` of ``n`` writes (``io.writer.dealt``, by bytes): of one file's tensors, or of its shards'."""
     if fmt.name == "sharded":
         shards = shard(plan.tensors, prepared.request.max_shard_bytes)
-        return [t for i, tensors in enumerate(shards) if i % n == k for t in tensors]
-    return [t for i, t in enumerate(plan.tensors) if i % n == k]
+        owners = dealt([sum(t.nbytes for t in tensors) for tensors in shards], n)
+        return [t for tensors, owner in zip(shards, owners) if owner == k for t in tensors]
+    owners = dealt([t.nbytes for t in plan.tensors], n)
+    return [t for t, owner in zip(plan.tensors, owners) if owner == k]
 
 
 def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:

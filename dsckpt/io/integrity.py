@@ -24,6 +24,7 @@ from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
 from ..formats.storage import storage_for
 from ..formats.torchzip import StorageLocation, TorchFile, is_torch_zip
+from ..plan.deal import dealt
 from ..plan.segments import Segment
 
 BUFFER = 8 << 20
@@ -130,17 +131,11 @@ def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
 
 
 def _share(work: list, k: int, n: int) -> list:
-    """Process ``k`` of ``n``'s storages: the largest first, each to the process with the fewest bytes so far
-    (every process computes the same split)."""
+    """Process ``k`` of ``n``'s storages (``plan.deal.dealt`` by bytes; every process computes the same split)."""
     if n == 1:
         return work
-    load, mine = [0] * n, []
-    for item in sorted(work, key=lambda item: (-item[1].nbytes, str(item[0]), item[2])):
-        owner = load.index(min(load))
-        load[owner] += item[1].nbytes
-        if owner == k:
-            mine.append(item)
-    return mine
+    work = sorted(work, key=lambda item: (str(item[0]), item[2]))
+    return [item for item, owner in zip(work, dealt([item[1].nbytes for item in work], n)) if owner == k]
 
 
 def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:

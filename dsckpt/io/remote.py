@@ -21,6 +21,7 @@ settings (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ from ..errors import (CheckpointNotFoundError, CorruptFileError, Interrupted, Mi
                       UnreadableFileError)
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
+from ..plan.deal import dealt
 
 URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
@@ -172,48 +174,69 @@ class RemoteStore:
         return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
 
     # 3. fill
-    def fill(self, local_root: Path, ranges: list[tuple[str, int, int]], storages, check: bool = True) -> int:
-        """Fetch the storages overlapping ``ranges`` (whole, CRC-checked) and any other range as it is, into the
-        sparse files under ``local_root``; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s.
+    def fill(self, local_root: Path, ranges: list[tuple[str, int, int]], storages, check: bool = True,
+             share: tuple[int, int] = (0, 1), everyone: list[list[tuple[str, int, int]]] | None = None) -> int:
+        """Fetch ``ranges`` into the sparse files under ``local_root``: the storages they overlap whole and
+        CRC-checked, any other range as it is; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s.
+        Process ``k`` of ``n`` (``share``; ``everyone``: every process's ranges) fetches whole the storages it is
+        dealt among those any process reads, and of the others only its own ranges (their owner checks them).
         ``check=False`` (``verify``, which reports each damaged storage itself): no CRC check, a short object
         fetched as far as it goes."""
-        spans: dict[tuple[str, int], tuple[int, int | None]] = {}  # (rel, start) -> (nbytes, crc or None)
-        for rel, offset, nbytes in ranges:
-            locations = storages(rel)
-            hit = [loc for loc in locations if loc.offset < offset + nbytes and offset < loc.offset + loc.nbytes]
-            for loc in hit:
-                spans[(rel, loc.offset)] = (loc.nbytes, loc.crc32)
-            if not hit:
-                spans.setdefault((rel, offset), (nbytes, None))
-        jobs = [(rel, start + k, min(CHUNK, nbytes - k), crc) for (rel, start), (nbytes, crc) in sorted(spans.items())
-                for k in range(0, nbytes, CHUNK)]
-        handles: dict[str, int] = {}
-        crcs: dict[tuple[str, int], int] = {}
+        storages = functools.cache(storages)  # (parses a zip's directory: once per file)
 
-        def one(job) -> tuple[tuple[str, int, int, Any], int]:
-            rel, offset, n, _ = job
+        def touched(wanted) -> dict[tuple[str, int], tuple[int, int]]:
+            found = {}
+            for rel, offset, nbytes in wanted:
+                for loc in storages(rel):
+                    if loc.offset < offset + nbytes and offset < loc.offset + loc.nbytes:
+                        found[(rel, loc.offset)] = (loc.nbytes, loc.crc32)
+            return found
+
+        everything = touched(r for process in (everyone or [ranges]) for r in process)
+        keys = sorted(everything)
+        owners = dealt([everything[key][0] for key in keys], share[1])
+        spans = {key: everything[key] for key, owner in zip(keys, owners) if owner == share[0]}  # (rel, start) -> (nbytes, crc): fetched whole, checked
+        loose: dict[tuple[str, int], int] = {}  # ranges fetched as they are
+        for rel, offset, nbytes in ranges:
+            hit = [(start, n) for (r, start), (n, _) in everything.items()
+                   if r == rel and start < offset + nbytes and offset < start + n]
+            for start, n in hit:
+                if (rel, start) not in spans:  # another process's storage: only this process's bytes of it
+                    lo, hi = max(offset, start), min(offset + nbytes, start + n)
+                    loose[(rel, lo)] = max(loose.get((rel, lo), 0), hi - lo)
+            if not hit:
+                loose[(rel, offset)] = max(loose.get((rel, offset), 0), nbytes)
+        jobs = [(key, key[0], key[1] + k, min(CHUNK, n - k)) for key, (n, _) in sorted(spans.items())
+                for k in range(0, n, CHUNK)]
+        jobs += [(None, rel, start + k, min(CHUNK, n - k)) for (rel, start), n in sorted(loose.items())
+                 for k in range(0, n, CHUNK)]
+        handles: dict[str, int] = {}
+
+        def one(job) -> tuple[Any, int, int]:
+            key, rel, offset, n = job
             data = self.read(rel, offset, offset + n, exact=check)
             pwrite_all(handles[rel], data, offset)
-            return job, crc32(data)
+            return key, crc32(data), len(data)
 
         try:
-            for rel in {job[0] for job in jobs}:
+            for rel in {job[1] for job in jobs}:
                 handles[rel] = os.open(local_root / rel, os.O_WRONLY)
             with ThreadPoolExecutor(THREADS) as pool:
-                results = dict(pool.map(one, jobs))  # pool.map: in order, THREADS in flight
+                results = list(pool.map(one, jobs))  # in order, THREADS in flight
         finally:
             for fd in handles.values():
                 os.close(fd)
         from ..formats.crc import crc32_combine
 
-        for (rel, offset, n, crc), part in results.items():
-            key = next(k for k in spans if k[0] == rel and k[1] <= offset < k[1] + spans[k][0])
-            crcs[key] = part if key not in crcs else crc32_combine(crcs[key], part, n)
+        crcs: dict[tuple[str, int], int] = {}
+        for key, part, n in results:
+            if key is not None:
+                crcs[key] = part if key not in crcs else crc32_combine(crcs[key], part, n)
         for (rel, start), (nbytes, crc) in spans.items():
-            if check and crc is not None and crcs.get((rel, start), 0) != crc:
+            if check and crcs.get((rel, start), 0) != crc:
                 raise CorruptFileError(f"{self.object_url(rel)}: the storage at byte {start:,} ({nbytes:,} bytes) "
                                        "fails its CRC-32 check: the object is damaged")
-        return sum(n for n, _ in spans.values())
+        return sum(n for _, _, n in results)
 
 
 def _merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

@@ -24,6 +24,7 @@ from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
 from .integrity import note
 from ..plan.consolidate import Plan, TensorPlan
+from ..plan.deal import dealt
 from .read import Reader
 
 CHUNK_BYTES = 64 << 20
@@ -146,13 +147,14 @@ def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str
 
 def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
                      progress: Progress | None = None, part: tuple[int, int] = (0, 1)) -> None:
-    """Write the data of a created file: every tensor, or with ``part=(k, n)`` the k-th of every n (processes of
-    a distributed run each fill their part of one file).  Same-dtype tensors: ``copy_file_range`` in this
+    """Write the data of a created file: every tensor, or with ``part=(k, n)`` writer k's share (``dealt``: processes
+    of a distributed run each fill their part of one file).  Same-dtype tensors: ``copy_file_range`` in this
     thread.  Cast tensors: chunks handed to a few threads (numpy and pread/pwrite release the GIL), each
     writing at its precomputed offset."""
     header, offsets = safetensors_header(tensors, metadata)
     k, n = part
-    mine = [(t, rel) for i, (t, rel) in enumerate(zip(tensors, offsets)) if i % n == k]
+    owners = dealt([t.nbytes for t in tensors], n)
+    mine = [(t, rel) for t, rel, owner in zip(tensors, offsets, owners) if owner == k]
     fd = os.open(path, os.O_WRONLY)
 
     def cast_chunk(job, t: TensorPlan) -> int:
@@ -213,13 +215,14 @@ def shard(tensors: tuple[TensorPlan, ...], max_bytes: int) -> list[list[TensorPl
 def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress | None = None,
                   part: tuple[int, int] = (0, 1)) -> list[str]:
     """Hugging Face layout: model-0000i-of-0000N.safetensors + model.safetensors.index.json.  With
-    ``part=(k, n)`` (a distributed run's writer k of n): the k-th of every n shards, and the index if k == 0."""
+    ``part=(k, n)`` (a distributed run's writer k of n): writer k's shards (``dealt``), and the index if k == 0."""
     groups = shard(plan.tensors, max_bytes)
     n = len(groups)
+    owners = dealt([sum(t.nbytes for t in group) for group in groups], part[1])
     weight_map, names = {}, []
     for i, group in enumerate(groups, 1):
         name = shard_name(i, n)
-        if (i - 1) % part[1] == part[0]:
+        if owners[i - 1] == part[0]:
             write_safetensors(group, folder / name, plan.metadata, progress)
         weight_map.update({t.name: name for t in group})
         names.append(name)

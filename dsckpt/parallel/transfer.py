@@ -56,8 +56,10 @@ def remote_ranges(view: View, pieces: Iterable[object], whole_files: Iterable[Pa
 def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
     """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here.  A view of a
     checkpoint in object storage fetches them from there (``io.remote``)."""
-    if view.store is not None:
-        return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel))))
+    if view.store is not None:  # every process's ranges known to all: each storage is fetched and checked once
+        everyone = group.gather(wanted)
+        return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
+                                                  share=(group.rank, group.size), everyone=everyone))
     if group.size == 1:
         return 0
     everyone = group.gather(wanted)
