@@ -29,6 +29,7 @@ from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedErro
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import TorchFile, is_torch_zip
 from ..io.remote import RemoteStore, is_url
+from ..limits import limit
 from ..plan.segments import Segment
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
@@ -255,6 +256,8 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     objects of every tag folder, not only the chosen one's."""
     store = RemoteStore(url)
     sizes = store.list()
+    if sizes.get(L.LATEST_FILE, 0) > limit("MAX_LATEST_BYTES"):
+        raise TagError(f"{store.url}/{L.LATEST_FILE}: longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name")
     latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \
         if L.LATEST_FILE in sizes else None
     no_ranks = not any(L.RANK_FILE_RE.match(rel.rsplit("/", 1)[-1]) for rel in sizes)  # a weights folder
