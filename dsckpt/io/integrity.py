@@ -89,6 +89,11 @@ def recording(ledger: Ledger | None) -> Iterator[None]:
         _RECORDING.remove(ledger)
 
 
+def recording_now() -> bool:
+    """A write is being recorded (a copy that bypasses the readers may note what it copied)."""
+    return bool(_RECORDING)
+
+
 def note(path: Path, offset: int, data) -> None:
     """Called by the readers with bytes they just read: noted when a write is being recorded."""
     if _RECORDING:

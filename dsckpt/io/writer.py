@@ -22,7 +22,7 @@ from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
-from .integrity import note
+from .integrity import note, recording_now
 from ..plan.consolidate import Plan, TensorPlan
 from ..plan.deal import dealt
 from .read import Reader
@@ -80,8 +80,9 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
                  src_path: Path) -> tuple[int, int, int]:
     """Copy through mapped windows of the source; returns what is left (all of it where the source cannot be
     mapped, or is shorter than the range: ``copy_file_range`` then copies it, or reports the truncation).
-    Python never reads the mapping itself: a page beyond a file truncated meanwhile fails the ``pwrite``
-    with EFAULT (an OSError), not the process with SIGBUS."""
+    A page beyond a file truncated meanwhile fails the ``pwrite`` with EFAULT (an OSError), not the process with
+    SIGBUS; the CRC check reads a window only after its ``pwrite`` went through whole (a file changed while it is
+    read is outside the threat model, docs/security.md)."""
     while nbytes:
         n = min(MAP_WINDOW, nbytes)
         start = src_off % mmap.PAGESIZE
@@ -92,6 +93,9 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
             break
         with window, memoryview(window) as view:
             whole = _write_view(dst_fd, view, start, n, dst_off)
+            if whole and recording_now():  # the CRC from the pages just copied, not a second read later
+                with view[start:start + n] as copied:
+                    note(src_path, src_off, copied)
         if not whole:
             raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
