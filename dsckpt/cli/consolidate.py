@@ -71,6 +71,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
                   (a PipelineModule run's layer names; repeat --rename for more rules)
       torchrun --nnodes 4 --nproc-per-node 2 ... -m dsckpt consolidate /local/ckpt /data/model.safetensors
                   (each host reads its own rank files; OUT is written on rank 0's host)
+      dsckpt consolidate s3://bucket/runs/demo s3://bucket/model.safetensors   (gs://, az://: docs/cli.md)
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
     from tqdm import tqdm

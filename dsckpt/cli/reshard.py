@@ -44,6 +44,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
     \b
     Examples:
       dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
+      dsckpt reshard s3://bucket/runs/demo s3://bucket/runs/demo_ws8 -w 8 --nproc 4
       dsckpt reshard runs/demo runs/demo_ws1 -w 1 --tag step30 --json
       dsckpt reshard out/checkpoint-500 out/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
       dsckpt reshard runs/moe runs/moe_ws8 -w 8 --ep-size 4     (DeepSpeed-MoE: experts over 4 ranks)
