@@ -23,7 +23,7 @@ from torch import nn
 
 from ..plan.names import prefixes
 from .keys import compare, state_slots, tie_groups
-from ..parallel.view import readable
+from ..parallel.view import Readable, readable
 from .paths import classify
 
 
@@ -40,7 +40,7 @@ class LoadReport:
 class _Source:
     """Names, shapes and one-tensor reads of a checkpoint folder or a consolidated file."""
 
-    def __init__(self, source, tag: str | None, strip_prefixes: tuple[str, ...]):
+    def __init__(self, source: Readable, strip_prefixes: tuple[str, ...]):
         path, tag = Path(source.path), source.tag
         if classify(path).is_checkpoint:
             from ..io.read import check_plan, torch_state_dict
@@ -84,7 +84,7 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
     Every storage read is checked against its CRC-32 first.
     """
     with readable(source, tag) as opened:  # (a URL: a local view, what is read fetched first)
-        return _load_into(model, _Source(opened, tag, prefixes(strip_prefixes)), source, strict)
+        return _load_into(model, _Source(opened, prefixes(strip_prefixes)), source, strict)
 
 
 def _load_into(model: nn.Module, src: _Source, source, strict: bool) -> LoadReport:
