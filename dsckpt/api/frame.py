@@ -90,9 +90,19 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
 def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R]) -> R:
     """A verb whose OUT is a URL (``io.remote``): ``run(local)`` publishes into a staging folder as it would locally,
     then rank 0 uploads it (what a reader looks for last) and the result names the URLs."""
-    upload = Upload(url, force) if group.rank == 0 else None
+    def start() -> Upload | None:
+        if group.rank != 0:
+            return None
+        upload = Upload(url, force)
+        try:
+            upload.check()  # an existing OUT without --force: before any work
+        except BaseException:
+            upload.close()
+            raise
+        return upload
+
+    upload = group.step(start)
     try:
-        group.step(lambda: upload.check() if upload else None)  # an existing OUT without --force: before any work
         local = Path(group.broadcast(str(upload.local) if upload else None, 0))
         local.parent.mkdir(parents=True, exist_ok=True)  # (another host's processes do not write; the folder is there)
         result = run(local)
