@@ -95,8 +95,8 @@ def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3
     ok("consolidate", url, f"{out}/model.safetensors")
     ok("consolidate", local, tmp_path / "model.safetensors")
     tp = "tp2_dp2_z1_fp32"  # (holds the config.json a Hugging Face folder needs)
-    ok("consolidate", f"s3://{BUCKET}/{tp}", f"{out}/hf", "--hf", "--max-shard-size", "100KB")
-    ok("consolidate", FIXTURES / tp, tmp_path / "hf", "--hf", "--max-shard-size", "100KB")
+    ok("consolidate", f"s3://{BUCKET}/{tp}", f"{out}/hf", "--hf", "--max-shard-size", "20KB")
+    ok("consolidate", FIXTURES / tp, tmp_path / "hf", "--hf", "--max-shard-size", "20KB")
     ok("reshard", url, f"{out}/rs", "-w", "3", "--nproc", "2")
     ok("reshard", local, tmp_path / "rs", "-w", "3")
     got = tmp_path / "got"
@@ -106,6 +106,14 @@ def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3
         sorted(p.name for p in tmp_path.glob("model.safetensors.client_state.*"))
     same_tree(got / "hf", tmp_path / "hf")
     same_tree(got / "rs", tmp_path / "rs")
+    s3.pipe_file(f"{out.removeprefix('s3://')}/hf/notes.txt", b"not dsckpt's")
+    before = {p.rsplit("/", 1)[1] for p in s3.find(f"{out.removeprefix('s3://')}/hf")}
+    ok("consolidate", f"s3://{BUCKET}/{tp}", f"{out}/hf", "--hf", "--max-shard-size", "10MB", "--force")
+    s3.invalidate_cache()
+    after = {p.rsplit("/", 1)[1] for p in s3.find(f"{out.removeprefix('s3://')}/hf")}
+    shards = lambda names: {n for n in names if n.startswith("model-")}  # noqa: E731
+    assert len(shards(before)) > 1 and shards(after) == {"model-00001-of-00001.safetensors"}  # the others: gone
+    assert "notes.txt" in after  # not dsckpt's: kept
     again = run_cli("consolidate", url, f"{out}/model.safetensors")
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     ok("consolidate", url, f"{out}/model.safetensors", "--force", "--dtype", "bf16")

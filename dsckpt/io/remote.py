@@ -15,13 +15,15 @@ Scratch disk: the bytes the command reads (sparse files, removed at the end); me
 Writing: ``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would
 locally; then each file is uploaded (fsspec ``put_file``: multipart for large ones, an object is visible only once
 complete), the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``) last; a failed or
-interrupted upload deletes what this run uploaded.  Credentials and endpoints come from the clouds' own
+interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing OUT's index named and
+the new output does not write again are deleted once it is up, anything else there stays.  Credentials and endpoints come from the clouds' own
 settings (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import shutil
@@ -337,6 +339,7 @@ class Upload:
         self.scratch = scratch_folder(".dsckpt-upload-")
         self.local = self.scratch / Path(self.root).name
         self.uploaded: list[str] = []
+        self.superseded: set[str] = set()
         # s3fs: parts of PART bytes, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
         self.part_options = {"chunksize": PART, "max_concurrency": PARTS_IN_FLIGHT} if self.url.startswith("s3") else {}
 
@@ -348,6 +351,23 @@ class Upload:
             raise _typed(self.url, exc, "looking at the destination") from None
         if exists and not self.force:
             raise OutputError(f"{self.url}: already exists", hint="--force replaces what dsckpt writes there")
+        if exists:
+            self.superseded = self._indexed_shards()
+
+    def _indexed_shards(self) -> set[str]:
+        """The shards the indexes in an existing OUT folder name: replaced by the new output, so the ones it does
+        not write again are deleted after it is up (as locally; anything else there stays)."""
+        names: set[str] = set()
+        try:
+            for key in self.fs.glob(f"{self.root}/*.index.json"):
+                if self.fs.size(key) <= SMALL_OBJECT:
+                    weight_map = json.loads(self.fs.cat_file(key)).get("weight_map", {})
+                    names |= {v for v in weight_map.values() if isinstance(v, str) and "/" not in v}
+        except (ValueError, AttributeError):  # not an index we wrote: its shards are left alone
+            return set()
+        except Exception as exc:
+            raise _typed(self.url, exc, "reading the existing index") from None
+        return names
 
     def publish(self) -> list[str]:
         """Upload what the command staged (OUT and its sidecars beside it); on any failure delete what this run
@@ -369,6 +389,9 @@ class Upload:
                 raise OutputError(f"{self.url}: upload failed ({type(exc).__name__}: {str(exc)[:200]}); what this "
                                   "run uploaded was deleted") from None
             raise
+        out = self.local.name
+        for name in sorted(self.superseded - {rel.split("/", 1)[1] for rel in files if rel.startswith(out + "/")}):
+            self.fs.rm_file(f"{self.root}/{name}")  # superseded shards, once the new index is up
         base = self.url.rsplit("/", 1)[0]
         return [f"{base}/{rel}" for rel in files]
 
