@@ -23,7 +23,8 @@ from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
-from ..io.remote import Upload, is_url
+from ..io.remote import is_url
+from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
 

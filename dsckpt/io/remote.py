@@ -12,32 +12,22 @@ run sees files other hosts hold:
    or damaged object is a typed error naming its URL before anything is published.
 Scratch disk: the bytes the command reads (sparse files, removed at the end); memory: ``THREADS`` x ``CHUNK``.
 
-Writing: ``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would
-locally; then each file is uploaded (fsspec ``put_file``: multipart for large ones, an object is visible only once
-complete), the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``) last; a failed or
-interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing OUT's index named and
-the new output does not write again are deleted once it is up, anything else there stays.  Credentials and endpoints come from the clouds' own
-settings (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
+Writing to a URL: ``io.upload``.  Credentials and endpoints come from the clouds' own settings
+(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import os
 import re
-import shutil
-import signal
 import tempfile
-import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
-from ..errors import (CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, OutputError,
-                      UnreadableFileError)
+from ..errors import CheckpointNotFoundError, CorruptFileError, MissingExtraError, UnreadableFileError
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
 from ..plan.deal import dealt
@@ -51,7 +41,6 @@ SMALL_OBJECT = 1 << 20  # read whole: `latest`, configs, trainer state
 HEADER_WINDOW = 1024  # a zip local header, its name and torch's alignment padding fit in this
 EDGE = 1 << 16  # the first bytes of an object fetched with its tail: a zip's first records, a safetensors header
 MERGE_GAP = 1 << 20  # skeleton ranges closer than this come in one request
-PART, PARTS_IN_FLIGHT = 8 << 20, 8  # multipart uploads: memory PART x PARTS_IN_FLIGHT
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
 
 
@@ -76,7 +65,7 @@ def filesystem(url: str):
                                 hint=f"pip install 'dsckpt[{extra}]'") from None
 
 
-def _typed(url: str, exc: BaseException, doing: str) -> Exception:
+def typed_error(url: str, exc: BaseException, doing: str) -> Exception:
     if isinstance(exc, FileNotFoundError):
         return CheckpointNotFoundError(f"{url}: no such object or prefix")
     if isinstance(exc, PermissionError):
@@ -105,7 +94,7 @@ class RemoteStore:
         except FileNotFoundError:
             return None
         except Exception as exc:
-            raise _typed(self.url, exc, "looking it up") from None
+            raise typed_error(self.url, exc, "looking it up") from None
         return int(info["size"]) if info.get("type") == "file" else None
 
     def list(self) -> dict[str, int]:
@@ -113,7 +102,7 @@ class RemoteStore:
         try:
             found = self.fs.find(self.root, maxdepth=2, detail=True)
         except Exception as exc:
-            raise _typed(self.url, exc, "listing") from None
+            raise typed_error(self.url, exc, "listing") from None
         prefix = self.root.rstrip("/") + "/"
         out = {}
         for name, info in found.items():
@@ -130,7 +119,7 @@ class RemoteStore:
         try:
             found = self.fs.glob(f"{self.root}/{prefix}*", detail=True)
         except Exception as exc:
-            raise _typed(self.url, exc, "listing") from None
+            raise typed_error(self.url, exc, "listing") from None
         return {name.rsplit("/", 1)[-1]: int(info["size"]) for name, info in found.items()
                 if info.get("type", "file") == "file"}
 
@@ -138,7 +127,7 @@ class RemoteStore:
         try:
             data = self.fs.cat_file(f"{self.root}/{rel}", start=start, end=end)
         except Exception as exc:
-            raise _typed(self.object_url(rel), exc, f"reading bytes {start}-{end}") from None
+            raise typed_error(self.object_url(rel), exc, f"reading bytes {start}-{end}") from None
         if exact and len(data) != end - start:
             raise CorruptFileError(f"{self.object_url(rel)}: {len(data):,} of {end - start:,} bytes at offset {start:,} "
                                    "(the object is shorter than listed: truncated or replaced while reading?)")
@@ -291,117 +280,3 @@ def _directory_offset(tail: bytes, tail_start: int) -> int:
     if locator < 0 or not 0 <= record < len(tail) - 56 or tail[record:record + 4] != b"PK\x06\x06":
         raise CorruptFileError("a zip64 end record outside the object's last 64 KiB")
     return int.from_bytes(tail[record + 48:record + 56], "little")
-
-
-# Writing
-LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"))
-
-
-def upload_order(names: list[str], last: str | None = None) -> list[str]:
-    """Data first, then what points at it: index files, then `latest*`, then ``last`` (a single-file OUT after its
-    sidecars): what a reader looks for comes last."""
-    def rank(name: str) -> tuple[int, str]:
-        tail = name.split("/", 1)[-1]
-        order = 3 if name == last else next((i + 1 for i, rule in enumerate(LAST) if rule.search(tail)), 0)
-        return order, name
-    return sorted(names, key=rank)
-
-
-@contextlib.contextmanager
-def _signals_between_objects() -> Iterator[Callable[[], None]]:
-    """Ctrl-C (SIGINT, SIGTERM) while uploading lands between two objects: a request in flight on fsspec's own
-    thread would otherwise finish after the clean-up deleted what it knew of."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def stop() -> None:
-        if caught:
-            raise Interrupted
-
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    stop()
-
-
-class Upload:
-    """A command's OUT in a bucket: staged locally under ``local``, uploaded by ``publish``."""
-
-    def __init__(self, url: str, force: bool):
-        self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
-        self.force = force
-        self.scratch = scratch_folder(".dsckpt-upload-")
-        self.local = self.scratch / Path(self.root).name
-        self.uploaded: list[str] = []
-        self.superseded: set[str] = set()
-        # s3fs: parts of PART bytes, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
-        self.part_options = {"chunksize": PART, "max_concurrency": PARTS_IN_FLIGHT} if self.url.startswith("s3") else {}
-
-    def check(self) -> None:
-        """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
-        try:
-            exists = self.fs.exists(self.root)
-        except Exception as exc:
-            raise _typed(self.url, exc, "looking at the destination") from None
-        if exists and not self.force:
-            raise OutputError(f"{self.url}: already exists", hint="--force replaces what dsckpt writes there")
-        if exists:
-            self.superseded = self._indexed_shards()
-
-    def _indexed_shards(self) -> set[str]:
-        """The shards the indexes in an existing OUT folder name: replaced by the new output, so the ones it does
-        not write again are deleted after it is up (as locally; anything else there stays)."""
-        names: set[str] = set()
-        try:
-            for key in self.fs.glob(f"{self.root}/*.index.json"):
-                if self.fs.size(key) <= SMALL_OBJECT:
-                    weight_map = json.loads(self.fs.cat_file(key)).get("weight_map", {})
-                    names |= {v for v in weight_map.values() if isinstance(v, str) and "/" not in v}
-        except (ValueError, AttributeError):  # not an index we wrote: its shards are left alone
-            return set()
-        except Exception as exc:
-            raise _typed(self.url, exc, "reading the existing index") from None
-        return names
-
-    def publish(self) -> list[str]:
-        """Upload what the command staged (OUT and its sidecars beside it); on any failure delete what this run
-        uploaded, then raise.  The URLs written."""
-        staged = sorted(self.local.rglob("*")) if self.local.is_dir() else [self.local]
-        staged += sorted(self.scratch.glob(self.local.name + ".client_state.*"))  # a single file's sidecars
-        files = {p.relative_to(self.scratch).as_posix(): p for p in staged if p.is_file()}
-        parent = self.root.rsplit("/", 1)[0]
-        single = self.local.name if self.local.is_file() else None
-        try:
-            with _signals_between_objects() as stop:
-                for rel in upload_order(list(files), last=single):
-                    self.uploaded.append(f"{parent}/{rel}")
-                    self.fs.put_file(str(files[rel]), f"{parent}/{rel}", **self.part_options)
-                    stop()
-        except BaseException as exc:
-            self.abort()
-            if isinstance(exc, Exception):
-                raise OutputError(f"{self.url}: upload failed ({type(exc).__name__}: {str(exc)[:200]}); what this "
-                                  "run uploaded was deleted") from None
-            raise
-        out = self.local.name
-        for name in sorted(self.superseded - {rel.split("/", 1)[1] for rel in files if rel.startswith(out + "/")}):
-            self.fs.rm_file(f"{self.root}/{name}")  # superseded shards, once the new index is up
-        base = self.url.rsplit("/", 1)[0]
-        return [f"{base}/{rel}" for rel in files]
-
-    def abort(self) -> None:
-        for key in reversed(self.uploaded):
-            try:
-                self.fs.rm_file(key)
-            except Exception:  # best effort: the error that brought us here is the one to report
-                pass
-        self.uploaded.clear()
-
-    def close(self) -> None:
-        shutil.rmtree(self.scratch, ignore_errors=True)
