@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,18 +28,9 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the checkpoints are trained on CPU ranks, also on a GPU host
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from bench_consolidate import PY, generate, settle, timed  # noqa: E402
+from bench_parallel import fresh, size  # noqa: E402
 
 PROBE_BYTES = 1 << 30
-
-
-def size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def fresh(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    for sidecar in path.parent.glob(path.name + ".client_state.*"):
-        sidecar.unlink()
 
 
 def disk_bandwidth(scratch: Path) -> tuple[float, float]:
