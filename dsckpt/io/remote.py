@@ -187,10 +187,12 @@ class RemoteStore:
         keys = sorted(everything)
         owners = dealt([everything[key][0] for key in keys], share[1])
         spans = {key: everything[key] for key, owner in zip(keys, owners) if owner == share[0]}  # (rel, start) -> (nbytes, crc): fetched whole, checked
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for (rel, start), (n, _) in everything.items():
+            by_file.setdefault(rel, []).append((start, n))
         loose: dict[tuple[str, int], int] = {}  # ranges fetched as they are
         for rel, offset, nbytes in ranges:
-            hit = [(start, n) for (r, start), (n, _) in everything.items()
-                   if r == rel and start < offset + nbytes and offset < start + n]
+            hit = [(start, n) for start, n in by_file.get(rel, ()) if start < offset + nbytes and offset < start + n]
             for start, n in hit:
                 if (rel, start) not in spans:  # another process's storage: only this process's bytes of it
                     lo, hi = max(offset, start), min(offset + nbytes, start + n)

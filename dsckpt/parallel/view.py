@@ -270,14 +270,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
                 group.rank, store)
     try:
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
-        with ThreadPoolExecutor(8) as pool:  # every object's skeleton at once: a few round trips in all
-            skeletons = list(pool.map(lambda rel: store.skeleton(rel, sizes[rel]), wanted))
-        for rel, skeleton in zip(wanted, skeletons):
-            view.path(rel).parent.mkdir(parents=True, exist_ok=True)
-            with open(view.path(rel), "wb") as fh:
-                fh.truncate(sizes[rel])
-                for offset, data in skeleton:
-                    pwrite_all(fh.fileno(), data, offset)
+        _write_skeletons(store, view, {rel: sizes[rel] for rel in wanted})
     except OSError as exc:
         view.close()
         raise OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - the local view of {url}") from None
@@ -285,6 +278,19 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
         view.close()
         raise
     return view
+
+
+def _write_skeletons(store: RemoteStore, view: View, sizes: dict[str, int]) -> None:
+    """Each object as a sparse file of its size holding its skeleton (every object's at once: a few round trips)."""
+    names = list(sizes)
+    with ThreadPoolExecutor(8) as pool:
+        skeletons = list(pool.map(lambda rel: store.skeleton(rel, sizes[rel]), names))
+    for rel, skeleton in zip(names, skeletons):
+        view.path(rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(view.path(rel), "wb") as fh:
+            fh.truncate(sizes[rel])
+            for offset, data in skeleton:
+                pwrite_all(fh.fileno(), data, offset)
 
 
 def zip_storages(path: Path) -> list:
@@ -345,11 +351,7 @@ def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, ever
 
         with view.real_names():
             if size is not None:
-                for rel, n in sizes.items():
-                    with open(view.path(rel), "wb") as fh:
-                        fh.truncate(n)
-                        for offset, data in view.store.skeleton(rel, n):
-                            pwrite_all(fh.fileno(), data, offset)
+                _write_skeletons(view.store, view, sizes)
             if whole:
                 fetch_all()
             yield Readable(str(view.path(name) if size is not None else view.root),
