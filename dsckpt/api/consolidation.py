@@ -114,9 +114,10 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     Raises:
         a ``DsckptError`` subclass naming the file at fault; nothing is left at OUT.
     """
-    if is_url(out):  # staged here, uploaded after (frame.uploading)
+    if is_url(out):  # staged here (safetensors streamed), uploaded after (frame.uploading)
         arguments = {k: v for k, v in locals().items() if k != "out"}
-        return uploading(group or ONE_PROCESS, str(out), force, lambda local: consolidate(out=local, **arguments))
+        return uploading(group or ONE_PROCESS, str(out), force, lambda local: consolidate(out=local, **arguments),
+                         stream=not verify)  # (verify re-reads the staged file)
     group = group or ONE_PROCESS
     output_dtype(dtype)  # a dtype no output can have is refused before anything is read
     fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read
@@ -218,8 +219,10 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
         names = run(lambda: write_sharded(plan, staged.tmp, max_bytes, progress, part) if part else None)
         names = group.broadcast(names, 0) + [INDEX_NAME]
     elif split:
-        run(lambda: create_safetensors(list(plan.tensors), staged.tmp, plan.metadata) if group.rank == 0 else None)
-        run(lambda: fill_safetensors(list(plan.tensors), staged.tmp, plan.metadata, progress, part) if part else None)
+        upload_id = group.broadcast(run(lambda: create_safetensors(list(plan.tensors), staged.tmp, plan.metadata)
+                                        if group.rank == 0 else None), 0)  # (an upload's id: OUT streamed to a URL)
+        run(lambda: fill_safetensors(list(plan.tensors), staged.tmp, plan.metadata, progress, part, upload_id)
+            if part else None)
         names = [out.name]
     else:
         names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, progress) if group.rank == 0 else None), 0)

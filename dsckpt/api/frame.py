@@ -6,7 +6,7 @@
 3. the verb's own steps, which stage OUT through ``Frame.stage`` and write inside ``Frame.checked_reads``;
 4. on any error the staged output is abandoned; the view is closed either way.
 A checkpoint in object storage is a view like any other; an OUT in object storage is staged and uploaded around
-the verb (``uploading``).
+the verb, its safetensors files streamed to the store as they are written (``uploading``).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
 from ..io.remote import is_url
+from ..io.stream import Streams, streamable, streaming
 from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
@@ -88,9 +89,11 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
         frame.view.close()
 
 
-def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R]) -> R:
-    """A verb whose OUT is a URL (``io.remote``): ``run(local)`` publishes into a staging folder as it would locally,
-    then rank 0 uploads it (what a reader looks for last) and the result names the URLs."""
+def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], stream: bool = True) -> R:
+    """A verb whose OUT is a URL (``io.upload``): ``run(local)`` publishes into a staging folder as it would locally,
+    then rank 0 uploads it (what a reader looks for last) and the result names the URLs.  With ``stream`` (and an
+    ``s3://`` URL) the safetensors files go to the store as they are written (``io.stream``): every process's
+    uploads are handed to rank 0, which completes them in that order."""
     def start() -> Upload | None:
         if group.rank != 0:
             return None
@@ -103,12 +106,21 @@ def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R]) -> 
         return upload
 
     upload = group.step(start)
+    streams = None
     try:
         local = Path(group.broadcast(str(upload.local) if upload else None, 0))
         local.parent.mkdir(parents=True, exist_ok=True)  # (another host's processes do not write; the folder is there)
-        result = run(local)
+        streams = Streams(url, local) if stream and streamable(url) else None
+        with streaming(streams) if streams else contextlib.nullcontext():
+            result = run(local)
+        handed = group.gather(streams.handed_over() if streams else [])
+        if upload and streams:
+            streams.adopt([u for uploads in handed for u in uploads])
+            upload.streams = streams
         files = group.broadcast(group.step(lambda: upload.publish() if upload else None), 0)
     finally:
+        if streams:
+            streams.close()  # (what no process completed: aborted)
         if upload:
             upload.close()
     changes: dict = {"out": url, "files": tuple(files)}

@@ -1,9 +1,10 @@
 """An output in object storage: staged locally, then uploaded (``io.remote`` reads; this writes).
 
-``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would locally; then
-each file is uploaded (fsspec ``put_file``: multipart for large ones, an object is visible only once complete), the
-files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``, a single file after its sidecars)
-last; a failed or interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing
+``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would locally
+(its safetensors files there are empty placeholders of uploads streamed as they were written: ``io.stream``); then
+each file is uploaded (fsspec ``put_file``: multipart for large ones) or its streamed upload completed - an object
+is visible only once complete - the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``,
+a single file after its sidecars) last; a failed or interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing
 OUT's index named and the new output does not write again are deleted once it is up, anything else there stays.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Callable, Iterator
 
 from ..errors import Interrupted, OutputError
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
+from .stream import PARTS_IN_FLIGHT, chunksize, streamable
 
-PART, PARTS_IN_FLIGHT = 8 << 20, 8  # multipart uploads: memory PART x PARTS_IN_FLIGHT
 LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"))
 
 
@@ -66,9 +67,10 @@ class Upload:
         self.scratch = scratch_folder(".dsckpt-upload-")
         self.local = self.scratch / Path(self.root).name
         self.uploaded: list[str] = []
+        self.streams = None  # io.stream.Streams: the files already uploaded as parts, completed in order here
         self.superseded: set[str] = set()
-        # s3fs: parts of PART bytes, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
-        self.part_options = {"chunksize": PART, "max_concurrency": PARTS_IN_FLIGHT} if self.url.startswith("s3") else {}
+        # s3fs: parts as streamed ones, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
+        self.part_options = {"chunksize": chunksize(), "max_concurrency": PARTS_IN_FLIGHT} if streamable(url) else {}
 
     def check(self) -> None:
         """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
@@ -107,8 +109,12 @@ class Upload:
         try:
             with _signals_between_objects() as stop:
                 for rel in upload_order(list(files), last=single):
-                    self.uploaded.append(f"{parent}/{rel}")
-                    self.fs.put_file(str(files[rel]), f"{parent}/{rel}", **self.part_options)
+                    key = f"{parent}/{rel}"
+                    self.uploaded.append(key)
+                    if self.streams is not None and key in self.streams.pending:
+                        self.streams.complete(key)  # (its placeholder staged here is empty)
+                    else:
+                        self.fs.put_file(str(files[rel]), key, **self.part_options)
                     stop()
         except BaseException as exc:
             self.abort()

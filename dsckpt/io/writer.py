@@ -22,6 +22,7 @@ from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
+from . import stream
 from .integrity import note, recording_now
 from ..plan.consolidate import Plan, TensorPlan
 from ..plan.deal import dealt
@@ -128,13 +129,19 @@ def _cast_pool(needed: bool):
 
 def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
                       progress: Progress | None = None) -> None:
-    create_safetensors(tensors, path, metadata)
-    fill_safetensors(tensors, path, metadata, progress)
+    upload_id = create_safetensors(tensors, path, metadata)
+    fill_safetensors(tensors, path, metadata, progress, upload_id=upload_id)
 
 
-def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str]) -> None:
+def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str]) -> str | None:
     """The file at its final size: header written, data zeros until filled.  Its blocks are allocated up front
-    where the filesystem can (several writers filling it out of order would otherwise scatter them)."""
+    where the filesystem can (several writers filling it out of order would otherwise scatter them).
+    A file of a run streaming to object storage (``io.stream``): an empty placeholder, and the multipart upload
+    started - its id is returned, for the writers that fill it."""
+    streamed = stream.target(path)
+    if streamed is not None:
+        Path(path).touch()
+        return streamed[0].start(streamed[1]).upload_id
     header, _ = safetensors_header(tensors, metadata)
     size = len(header) + sum(t.nbytes for t in tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -150,13 +157,21 @@ def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str
 
 
 def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
-                     progress: Progress | None = None, part: tuple[int, int] = (0, 1)) -> None:
+                     progress: Progress | None = None, part: tuple[int, int] = (0, 1),
+                     upload_id: str | None = None) -> None:
     """Write the data of a created file: every tensor, or with ``part=(k, n)`` writer k's share (``dealt``: processes
     of a distributed run each fill their part of one file).  Same-dtype tensors: ``copy_file_range`` in this
     thread.  Cast tensors: chunks handed to a few threads (numpy and pread/pwrite release the GIL), each
-    writing at its precomputed offset."""
+    writing at its precomputed offset.  Streamed (``upload_id``): writer k uploads the k-th run of the parts."""
     header, offsets = safetensors_header(tensors, metadata)
     k, n = part
+    streamed = stream.target(path) if upload_id is not None else None
+    if streamed is not None:
+        streams, key = streamed
+        count = stream.part_count(len(header) + sum(t.nbytes for t in tensors))
+        stream.stream_safetensors(streams, streams.join(key, upload_id), header, tensors, offsets,
+                                  range(k * count // n, (k + 1) * count // n), progress)
+        return
     owners = dealt([t.nbytes for t in tensors], n)
     mine = [(t, rel) for t, rel, owner in zip(tensors, offsets, owners) if owner == k]
     fd = os.open(path, os.O_WRONLY)

@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError
@@ -159,6 +159,21 @@ class FlatSpace:
             if lo < hi:
                 out.append(Segment(path, offset + (lo - span_start) * self.itemsize, (hi - lo) * self.itemsize))
         return out
+
+
+def clip(pieces: Iterable[Piece], start: int, nbytes: int) -> tuple[Piece, ...]:
+    """The pieces of bytes ``[start, start + nbytes)`` of a piece sequence (a part of a streamed file); walks
+    ``pieces`` lazily, so a row-parallel join is never listed whole."""
+    out: list[Piece] = []
+    pos, end = 0, start + nbytes
+    for piece in pieces:
+        if pos >= end:
+            break
+        lo, hi = max(start, pos), min(end, pos + piece.nbytes)
+        if lo < hi:
+            out.append(Zeros(hi - lo) if isinstance(piece, Zeros) else Segment(piece.path, piece.offset + lo - pos, hi - lo))
+        pos += piece.nbytes
+    return tuple(out)
 
 
 def merged(pieces: list[Piece]) -> tuple[Piece, ...]:

@@ -1,0 +1,212 @@
+"""Safetensors files written straight into object storage: each multipart part assembled from the plan.
+
+A command whose OUT is an ``s3://`` URL stages OUT locally (``io.upload``), but its safetensors files are not
+written there: ``io.writer`` hands each one here, and the staging folder keeps an empty placeholder under its name.
+1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
+   ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);
+2. a part's bytes: the header's slice and each overlapping tensor's range cut from its pieces
+   (``plan.segments.clip``), read through the one reader (casts, zero fills and CRC notes as for a local file);
+   ``PARTS_IN_FLIGHT`` parts are assembled and uploaded at once: memory ``PARTS_IN_FLIGHT`` x (part + reader);
+3. nothing is visible yet: the upload is only started.  ``Upload.publish`` completes it after every check passed,
+   in the order a reader looks for files (an index, ``latest``, a single file's final key last); a failure anywhere
+   aborts it (``abort``: the parts are dropped by the store).
+Other backends (gs://, az://) and other files are staged whole and uploaded after (``io.upload``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..dtypes import ITEMSIZE
+from ..formats.storage import TEMP_MARK, LocalStorage
+from ..plan.consolidate import TensorPlan
+from ..plan.segments import TensorSource, clip
+from .read import Reader
+from .remote import filesystem, typed_error
+
+PART = 8 << 20
+PART_ENV = "DSCKPT_MULTIPART_CHUNKSIZE"  # bytes per part (aws s3's multipart_chunksize; S3 takes 5 MiB or more)
+MAX_PARTS = 10_000  # S3's limit per upload
+PARTS_IN_FLIGHT = 8
+READ_CHUNK = 1 << 20  # each part's reader: two such buffers
+Progress = Callable[[int], None]
+
+
+def chunksize() -> int:
+    return int(os.environ.get(PART_ENV) or PART)
+
+
+def part_size(total: int) -> int:
+    """``chunksize()``, or larger (whole MiB) where the file needs more than MAX_PARTS of them."""
+    size = chunksize()
+    if total <= size * MAX_PARTS:
+        return size
+    need = -(-total // MAX_PARTS)
+    return -(-need // (1 << 20)) << 20
+
+
+@dataclass
+class Pending:
+    """One started multipart upload: its key, id, and the ETag of each part uploaded so far."""
+    key: str
+    upload_id: str
+    parts: dict[int, str] = field(default_factory=dict)
+
+
+class Streams:
+    """Where this process streams the safetensors files a run stages under ``local`` (OUT's staging path), and
+    the uploads it started that nobody completed yet (aborted by ``close``)."""
+
+    def __init__(self, url: str, local: Path):
+        self.fs, root = filesystem(url)
+        self.parent = root.rstrip("/").rsplit("/", 1)[0]
+        self.scratch = local.parent
+        self.pending: dict[str, Pending] = {}
+        self._lock = threading.Lock()
+
+    def key(self, path: Path) -> str | None:
+        """The object a staged file becomes once published (its temp names undone), None outside the staging."""
+        try:
+            rel = Path(path).relative_to(self.scratch)
+        except ValueError:
+            return None
+        parts = [p[1:p.index(TEMP_MARK)] if TEMP_MARK in p else p for p in rel.parts]
+        return "/".join([self.parent, *parts])
+
+    def _call(self, key: str, method: str, **kwargs) -> dict:
+        bucket, name, _ = self.fs.split_path(key)
+        try:
+            return self.fs.call_s3(method, Bucket=bucket, Key=name, **kwargs)
+        except Exception as exc:
+            raise typed_error(f"s3://{key}", exc, f"uploading ({method})") from None
+
+    def start(self, key: str) -> Pending:
+        upload = Pending(key, self._call(key, "create_multipart_upload")["UploadId"])
+        with self._lock:
+            self.pending[key] = upload
+        return upload
+
+    def join(self, key: str, upload_id: str) -> Pending:
+        """An upload another process started (this process uploads some of its parts)."""
+        with self._lock:
+            return self.pending.setdefault(key, Pending(key, upload_id))
+
+    def put(self, upload: Pending, number: int, data) -> None:
+        etag = self._call(upload.key, "upload_part", PartNumber=number, UploadId=upload.upload_id, Body=bytes(data))
+        with self._lock:
+            upload.parts[number] = etag["ETag"]
+
+    def adopt(self, uploads: list[Pending]) -> None:
+        """Another process's uploads (its parts of one file joined): completed or aborted from here."""
+        for upload in uploads:
+            mine = self.pending.setdefault(upload.key, Pending(upload.key, upload.upload_id))
+            mine.parts.update(upload.parts)
+
+    def handed_over(self) -> list[Pending]:
+        """This process's uploads, given to the process that completes them (no longer aborted here)."""
+        with self._lock:
+            out, self.pending = list(self.pending.values()), {}
+        return out
+
+    def complete(self, key: str) -> None:
+        upload = self.pending.pop(key)
+        parts = [{"PartNumber": n, "ETag": etag} for n, etag in sorted(upload.parts.items())]
+        self._call(key, "complete_multipart_upload", UploadId=upload.upload_id, MultipartUpload={"Parts": parts})
+
+    def close(self) -> None:
+        """Abort every upload not completed (best effort: the error that brought us here is the one to report)."""
+        for upload in self.handed_over():
+            with contextlib.suppress(Exception):
+                self._call(upload.key, "abort_multipart_upload", UploadId=upload.upload_id)
+
+
+def streamable(url: str) -> bool:
+    """Multipart parts any process can upload: the S3 protocol (AWS, MinIO, Ceph, R2...)."""
+    return url.lower().startswith("s3://")
+
+
+_ACTIVE: list[Streams] = []
+
+
+@contextlib.contextmanager
+def streaming(streams: Streams) -> Iterator[Streams]:
+    """Safetensors files staged under ``streams``' folder go to the store while the block runs."""
+    _ACTIVE.append(streams)
+    try:
+        yield streams
+    finally:
+        _ACTIVE.remove(streams)
+
+
+def target(path: Path) -> tuple[Streams, str] | None:
+    """The streams and key a safetensors file at ``path`` goes to, or None: written locally."""
+    for streams in reversed(_ACTIVE):
+        key = streams.key(path)
+        if key is not None:
+            return streams, key
+    return None
+
+
+def part_bytes(header: bytes, tensors: list[TensorPlan], offsets: list[int], lo: int, hi: int,
+               files: LocalStorage) -> bytearray:
+    """The file's bytes ``[lo, hi)``: the header's slice, then each overlapping tensor's range, read and cast."""
+    out = bytearray(header[lo:hi])
+    base = len(header)
+    with Reader(files, READ_CHUNK) as reader:
+        for t, rel in zip(tensors, offsets):
+            start, end = base + rel, base + rel + t.nbytes
+            if end <= lo or start >= hi or not t.nbytes:
+                continue
+            a, b = max(lo, start) - start, min(hi, end) - start  # the tensor's output bytes wanted
+            src_size, dst_size = ITEMSIZE[t.src_dtype], ITEMSIZE[t.dtype]
+            first, last = a // dst_size, -(-b // dst_size)  # whole elements around them
+            source = TensorSource(t.src_dtype, t.dtype, clip(t.pieces, first * src_size, (last - first) * src_size))
+            skip, need = a - first * dst_size, b - a
+            for chunk in reader.chunks(source):
+                if skip >= len(chunk):
+                    skip -= len(chunk)
+                    continue
+                piece = chunk[skip:skip + need]
+                out += piece
+                skip, need = 0, need - len(piece)
+    return out
+
+
+def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors: list[TensorPlan],
+                       offsets: list[int], parts: range | None = None, progress: Progress | None = None) -> None:
+    """Upload the file's parts (``parts``: part indexes from 0, default all), ``PARTS_IN_FLIGHT`` at once."""
+    total = len(header) + sum(t.nbytes for t in tensors)
+    size = part_size(total)
+    count = max(1, -(-total // size))
+    parts = range(count) if parts is None else parts
+
+    def one(index: int) -> int:
+        lo, hi = index * size, min(total, (index + 1) * size)
+        streams.put(upload, index + 1, part_bytes(header, tensors, offsets, lo, hi, files))
+        return max(0, hi - max(lo, len(header)))  # (progress counts tensor bytes)
+
+    with LocalStorage() as files, ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
+        pending: list = []
+        try:
+            for index in parts:
+                pending.append(pool.submit(one, index))
+                if len(pending) >= PARTS_IN_FLIGHT:  # submitted as workers free up: Ctrl-C waits for these only
+                    done = pending.pop(0).result()
+                    if progress:
+                        progress(done)
+            for future in pending:
+                done = future.result()
+                if progress:
+                    progress(done)
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def part_count(total: int) -> int:
+    return max(1, -(-total // part_size(total)))
