@@ -161,6 +161,43 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
     assert not s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")  # none left started
 
 
+def test_a_fill_in_progress_feeds_the_streamed_parts_and_its_crc_failure_stops_them(s3, tmp_path, monkeypatch):
+    """The fixtures are small enough to arrive whole with their skeletons; with 1 KiB skeletons their storages
+    come through the fill, on its thread, while the parts that need them wait: the same bytes as locally, and a
+    damaged storage is an exit 2 naming its object, with no object and no upload left behind."""
+    from dsckpt.io import remote
+
+    for name, value in (("EDGE", 1024), ("TAIL", 1024), ("MERGE_GAP", 0), ("SMALL_OBJECT", 1024)):
+        monkeypatch.setattr(remote, name, value)
+    monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "4096")
+    landed = []
+    real = remote.Arrivals.landed
+    monkeypatch.setattr(remote.Arrivals, "landed", lambda self, path, offset, n: landed.append(n) or real(self, path, offset, n))
+    read = remote.RemoteStore.read  # a slow store: a part that read before its bytes arrived would hold zeros
+    monkeypatch.setattr(remote.RemoteStore, "read", lambda self, rel, start, end, exact=True:
+                        (end - start < 4096 or time.sleep(0.2)) and read(self, rel, start, end, exact) or
+                        read(self, rel, start, end, exact))
+    out = f"{BUCKET}/filled-{tmp_path.name}"
+    ok("consolidate", f"s3://{BUCKET}/z3_ws2_fp32", f"s3://{out}/model.safetensors", "--dtype", "bf16")
+    ok("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "model.safetensors", "--dtype", "bf16")
+    assert sum(landed) > 10_000
+    assert s3.cat_file(f"{out}/model.safetensors") == (tmp_path / "model.safetensors").read_bytes()
+    from dsckpt.plan.consolidate import build_plan
+    from dsckpt.zero.reader import open_checkpoint
+
+    piece = build_plan(open_checkpoint(FIXTURES / "z3_ws2_fp32")).tensors[-1].pieces[-1]
+    rel = piece.path.relative_to(FIXTURES / "z3_ws2_fp32").as_posix()
+    prefix = f"{BUCKET}/fill-damaged-{tmp_path.name}"
+    s3.put(f"{FIXTURES / 'z3_ws2_fp32'}/", f"{prefix}/", recursive=True)
+    data = bytearray((FIXTURES / "z3_ws2_fp32" / rel).read_bytes())
+    data[piece.offset] ^= 0x10
+    s3.pipe_file(f"{prefix}/{rel}", bytes(data))
+    proc = run_cli("consolidate", f"s3://{prefix}", f"s3://{out}/damaged.safetensors")
+    assert proc.returncode == 2 and f"s3://{prefix}/{rel}" in proc.stderr and "CRC-32" in proc.stderr, proc.stderr
+    assert not s3.exists(f"{out}/damaged.safetensors")
+    assert not s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
+
+
 def test_a_part_is_the_files_bytes_at_any_edge(tmp_path):
     """``io.stream.part_bytes`` at 1000-byte edges (inside elements of a cast, inside a row-parallel join's rows)
     joins into exactly what the local writer writes."""

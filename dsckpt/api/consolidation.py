@@ -30,14 +30,15 @@ from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
-from ..io.writer import create_safetensors, fill_safetensors, shard, write_sharded
+from ..io.writer import create_safetensors, fill_safetensors, safetensors_header, shard, write_sharded
 from ..plan.deal import dealt
 from ..parallel.group import ONE_PROCESS, Group
+from ..io import stream
 from ..io.remote import is_url
 from ..parallel.view import readable
 from .frame import uploading, writing
 from ..parallel.outputs import Staged, storage_groups
-from ..parallel.transfer import fetch, remote_ranges
+from ..parallel.transfer import fetch, fetching, remote_ranges
 from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan
 from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
@@ -46,6 +47,7 @@ from ..zero.reader import open_checkpoint
 
 DEFAULT_SHARD = "5GB"
 SPLIT_FORMATS = ("safetensors", "sharded")  # with several writers: one file filled in parts, a folder's shards dealt out
+STREAMED_FORMATS = ("safetensors", "sharded", "hf")  # every tensor byte they write goes through io.stream to a URL
 
 
 @dataclass(frozen=True)
@@ -200,13 +202,28 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
     writers = groups.members(groups.of[0])
     split = fmt.name in SPLIT_FORMATS and len(writers) > 1
     part = (writers.index(group.rank), len(writers)) if group.rank in writers else None
+    streamed = fmt.name in STREAMED_FORMATS and stream.target(staged.tmp) is not None
     if split and part:
-        mine = _tensors_to_write(plan, fmt, prepared, *part)
+        mine = _tensors_to_write(plan, fmt, prepared, *part, streamed)
     else:
         mine = list(plan.tensors) if group.rank == 0 else []
     extra = companion_paths(prepared.companions) if group.rank == 0 else []
     clients = tree_pieces(ckpt.client_state) if group.rank == 0 else []
-    fetch(group, view, remote_ranges(view, [p for t in mine for p in t.pieces] + clients, extra))
+    tensors = [p for t in mine for p in t.pieces]
+    if streamed:
+        # in object storage both ends: the tensors' bytes arrive while the first parts already go up
+        fetch(group, view, remote_ranges(view, clients, extra))
+        with fetching(group, view, remote_ranges(view, tensors)):
+            return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
+    fetch(group, view, remote_ranges(view, tensors + clients, extra))
+    return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
+
+
+def _write_parts(group: Group, groups, ckpt, prepared: Prepared, staged: Staged, write_client: bool, out: Path,
+                 progress, part: tuple[int, int] | None) -> list[str]:
+    fmt, plan = prepared.format, prepared.plan
+    writers = groups.members(groups.of[0])
+    split = fmt.name in SPLIT_FORMATS and len(writers) > 1
 
     def run(step: Callable[[], Any]) -> Any:
         def guarded():
@@ -229,11 +246,16 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
     into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
     run(lambda: write_sidecar(ckpt.client_state, out, staged.staging, into) if write_client and group.rank == 0
         else None)
-    return names, mine
+    return names
 
 
-def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int) -> list:
-    """The tensors writer ``k`` of ``n`` writes (``io.writer.dealt``, by bytes): of one file's tensors, or of its shards'."""
+def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int, streamed: bool) -> list:
+    """The tensors writer ``k`` of ``n`` writes (``io.writer.dealt``, by bytes): of one file's tensors, or of its
+    shards'; of a file streamed to a URL, those in its run of parts (``io.stream.my_parts``)."""
+    if streamed and fmt.name == "safetensors":
+        header, offsets = safetensors_header(list(plan.tensors), plan.metadata)
+        total = len(header) + plan.nbytes
+        return stream.tensors_in(header, list(plan.tensors), offsets, stream.my_parts(total, k, n))
     if fmt.name == "sharded":
         shards = shard(plan.tensors, prepared.request.max_shard_bytes)
         owners = dealt([sum(t.nbytes for t in tensors) for tensors in shards], n)

@@ -21,6 +21,7 @@ from typing import BinaryIO, Iterable, Protocol
 
 from .positional import pread_exact
 
+ARRIVING: list = []  # fills in progress (``io.remote.arriving``): a read waits until its range has landed
 TEMP_MARK = ".dsckpt-tmp-"  # in every staged name: `.<name>.dsckpt-tmp-<pid>-<id>` (a run's, until published)
 
 
@@ -95,6 +96,8 @@ class LocalStorage:
             return self._fds[name]
 
     def pread(self, name: Path, nbytes: int, offset: int, into=None) -> bytes | bytearray:
+        if ARRIVING:  # a view of a checkpoint in object storage, filled while this reads (``io.remote.Arrivals``)
+            ARRIVING[-1].wait(name, offset, nbytes)
         return pread_exact(self.fd(name), nbytes, offset, name, into)
 
     def advise(self, name: Path, ranges: Iterable[tuple[int, int]]) -> None:

@@ -17,19 +17,23 @@ Writing to a URL: ``io.upload``.  Credentials and endpoints come from the clouds
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import functools
 import os
+import threading
 import re
 import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointNotFoundError, CorruptFileError, MissingExtraError, UnreadableFileError
+from ..errors import CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, UnreadableFileError
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
+from ..formats.storage import ARRIVING
 from ..plan.deal import dealt
 
 URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
@@ -40,6 +44,7 @@ THREADS = 8
 SMALL_OBJECT = 1 << 20  # read whole: `latest`, configs, trainer state
 HEADER_WINDOW = 1024  # a zip local header, its name and torch's alignment padding fit in this
 EDGE = 1 << 16  # the first bytes of an object fetched with its tail: a zip's first records, a safetensors header
+TAIL = 1 << 16  # the last bytes (a zip's directory and end records), fetched with its first
 MERGE_GAP = 1 << 20  # skeleton ranges closer than this come in one request
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
 
@@ -144,7 +149,7 @@ class RemoteStore:
         and last 64 KiB at once, then the entries' headers and records, nearby ones in one request."""
         if size <= SMALL_OBJECT:
             return [(0, self.read(rel, 0, size))] if size else []
-        tail_start = max(0, size - (1 << 16) - 22)
+        tail_start = max(0, size - TAIL - 22)
         head, tail = self.read_many([(rel, 0, min(size, EDGE)), (rel, tail_start, size)])
         if head[:4] != b"PK\x03\x04":
             header = 8 + int.from_bytes(head[:8], "little")  # a safetensors file: its JSON header
@@ -166,13 +171,15 @@ class RemoteStore:
 
     # 3. fill
     def fill(self, local_root: Path, ranges: list[tuple[str, int, int]], storages, check: bool = True,
-             share: tuple[int, int] = (0, 1), everyone: list[list[tuple[str, int, int]]] | None = None) -> int:
+             share: tuple[int, int] = (0, 1), everyone: list[list[tuple[str, int, int]]] | None = None,
+             arrivals: "Arrivals | None" = None) -> int:
         """Fetch ``ranges`` into the sparse files under ``local_root``: the storages they overlap whole and
         CRC-checked, any other range as it is; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s.
         Process ``k`` of ``n`` (``share``; ``everyone``: every process's ranges) fetches whole the storages it is
         dealt among those any process reads, and of the others only its own ranges (their owner checks them).
         ``check=False`` (``verify``, which reports each damaged storage itself): no CRC check, a short object
-        fetched as far as it goes."""
+        fetched as far as it goes.  ``arrivals``: told of each range as it lands (the files' ranges are fetched in
+        offset order, all files abreast, so a streamed write's first parts can start early)."""
         storages = functools.cache(storages)  # (parses a zip's directory: once per file)
 
         def touched(wanted) -> dict[tuple[str, int], tuple[int, int]]:
@@ -203,12 +210,17 @@ class RemoteStore:
                 for k in range(0, n, CHUNK)]
         jobs += [(None, rel, start + k, min(CHUNK, n - k)) for (rel, start), n in sorted(loose.items())
                  for k in range(0, n, CHUNK)]
+        jobs.sort(key=lambda job: (job[2], job[1]))  # (each storage's chunks stay in order: their CRCs join in it)
         handles: dict[str, int] = {}
 
         def one(job) -> tuple[Any, int, int]:
             key, rel, offset, n = job
+            if arrivals is not None and arrivals.stopped:
+                raise Interrupted
             data = self.read(rel, offset, offset + n, exact=check)
             pwrite_all(handles[rel], data, offset)
+            if arrivals is not None:
+                arrivals.landed(local_root / rel, offset, len(data))
             return key, crc32(data), len(data)
 
         try:
@@ -230,6 +242,50 @@ class RemoteStore:
                 raise CorruptFileError(f"{self.object_url(rel)}: the storage at byte {start:,} ({nbytes:,} bytes) "
                                        "fails its CRC-32 check: the object is damaged")
         return sum(n for _, _, n in results)
+
+
+class Arrivals:
+    """The ranges of view files a fill running on another thread has landed; ``wait`` blocks until a range has
+    (or raises what stopped the fill).  A range the fill never fetches is there once it is ``finish``ed."""
+
+    def __init__(self) -> None:
+        self._spans: dict[str, list[tuple[int, int]]] = {}
+        self._cond = threading.Condition()
+        self._finished = False
+        self._error: BaseException | None = None
+        self.stopped = False  # the reader gave up: the fill stops at its next chunk
+
+    def landed(self, path: Path, offset: int, nbytes: int) -> None:
+        with self._cond:
+            self._spans[str(path)] = _merged(self._spans.get(str(path), []) + [(offset, offset + nbytes)], gap=0)
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._finished, self._error = True, error
+            self._cond.notify_all()
+
+    def _there(self, path: str, offset: int, nbytes: int) -> bool:
+        spans = self._spans.get(path, ())
+        i = bisect.bisect_right(spans, (offset, float("inf"))) - 1
+        return i >= 0 and spans[i][1] >= offset + nbytes
+
+    def wait(self, path: Path, offset: int, nbytes: int) -> None:
+        with self._cond:
+            while not (self._finished or self._there(str(path), offset, nbytes)):
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+
+@contextlib.contextmanager
+def arriving(arrivals: Arrivals) -> Iterator[None]:
+    """Reads through ``LocalStorage.pread`` in the block wait for the ranges ``arrivals`` has not landed yet."""
+    ARRIVING.append(arrivals)
+    try:
+        yield
+    finally:
+        ARRIVING.remove(arrivals)
 
 
 def _merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

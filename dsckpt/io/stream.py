@@ -97,7 +97,7 @@ class Streams:
             return self.pending.setdefault(key, Pending(key, upload_id))
 
     def put(self, upload: Pending, number: int, data) -> None:
-        etag = self._call(upload.key, "upload_part", PartNumber=number, UploadId=upload.upload_id, Body=bytes(data))
+        etag = self._call(upload.key, "upload_part", PartNumber=number, UploadId=upload.upload_id, Body=data)
         with self._lock:
             upload.parts[number] = etag["ETag"]
 
@@ -210,3 +210,17 @@ def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors
 
 def part_count(total: int) -> int:
     return max(1, -(-total // part_size(total)))
+
+
+def my_parts(total: int, k: int, n: int) -> range:
+    """Writer ``k`` of ``n``'s parts of a file: a contiguous run (its reads stay in order)."""
+    count = part_count(total)
+    return range(k * count // n, (k + 1) * count // n)
+
+
+def tensors_in(header: bytes, tensors: list[TensorPlan], offsets: list[int], parts: range) -> list[TensorPlan]:
+    """The tensors whose bytes lie (partly) in ``parts``: what their writer reads."""
+    total = len(header) + sum(t.nbytes for t in tensors)
+    size = part_size(total)
+    lo, hi = parts.start * size, min(total, parts.stop * size)
+    return [t for t, rel in zip(tensors, offsets) if len(header) + rel < hi and lo < len(header) + rel + t.nbytes]

@@ -168,9 +168,8 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
     streamed = stream.target(path) if upload_id is not None else None
     if streamed is not None:
         streams, key = streamed
-        count = stream.part_count(len(header) + sum(t.nbytes for t in tensors))
-        stream.stream_safetensors(streams, streams.join(key, upload_id), header, tensors, offsets,
-                                  range(k * count // n, (k + 1) * count // n), progress)
+        parts = stream.my_parts(len(header) + sum(t.nbytes for t in tensors), k, n)
+        stream.stream_safetensors(streams, streams.join(key, upload_id), header, tensors, offsets, parts, progress)
         return
     owners = dealt([t.nbytes for t in tensors], n)
     mine = [(t, rel) for t, rel, owner in zip(tensors, offsets, owners) if owner == k]

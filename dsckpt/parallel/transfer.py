@@ -10,11 +10,14 @@ writes skipped); the error is raised after it, in ``Group.agree``, so no process
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from ..formats.positional import pwrite_all
+from ..io.remote import Arrivals, arriving
 from ..plan.segments import Segment
 from .group import Group
 from .transport import comm_errors
@@ -51,6 +54,44 @@ def remote_ranges(view: View, pieces: Iterable[object], whole_files: Iterable[Pa
         if rel is not None and rel not in view.local:
             found.append((rel, 0, view.path(rel).stat().st_size))
     return merged_ranges(found)
+
+
+@contextlib.contextmanager
+def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> Iterator[None]:
+    """``fetch`` around a block; a checkpoint in object storage is filled on a thread while the block runs, and the
+    block's reads wait for the ranges they need (``io.remote.Arrivals``): a streamed write uploads its first parts
+    while the rest arrive.  Only for blocks whose every read of the view goes through ``LocalStorage.pread``."""
+    if view.store is None:
+        fetch(group, view, wanted)
+        yield
+        return
+    everyone = group.gather(wanted)
+    arrivals, failed = Arrivals(), []
+
+    def fill() -> None:
+        try:
+            view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
+                            share=(group.rank, group.size), everyone=everyone, arrivals=arrivals)
+        except BaseException as exc:  # (raised in the block by the read that waits for it, and agreed below)
+            failed.append(exc)
+        finally:
+            arrivals.finish(failed[0] if failed else None)
+
+    thread = threading.Thread(target=fill, name="dsckpt-fill", daemon=True)
+    thread.start()
+    try:
+        with arriving(arrivals):
+            yield
+    except BaseException:
+        arrivals.stopped = True
+        raise
+    finally:
+        thread.join()
+
+    def verdict() -> None:
+        if failed:
+            raise failed[0]
+    group.step(verdict)
 
 
 def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
