@@ -23,18 +23,15 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..dtypes import torch_dtype
 from ..errors import MissingExtraError, missing_modules
-from ..formats.pickle_policy import TensorRef
-from ..formats.pickle_writer import NewTensor
-from ..io.read import Reader
-from ..io.torch_writer import write_archive
-from ..plan.consolidate import TensorPlan
-from ..plan.segments import ref_segments
-from ..plan.training_state import TrainingState
 from .targets import ConvertRequest, PreparedConversion, Target, register_target
+
+if TYPE_CHECKING:  # (the plans and writers load with the first conversion, not with --help)
+    from ..plan.consolidate import TensorPlan
+    from ..plan.training_state import TrainingState
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # the top-level keys of get_state_dict's pair, as users save them
 DATA_FILE_SUFFIX = ".distcp"  # torch's name for a DCP data file: <prefix><n>.distcp
@@ -42,6 +39,10 @@ DATA_FILE_SUFFIX = ".distcp"  # torch's name for a DCP data file: <prefix><n>.di
 
 def step_plan(step: Any) -> TensorPlan | float | None:
     """Adam's step as torch.optim.AdamW keeps it: a 0-d float32 tensor (from a stored tensor or a number)."""
+    from ..formats.pickle_policy import TensorRef
+    from ..plan.consolidate import TensorPlan
+    from ..plan.segments import ref_segments
+
     if isinstance(step, TensorRef):
         return TensorPlan("step", (), step.dtype, "F32", "step", ref_segments(step))
     return float(step) if isinstance(step, (int, float)) else None
@@ -69,6 +70,8 @@ class _Window:
 
 def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict[str, Any]:
     import torch
+
+    from ..plan.consolidate import TensorPlan
 
     tensors = {t.name: lazy(t) for t in state.model.tensors}
     root: dict[str, Any] = {MODEL_KEY: {**tensors, **{a: tensors[s] for a, s in state.model.aliases.items()}}}
@@ -115,6 +118,11 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
+
+    from ..formats.pickle_writer import NewTensor
+    from ..io.read import Reader
+    from ..io.torch_writer import write_archive
+    from ..plan.consolidate import TensorPlan
 
     sources: dict[int, TensorPlan] = {}
 
@@ -164,6 +172,8 @@ class DcpTarget(Target):
                                     hint="pip install torch  (--to universal needs no torch)")
 
     def prepare(self, ckpt, state: TrainingState, request: ConvertRequest) -> PreparedConversion:
+        from ..plan.consolidate import TensorPlan
+
         moments = [t for p in state.params for t in p.moments.values()]
         steps = [s for p in state.params if isinstance(s := step_plan(p.step), TensorPlan)]
         tensors = len(state.model.tensors) + sum(1 + len(p.moments) for p in state.params)

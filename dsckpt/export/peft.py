@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..plan.consolidate import Plan, TensorPlan
 from .registry import Format, Listing, Prepared, Progress, Request, register
+
+if TYPE_CHECKING:  # (the plan's modules load with the first conversion, not with --help)
+    from ..plan.consolidate import Plan
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -29,6 +32,8 @@ def adapter_config(root: Path) -> Path | None:
 
 def adapter_plan(plan: Plan, source: Path) -> Plan:
     """The plan's adapter tensors under PEFT's saved names; anything else (base weights) is left out."""
+    from ..plan.consolidate import Plan, TensorPlan
+
     tensors, adapters = [], set()
     for t in plan.tensors:
         match = ADAPTER_TENSOR.search(t.name)

@@ -10,19 +10,15 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InconsistentCheckpointError, OutputError
-from ..formats.pickle_policy import foreign_classes
-from ..formats.pickle_writer import StorageOut, dumps
-from ..formats.torchzip import TorchFile
-from ..io.read import Reader
-from ..io.torch_writer import write_pickled
-from ..plan.segments import written_source
-from ..plan.universal import UniversalFile, UniversalPlan, build_universal_plan
 from ..zero import layout as L
-from ..zero.allowed import allowed_tree, dropped_notes, trusted_notes
-from ..zero.reader import open_checkpoint
 from .targets import ConvertRequest, PreparedConversion, Target, register_target
+
+if TYPE_CHECKING:  # (the plans and writers load with the first conversion, not with --help)
+    from ..formats.pickle_writer import StorageOut
+    from ..plan.universal import UniversalFile, UniversalPlan
 
 
 @dataclass(frozen=True)
@@ -43,6 +39,10 @@ class UniversalTarget(Target):
                               hint="leave --weights-only out, or use dsckpt consolidate for the weights")
 
     def prepare(self, ckpt, state, request: ConvertRequest) -> PreparedConversion:
+        from ..formats.pickle_writer import dumps
+        from ..plan.segments import written_source
+        from ..plan.universal import build_universal_plan
+
         plan, notes = _carry_only_allowed(build_universal_plan(ckpt, state), ckpt, request.trust)
         pickled = []
         for f in plan.files:
@@ -56,6 +56,9 @@ class UniversalTarget(Target):
                                   tuple(src for src, _ in plan.copies), (plan, pickled))
 
     def write(self, prepared: PreparedConversion, tmp: Path, staging, progress) -> list[str]:
+        from ..io.read import Reader
+        from ..io.torch_writer import write_pickled
+
         plan, pickled = prepared.detail
         tag_dir = tmp / plan.tag
         with Reader() as reader:
@@ -77,6 +80,11 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
     """A model-states file whose client state names a class beyond DeepSpeed's own is rewritten without that
     entry (a note says so) instead of copied; such a class in the optimizer state is refused.  ``trust``:
     copied as recorded, with a note."""
+    from ..formats.pickle_policy import foreign_classes
+    from ..formats.torchzip import TorchFile
+    from ..plan.universal import UniversalFile, UniversalPlan
+    from ..zero.allowed import allowed_tree, dropped_notes, trusted_notes
+
     if trust:
         trees = [f.tree for f in plan.files] + [tf.obj for tf in ckpt.every_model_file]
         return plan, list(trusted_notes(trees, "DeepSpeed's load_checkpoint of OUT_DIR"))
@@ -95,6 +103,8 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
 
 def _check_written(root: Path, plan: UniversalPlan) -> None:
     """What DeepSpeed's universal loader looks for, read back with dsckpt's reader."""
+    from ..zero.reader import open_checkpoint
+
     written = open_checkpoint(root, plan.tag)
     written.require_complete(tensor_parallel=True, pipeline=True)
     if not written.universal or written.zero_stage != plan.stage:
