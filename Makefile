@@ -15,6 +15,8 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]" "$(TORCH_SPEC)"  # the pin again: no dependency may swap torch
+	# Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm)
+	-command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix .tools azurite@3 >/dev/null
 	touch $@
 
 setup: $(VENV)/.installed
@@ -67,4 +69,4 @@ fuzz: setup
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_fuzz_readers.py  # 20,000 examples per property
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .tools

@@ -6,7 +6,7 @@ descriptors opened once per file and shared by threads (positional reads need no
 into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  The writers'
 kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.writer``) are local-only and stay
 with them.  Checkpoints in object storage reach these readers as local views filled by ranged GETs (``io.remote``);
-a backend of this protocol over multipart uploads is where streamed uploads would go (docs/architecture.md).
+outputs in object storage are staged here and uploaded, their safetensors files streamed (``io.stream``).
 """
 from __future__ import annotations
 
