@@ -76,13 +76,17 @@ def measure(args: argparse.Namespace) -> dict:
                              "write_bw": write_bw, "read_bw": read_bw, "round": round_})
                 print(f"round {round_ + 1} N={n} {name}: {wall:.2f} s, {nbytes / wall / 1e9:.2f} GB/s out; "
                       f"disk {write_bw / 1e9:.2f} GB/s write, {read_bw / 1e9:.2f} GB/s read", flush=True)
+    from dsckpt.formats.crc import crc32
+
     return {"checkpoint": str(ckpt), "checkpoint_bytes": size(ckpt), "cpus": os.cpu_count(),
-            "dim": int(os.environ.get("BENCH_DIM", "1024")), "layers": args.layers, "rows": rows}
+            "dim": int(os.environ.get("BENCH_DIM", "1024")), "layers": args.layers, "rows": rows,
+            "crc32": crc32.__module__}  # isal's or zlib's: every CRC costs ~10x more without isal
 
 
 def table(result: dict) -> str:
     lines = [f"checkpoint: ZeRO-3, world size 4, {result['checkpoint_bytes'] / 1e9:.2f} GB of rank files "
-             f"(dim {result['dim']}, {result['layers']} layers); {result['cpus']} CPUs; medians over rounds", "",
+             f"(dim {result['dim']}, {result['layers']} layers); {result['cpus']} CPUs; CRC-32 from "
+             f"{result.get('crc32', 'not recorded')}; medians over rounds", "",
              "| command | N | seconds | GB/s out | disk write GB/s | disk allows s | / disk | peak RSS per process MiB |",
              "|---|---|---|---|---|---|---|---|"]
     for name in ("consolidate", "reshard"):

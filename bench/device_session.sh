@@ -3,7 +3,8 @@
 #   bash bench/device_session.sh resume7b $OUT   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU, against Transformers
 #   bash bench/device_session.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
 #   bash bench/device_session.sh s3 $OUT LAYERS [DIM]    bench_s3.py against a local moto server (wheels in .whl/s3/)
-# DeepSpeed 0.19.8 and einops travel as wheels in .whl/ (installed to /tmp/site).
+# DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
+# as wheels in .whl/ (installed to /tmp/site).
 part=${1:?part}; out=${2:?OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
