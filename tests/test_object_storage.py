@@ -116,6 +116,11 @@ def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3
     shards = lambda names: {n for n in names if n.startswith("model-")}  # noqa: E731
     assert len(shards(before)) > 1 and shards(after) == {"model-00001-of-00001.safetensors"}  # the others: gone
     assert "notes.txt" in after  # not dsckpt's: kept
+    s3.pipe_file(f"{out.removeprefix('s3://')}/hf/model.safetensors", b"a stale single file")
+    shadowed = run_cli("consolidate", f"s3://{BUCKET}/{tp}", f"{out}/hf", "--hf", "--force")
+    assert shadowed.returncode == 2 and "from_pretrained would load" in shadowed.stderr, shadowed.stderr
+    s3.invalidate_cache()
+    assert {p.rsplit("/", 1)[1] for p in s3.find(f"{out.removeprefix('s3://')}/hf")} == after | {"model.safetensors"}
     again = run_cli("consolidate", url, f"{out}/model.safetensors")
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     ok("consolidate", url, f"{out}/model.safetensors", "--force", "--dtype", "bf16")

@@ -6,11 +6,10 @@ import shlex
 from pathlib import Path
 
 from ..errors import CorruptFileError, OutputError
-from ..formats.safetensors_file import INDEX_NAME, INDEX_SUFFIX, check_shard_names, read_index
+from ..formats.safetensors_file import INDEX_NAME, INDEX_SUFFIX, SHADOWING_WEIGHTS, check_shard_names, read_index
 from .registry import Format, Listing, Prepared, Progress, register
 from .safetensors import read_safetensors
 
-SHADOWING_WEIGHTS = ("model.safetensors",)  # from_pretrained reads this before any index: it would hide ours
 
 
 def read_sharded(path: Path) -> Listing:

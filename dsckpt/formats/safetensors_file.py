@@ -12,6 +12,7 @@ from ..dtypes import ITEMSIZE
 from .json_file import read_json
 
 INDEX_NAME = "model.safetensors.index.json"  # a sharded folder's index, as save_pretrained names it
+SHADOWING_WEIGHTS = ("model.safetensors",)  # from_pretrained reads this before any index: it would hide a folder's shards
 INDEX_SUFFIX = ".index.json"
 METADATA_KEY = "__metadata__"  # the header's one entry that is not a tensor
 HEADER_ALIGN = 8  # data starts 8-byte aligned (the header padded with spaces), as the reference writer does

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import Interrupted, OutputError
+from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
 from .stream import PARTS_IN_FLIGHT, chunksize, streamable
 
@@ -69,6 +70,7 @@ class Upload:
         self.uploaded: list[str] = []
         self.streams = None  # io.stream.Streams: the files already uploaded as parts, completed in order here
         self.superseded: set[str] = set()
+        self.shadowing: list[str] = []  # weights files in an existing OUT that a loader would read before an index
         # s3fs: parts as streamed ones, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
         self.part_options = {"chunksize": chunksize(), "max_concurrency": PARTS_IN_FLIGHT} if streamable(url) else {}
 
@@ -82,6 +84,7 @@ class Upload:
             raise OutputError(f"{self.url}: already exists", hint="--force replaces what dsckpt writes there")
         if exists:
             self.superseded = self._indexed_shards()
+            self.shadowing = [name for name in SHADOWING_WEIGHTS if self.fs.exists(f"{self.root}/{name}")]
 
     def _indexed_shards(self) -> set[str]:
         """The shards the indexes in an existing OUT folder name: replaced by the new output, so the ones it does
@@ -106,6 +109,12 @@ class Upload:
         files = {p.relative_to(self.scratch).as_posix(): p for p in staged if p.is_file()}
         parent = self.root.rsplit("/", 1)[0]
         single = self.local.name if self.local.is_file() else None
+        written = {rel.split("/", 1)[1] for rel in files if "/" in rel}
+        for name in self.shadowing if self.local.is_dir() else ():  # (as locally: export.sharded.replaced_shards)
+            if name not in written:
+                raise OutputError(f"{self.url}: holds {name}, which from_pretrained would load instead of the sharded "
+                                  "weights written beside it; dsckpt does not delete objects it did not write",
+                                  hint=f"move {self.url}/{name} away, or write to another prefix")
         try:
             with _signals_between_objects() as stop:
                 for rel in upload_order(list(files), last=single):
