@@ -59,9 +59,10 @@ bench: setup
 	$(BIN)/python bench/bench_consolidate.py
 	$(BIN)/python bench/bench_reshard.py
 
-# A regression guard in about a minute (the first run also generates three cached checkpoints); CI does not run it.
+# A regression guard in about two minutes (the first run also generates four cached checkpoints); CI does not run it.
 bench-quick: setup
 	$(BIN)/python bench/bench_quick.py
+	$(BIN)/python bench/bench_s3.py --layers 2 --runs 3  # object storage, streamed: against moto's server
 
 fuzz: setup
 	$(BIN)/pip install -q atheris
