@@ -130,7 +130,8 @@ def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3
 
 def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, tmp_path):
     """Parts of 4 KiB: tensors and cast elements cut at part edges, a row-parallel join, two processes filling one
-    file's upload; each object equals the local file, and nothing appears before the upload completes."""
+    file's upload, torch zips (reshard's rank files, a universal checkpoint, a .pt); each object equals the local
+    file, and none is left half-uploaded."""
     env = {"DSCKPT_MULTIPART_CHUNKSIZE": "4096"}
     out = f"s3://{BUCKET}/streamed-{tmp_path.name}"
     for name, args in (("z3_ws2_fp32", ["--dtype", "bf16", "--nproc", "2"]), ("z2_ws3_bf16", []),
@@ -148,6 +149,17 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
     got = tmp_path / "got"
     s3.get(f"{out.removeprefix('s3://')}/hf/", f"{got}/", recursive=True)
     same_tree(got, tmp_path / "hf")
+    # torch zips (zipfile writes each entry's header again when it closes: those parts are held until then)
+    for verb, args in (("reshard", ["-w", "3", "--nproc", "2"]), ("convert", ["--to", "universal"])):
+        proc = run_cli(verb, f"s3://{BUCKET}/z3_ws2_fp32", f"{out}/{verb}", *args, env=env)
+        assert proc.returncode == 0, proc.stderr
+        ok(verb, FIXTURES / "z3_ws2_fp32", tmp_path / f"{verb}_local", *args[:2])
+        s3.get(f"{out.removeprefix('s3://')}/{verb}/", f"{tmp_path / verb}/", recursive=True)
+        same_tree(tmp_path / verb, tmp_path / f"{verb}_local")
+    proc = run_cli("consolidate", f"s3://{BUCKET}/z2_ws3_bf16", f"{out}/model.pt", env=env)
+    assert proc.returncode == 0, proc.stderr
+    ok("consolidate", FIXTURES / "z2_ws3_bf16", tmp_path / "model.pt")
+    assert s3.cat_file(f"{out.removeprefix('s3://')}/model.pt") == (tmp_path / "model.pt").read_bytes()
     import shutil
 
     from dsckpt.plan.consolidate import build_plan

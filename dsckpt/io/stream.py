@@ -1,7 +1,8 @@
-"""Safetensors files written straight into object storage: each multipart part assembled from the plan.
+"""Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
-A command whose OUT is an ``s3://`` URL stages OUT locally (``io.upload``), but its safetensors files are not
-written there: ``io.writer`` hands each one here, and the staging folder keeps an empty placeholder under its name.
+A command whose OUT is an ``s3://`` URL stages OUT locally (``io.upload``), but its safetensors files and torch zips
+are not written there: ``io.writer`` and ``io.torch_writer`` hand them here, and the staging folder keeps a
+placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
    ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);
 2. a part's bytes: the header's slice and each overlapping tensor's range cut from its pieces
@@ -10,6 +11,7 @@ written there: ``io.writer`` hands each one here, and the staging folder keeps a
 3. nothing is visible yet: the upload is only started.  ``Upload.publish`` completes it after every check passed,
    in the order a reader looks for files (an index, ``latest``, a single file's final key last); a failure anywhere
    aborts it (``abort``: the parts are dropped by the store).
+A torch zip: ``ZipSink`` (its docstring), parts uploaded as the writer fills them.
 Other backends (gs://, az://) and other files are staged whole and uploaded after (``io.upload``).
 """
 from __future__ import annotations
@@ -206,6 +208,117 @@ def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors
         finally:
             for future in pending:
                 future.cancel()
+
+
+TIER_PARTS = 1000  # a streamed zip's size is unknown up front: every 1,000 parts the part size doubles
+
+
+def tiered_part(pos: int) -> tuple[int, int, int]:
+    """(index, start, size) of the part of a zip streamed through ``ZipSink`` that holds byte ``pos``: 1,000 parts of
+    ``chunksize()``, then 1,000 of twice that, ... (10,000 parts reach 1,000 times 8 GiB)."""
+    size, start, index = chunksize(), 0, 0
+    while pos >= start + TIER_PARTS * size:
+        start, index, size = start + TIER_PARTS * size, index + TIER_PARTS, size * 2
+    return index + (pos - start) // size, start + (pos - start) // size * size, size
+
+
+class ZipSink:
+    """A write-only, seekable file the zip writer (``io.torch_writer``) writes into, going up as parts of one
+    multipart upload: a part is uploaded once written to its end, unless ``hold`` keeps it (zipfile seeks back to
+    an entry's local header to write its CRC when the entry closes); ``release`` lets it go.  Everything but the
+    storages' data (``mirror`` off while they stream) is also written at the same offsets into ``local``, a sparse
+    placeholder of the final size, so that the run's own read-back of the structure works as on a local file.
+    Memory: the parts being written, held or in flight (``PARTS_IN_FLIGHT`` at most)."""
+
+    def __init__(self, streams: Streams, key: str, local: Path):
+        self.streams, self.upload = streams, streams.start(key)
+        self.local = open(local, "wb")
+        self.pos = self.end = 0
+        self.mirror = True
+        self._parts: dict[int, tuple[int, bytearray, list[int]]] = {}  # index -> (start, buffer, [bytes written])
+        self._holds: list[int] = []
+        self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT)
+        self._flying: list = []
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.end + pos}[whence]
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.mirror:
+            self.local.seek(self.pos)
+            self.local.write(view)
+        done = 0
+        while done < len(view):
+            index, start, size = tiered_part(self.pos + done)
+            if index not in self._parts:
+                if start < self.end:  # (begun before, so uploaded: a seek back that no hold covered)
+                    raise OSError(f"a streamed zip rewrote byte {self.pos + done:,} after its part went up")
+                self._parts[index] = (start, bytearray(size), [0])
+            _, buffer, written = self._parts[index]
+            at = self.pos + done - start
+            n = min(len(view) - done, size - at)
+            buffer[at:at + n] = view[done:done + n]
+            written[0] = max(written[0], at + n)
+            done += n
+        self.pos += done
+        self.end = max(self.end, self.pos)
+        self._send(final=False)
+        return done
+
+    def hold(self, pos: int) -> None:
+        self._holds.append(pos)
+
+    def release(self, pos: int) -> None:
+        self._holds.remove(pos)
+        self._send(final=False)
+
+    def _send(self, final: bool) -> None:
+        """Upload each part written to its end (every part left, when ``final``) that no hold keeps."""
+        held = {tiered_part(pos)[0] for pos in self._holds} | {tiered_part(pos + 1024)[0] for pos in self._holds}
+        for index in sorted(self._parts):
+            start, buffer, written = self._parts[index]
+            if index in held or not (final or written[0] == len(buffer)):
+                continue
+            del self._parts[index]
+            while len(self._flying) >= PARTS_IN_FLIGHT:
+                self._flying.pop(0).result()
+            del buffer[written[0]:]  # (the last part: as long as it is)
+            self._flying.append(self._pool.submit(self.streams.put, self.upload, index + 1, buffer))
+
+    def close(self) -> None:
+        """Every part up (the last one as long as it is); the placeholder at the zip's size."""
+        try:
+            self._send(final=True)
+            for future in self._flying:
+                future.result()
+            self.local.truncate(self.end)
+        finally:
+            self._pool.shutdown(cancel_futures=True)
+            self.local.close()
+
+    def __enter__(self) -> "ZipSink":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is None:
+            self.close()
+        else:  # (the upload is aborted with the run's others: Streams.close)
+            self._pool.shutdown(cancel_futures=True)
+            self.local.close()
 
 
 def part_count(total: int) -> int:

@@ -13,18 +13,20 @@ results load with torch's weights-only unpickler whenever the tree names only al
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from ..formats.crc import crc32_async
 from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
+from . import stream
 from .read import Reader
 
 ALIGN = 64
@@ -89,25 +91,53 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
                   progress: Callable[[int], None] | None = None) -> list[StorageOut]:
     """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
     it before writing (reshard) does not pickle it twice."""
-    pickle_bytes, storages = pickled
     folder = Path(path).name.split(".")[0] if isinstance(path, (str, os.PathLike)) else ""
     folder = folder or "archive"  # what torch.save names the root folder of a stream's archive
+    streamed = stream.target(Path(path)) if isinstance(path, (str, os.PathLike)) else None
+    if streamed is None:
+        return _write_zip(path, folder, pickled, chunks, progress)
+    with stream.ZipSink(*streamed, Path(path)) as sink:  # a run streaming OUT to object storage (io.stream)
+        return _write_zip(sink, folder, pickled, chunks, progress)
+
+
+def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[StorageOut]], chunks: Chunks,
+               progress: Callable[[int], None] | None) -> list[StorageOut]:
+    pickle_bytes, storages = pickled
+    sink = path if isinstance(path, stream.ZipSink) else None
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(CRC_THREADS) as crc_threads:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
-            zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
+            with _held(sink, zf):
+                zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
         following, then = [], None  # each storage's next one with bytes (read ahead while it is written)
         for storage in reversed(storages):
             following.append(then)
             then = storage if storage.nbytes else then
         for storage, then in zip(storages, reversed(following)):
             info = _aligned(zf, f"{folder}/data/{storage.key}", storage.nbytes)
-            with zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
+            with _held(sink, zf), zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
+                if sink:  # (its data is not kept locally)
+                    sink.mirror = False
                 written = _stream(out, zf.fp, chunks(storage, then), crc_threads, progress)
+                if sink:
+                    sink.mirror = True
             if written != storage.nbytes:
                 raise ValueError(f"storage {storage.key} of {path}: {written} bytes written, {storage.nbytes} expected")
-        zf.writestr(zipfile.ZipInfo(f"{folder}/version", date_time=ZIP_DATE), b"3\n")
+        with _held(sink, zf):
+            zf.writestr(zipfile.ZipInfo(f"{folder}/version", date_time=ZIP_DATE), b"3\n")
     return storages
+
+
+@contextlib.contextmanager
+def _held(sink: stream.ZipSink | None, zf: zipfile.ZipFile) -> Iterator[None]:
+    """An entry written into a streamed zip: zipfile writes its local header again when it closes (the CRC)."""
+    if sink is None:
+        yield
+        return
+    header = zf.fp.tell()
+    sink.hold(header)
+    yield
+    sink.release(header)
 
 
 def write_torch(plan: Plan, path: Path, progress: Callable[[int], None] | None = None) -> None:

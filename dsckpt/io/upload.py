@@ -1,7 +1,7 @@
 """An output in object storage: staged locally, then uploaded (``io.remote`` reads; this writes).
 
 ``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would locally
-(its safetensors files there are empty placeholders of uploads streamed as they were written: ``io.stream``); then
+(its safetensors files and zips there are placeholders of uploads streamed as they were written: ``io.stream``); then
 each file is uploaded (fsspec ``put_file``: multipart for large ones) or its streamed upload completed - an object
 is visible only once complete - the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``,
 a single file after its sidecars) last; a failed or interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing
@@ -121,7 +121,7 @@ class Upload:
                     key = f"{parent}/{rel}"
                     self.uploaded.append(key)
                     if self.streams is not None and key in self.streams.pending:
-                        self.streams.complete(key)  # (its placeholder staged here is empty)
+                        self.streams.complete(key)  # (its placeholder staged here holds no data)
                     else:
                         self.fs.put_file(str(files[rel]), key, **self.part_options)
                     stop()
