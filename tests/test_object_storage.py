@@ -195,6 +195,15 @@ def test_a_fill_in_progress_feeds_the_streamed_parts_and_its_crc_failure_stops_t
     monkeypatch.setattr(remote.RemoteStore, "read", lambda self, rel, start, end, exact=True:
                         (end - start < 4096 or time.sleep(0.2)) and read(self, rel, start, end, exact) or
                         read(self, rel, start, end, exact))
+    fetched = []
+    monkeypatch.setattr(remote.RemoteStore, "fill", lambda self, *a, real=remote.RemoteStore.fill, **k:
+                        fetched.append(real(self, *a, **k)) or fetched[-1])
+    import json
+
+    stats = json.loads(ok("inspect", f"s3://{BUCKET}/z3_ws2_fp32", "--stats", "--json").stdout)["stats"]
+    assert stats == json.loads(ok("inspect", FIXTURES / "z3_ws2_fp32", "--stats", "--json").stdout)["stats"]
+    whole = sum(p.stat().st_size for p in (FIXTURES / "z3_ws2_fp32").rglob("*.pt"))
+    assert 0 < sum(fetched) < whole / 2  # the fp32 masters, not the moments or the 16-bit weights
     out = f"{BUCKET}/filled-{tmp_path.name}"
     ok("consolidate", f"s3://{BUCKET}/z3_ws2_fp32", f"s3://{out}/model.safetensors", "--dtype", "bf16")
     ok("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "model.safetensors", "--dtype", "bf16")

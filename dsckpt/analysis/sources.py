@@ -8,6 +8,7 @@ name for name whatever form each is in.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Iterable
 
 from ..errors import UnsupportedCheckpointError
 from ..formats import metadata as M
@@ -18,9 +19,13 @@ from ..plan.segments import Segment
 from .stats import Source
 
 
-def sources(path: str | Path, tag: str | None = None, optimizer: bool = False, check_crc: bool = True) -> list[Source]:
-    """Every tensor to analyse; each storage read is CRC-checked first unless ``check_crc`` is False."""
+def sources(path: str | Path, tag: str | None = None, optimizer: bool = False, check_crc: bool = True,
+            fetch: Callable[[Iterable[object]], None] | None = None) -> list[Source]:
+    """Every tensor to analyse; each storage read is CRC-checked first unless ``check_crc`` is False.  ``fetch``:
+    a view of a URL (``parallel.view.readable``) gets the bytes the tensors read, and only those."""
     out = _sources(Path(path), tag, optimizer)
+    if fetch is not None:
+        fetch(p for s in out for p in s.pieces)
     check_sources((p for s in out for p in s.pieces), skip=not check_crc)
     return out
 

@@ -29,15 +29,16 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
     """
     from ..parallel.view import readable
 
-    with readable(path, tag, whole=True) as (local, local_tag, *_):
-        _check_finite(local, local_tag, optimizer, skip_crc_check, as_json, shown({local: path}))
+    with readable(path, tag) as (local, local_tag, fetch, _):
+        _check_finite(local, local_tag, optimizer, skip_crc_check, as_json, shown({local: path}), fetch)
 
 
-def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool, echo) -> None:
+def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool, echo,
+                  fetch=None) -> None:
     from ..analysis.sources import resolved_tag, sources
     from ..analysis.stats import compute_stats
 
-    stats = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check))
+    stats = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check, fetch=fetch))
     crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:

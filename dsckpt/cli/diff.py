@@ -34,19 +34,20 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     """
     from ..parallel.view import readable
 
-    with readable(a, tag_a, whole=True) as (local_a, tag_a, *_), readable(b, tag_b, whole=True) as (local_b, tag_b, *_):
+    with readable(a, tag_a) as (local_a, tag_a, fetch_a, _), readable(b, tag_b) as (local_b, tag_b, fetch_b, _):
         _diff(local_a, local_b, tag_a, tag_b, atol, rtol, optimizer, as_json, plot, skip_crc_check,
-              shown({local_a: a, local_b: b}))
+              shown({local_a: a, local_b: b}), (fetch_a, fetch_b))
 
 
 def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool,
-          plot: str | None, skip_crc_check: bool, echo) -> None:
+          plot: str | None, skip_crc_check: bool, echo, fetch=(None, None)) -> None:
     from ..analysis.diff import diff as compare
     from ..analysis.report import render_diff
     from ..analysis.sources import resolved_tag, sources
 
     check = not skip_crc_check
-    report = compare(sources(a, tag_a, optimizer, check), sources(b, tag_b, optimizer, check), atol, rtol)
+    report = compare(sources(a, tag_a, optimizer, check, fetch[0]), sources(b, tag_b, optimizer, check, fetch[1]),
+                     atol, rtol)
     crc_skipped_note(skip_crc_check)
     if plot:
         from pathlib import Path

@@ -39,13 +39,13 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     """
     from ..parallel.view import readable
 
-    with readable(path, tag, whole=stats) as (local, local_tag, *_):
+    with readable(path, tag) as (local, local_tag, fetch, _):
         _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du,
-                 shown({local: path}))
+                 shown({local: path}), fetch)
 
 
 def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int | None,
-             plot: str | None, skip_crc_check: bool, du: bool, echo) -> None:
+             plot: str | None, skip_crc_check: bool, du: bool, echo, fetch=None) -> None:
     import json
     import math
 
@@ -65,7 +65,7 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
         from ..analysis.sources import resolved_tag, sources
         from ..analysis.stats import compute_stats
 
-        records = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check))
+        records = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check, fetch=fetch))
         crc_skipped_note(skip_crc_check)
         if plot:
             from pathlib import Path
