@@ -12,11 +12,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Beside pip: Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]" "$(TORCH_SPEC)"  # the pin again: no dependency may swap torch
-	# Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm)
-	-command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix .tools azurite@3 >/dev/null
+	{ command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix .tools azurite@3 >/dev/null 2>&1; } & \
+	$(BIN)/pip install -q -e ".[test]" "$(TORCH_SPEC)" && { wait || true; }
 	touch $@
 
 setup: $(VENV)/.installed

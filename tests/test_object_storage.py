@@ -138,7 +138,7 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
                        ("tp2_dp2_z1_fp32", ["--nproc", "2"])):
         proc = run_cli("consolidate", f"s3://{BUCKET}/{name}", f"{out}/{name}.safetensors", *args, env=env)
         assert proc.returncode == 0, proc.stderr
-        ok("consolidate", FIXTURES / name, tmp_path / f"{name}.safetensors", *args)
+        ok("consolidate", FIXTURES / name, tmp_path / f"{name}.safetensors", *args[:2])  # (one process: the same)
         local = (tmp_path / f"{name}.safetensors").read_bytes()
         assert len(local) > 3 * 4096
         assert s3.cat_file(f"{out.removeprefix('s3://')}/{name}.safetensors") == local, name

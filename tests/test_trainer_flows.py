@@ -78,10 +78,11 @@ def hf_reference(tmp_path_factory):
     return get
 
 
-# The whole matrix is `make test-all`.  The default suite keeps the two changes of stage: 2 -> 3 fp32 resumes a
-# ZeRO-3 run as 3 -> 3 does, 1 -> 2 bf16 covers ZeRO-1's files (ZeRO-2's optimizer code in DeepSpeed 0.19.8);
-# each case is ~21 s of Trainer runs on 2 cores, and the suite's budget is 10 minutes.
-SLOW_HF = {(1, 1, "32"), (1, 1, "bf16"), (2, 2, "bf16"), (2, 2, "32"), (3, 3, "bf16"), (3, 3, "32")}
+# The whole matrix is `make test-all`.  The default suite keeps one change of stage: 2 -> 3 fp32 resumes a ZeRO-3
+# run as 3 -> 3 does; 1 -> 2 bf16 (ZeRO-1's files; ZeRO-2's optimizer code in DeepSpeed 0.19.8) is test-all's, as
+# ZeRO-1 reshards are checked against stock DeepSpeed in test_reshard; each case is ~15-20 s of Trainer runs on 2
+# cores, and the suite's budget is 10 minutes.
+SLOW_HF = {(1, 1, "32"), (1, 1, "bf16"), (2, 2, "bf16"), (2, 2, "32"), (3, 3, "bf16"), (3, 3, "32"), (1, 2, "bf16")}
 
 
 @pytest.mark.parametrize("stage,new_stage,precision", [

@@ -28,6 +28,7 @@ from ..dtypes import ITEMSIZE
 from ..formats.storage import TEMP_MARK, LocalStorage
 from ..plan.consolidate import TensorPlan
 from ..plan.segments import TensorSource, clip
+from .inflight import InFlight
 from .read import Reader
 from .remote import filesystem, typed_error
 
@@ -193,21 +194,13 @@ def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors
         return max(0, hi - max(lo, len(header)))  # (progress counts tensor bytes)
 
     with LocalStorage() as files, ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
-        pending: list = []
+        flying = InFlight(pool, PARTS_IN_FLIGHT, progress)
         try:
             for index in parts:
-                pending.append(pool.submit(one, index))
-                if len(pending) >= PARTS_IN_FLIGHT:  # submitted as workers free up: Ctrl-C waits for these only
-                    done = pending.pop(0).result()
-                    if progress:
-                        progress(done)
-            for future in pending:
-                done = future.result()
-                if progress:
-                    progress(done)
+                flying.submit(one, index)
+            flying.drain()
         finally:
-            for future in pending:
-                future.cancel()
+            flying.cancel()
 
 
 TIER_PARTS = 1000  # a streamed zip's size is unknown up front: every 1,000 parts the part size doubles

@@ -23,6 +23,7 @@ from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
 from . import stream
+from .inflight import InFlight
 from .integrity import note, recording_now
 from ..plan.consolidate import Plan, TensorPlan
 from ..plan.deal import dealt
@@ -187,7 +188,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
     try:
         with LocalStorage() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool, \
                 Reader(src) as reader:
-            pending = []
+            casts = InFlight(pool, 2 * CAST_THREADS, progress)  # bounded memory: a few chunks in flight
             for t, rel in mine:
                 pos = len(header) + rel
                 if t.src_dtype == t.dtype and isinstance(t.pieces, Interleaved):
@@ -205,15 +206,9 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
                     if progress:
                         progress(t.nbytes)
                 else:
-                    pending += [pool.submit(cast_chunk, job, t) for job in _chunks(t, pos, CAST_CHUNK_BYTES)]
-                    while len(pending) > 2 * CAST_THREADS:  # bounded memory: a few chunks in flight
-                        done = pending.pop(0).result()
-                        if progress:
-                            progress(done)
-            for fut in pending:
-                done = fut.result()
-                if progress:
-                    progress(done)
+                    for job in _chunks(t, pos, CAST_CHUNK_BYTES):
+                        casts.submit(cast_chunk, job, t)
+            casts.drain()
     finally:
         os.close(fd)
 
