@@ -286,8 +286,8 @@ def test_a_truncated_or_damaged_object_is_exit_2_naming_it_and_nothing_is_writte
 
 
 def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
-    """Ctrl-C while convert uploads its 60-odd files: what it had uploaded is deleted, `latest_universal` never
-    appeared."""
+    """Ctrl-C while convert uploads its 60-odd files: what it had uploaded is deleted, the uploads it had started
+    are aborted, `latest_universal` never appeared."""
     out = f"{BUCKET}/interrupted-{tmp_path.name}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "convert", f"s3://{BUCKET}/z3_ws2_fp32", f"s3://{out}",
@@ -303,6 +303,8 @@ def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
         pytest.skip("the upload finished before Ctrl-C reached it")
     assert proc.returncode == 130 and b"Traceback" not in stderr
     assert s3.find(out) == []
+    uploads = s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+    assert [u["Key"] for u in uploads if u["Key"].startswith(out.split("/", 1)[1])] == []  # streamed ones aborted
 
 
 def test_the_reading_api_and_commands_take_urls(s3, tmp_path):

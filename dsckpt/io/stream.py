@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..dtypes import ITEMSIZE
+from ..errors import Interrupted
 from ..formats.storage import TEMP_MARK, LocalStorage
 from ..plan.consolidate import TensorPlan
 from ..plan.segments import TensorSource, clip
@@ -51,6 +53,28 @@ def part_size(total: int) -> int:
         return size
     need = -(-total // MAX_PARTS)
     return -(-need // (1 << 20)) << 20
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[Callable[[], None]]:
+    """Ctrl-C (SIGINT, SIGTERM) in the block lands after it (``Interrupted``; in the block: the ``stop()`` it yields):
+    a request in flight on fsspec's own thread would otherwise finish after the clean-up that should undo it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop() -> None:
+        if caught:
+            raise Interrupted
+
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stop()
 
 
 @dataclass
@@ -89,9 +113,10 @@ class Streams:
             raise typed_error(f"s3://{key}", exc, f"uploading ({method})") from None
 
     def start(self, key: str) -> Pending:
-        upload = Pending(key, self._call(key, "create_multipart_upload")["UploadId"])
-        with self._lock:
-            self.pending[key] = upload
+        with signals_deferred():  # an upload the store started is known here before Ctrl-C can land
+            upload = Pending(key, self._call(key, "create_multipart_upload")["UploadId"])
+            with self._lock:
+                self.pending[key] = upload
         return upload
 
     def join(self, key: str, upload_id: str) -> Pending:

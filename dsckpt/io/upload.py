@@ -9,19 +9,15 @@ OUT's index named and the new output does not write again are deleted once it is
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
-import signal
-import threading
 from pathlib import Path
-from typing import Callable, Iterator
 
-from ..errors import Interrupted, OutputError
+from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
-from .stream import PARTS_IN_FLIGHT, chunksize, streamable
+from .stream import PARTS_IN_FLIGHT, chunksize, signals_deferred, streamable
 
 LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"))
 
@@ -34,28 +30,6 @@ def upload_order(names: list[str], last: str | None = None) -> list[str]:
         order = 3 if name == last else next((i + 1 for i, rule in enumerate(LAST) if rule.search(tail)), 0)
         return order, name
     return sorted(names, key=rank)
-
-
-@contextlib.contextmanager
-def _signals_between_objects() -> Iterator[Callable[[], None]]:
-    """Ctrl-C (SIGINT, SIGTERM) while uploading lands between two objects: a request in flight on fsspec's own
-    thread would otherwise finish after the clean-up deleted what it knew of."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def stop() -> None:
-        if caught:
-            raise Interrupted
-
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    stop()
 
 
 class Upload:
@@ -116,7 +90,7 @@ class Upload:
                                   "weights written beside it; dsckpt does not delete objects it did not write",
                                   hint=f"move {self.url}/{name} away, or write to another prefix")
         try:
-            with _signals_between_objects() as stop:
+            with signals_deferred() as stop:  # (Ctrl-C lands between two objects)
                 for rel in upload_order(list(files), last=single):
                     key = f"{parent}/{rel}"
                     self.uploaded.append(key)
