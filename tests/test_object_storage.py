@@ -285,15 +285,22 @@ def test_a_truncated_or_damaged_object_is_exit_2_naming_it_and_nothing_is_writte
     assert missing.returncode == 2 and f"s3://{BUCKET}/no-such-checkpoint: no such object or prefix" in missing.stderr
 
 
-def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
-    """Ctrl-C while convert uploads its 60-odd files: what it had uploaded is deleted, the uploads it had started
-    are aborted, `latest_universal` never appeared."""
-    out = f"{BUCKET}/interrupted-{tmp_path.name}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+@pytest.mark.parametrize("when", ["streaming", "publishing"])
+def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path, when):
+    """Ctrl-C while convert streams its 60-odd files up (once 10 uploads have started), or while it completes them
+    (once an object has appeared): what it had completed is deleted, the uploads it had started are aborted,
+    `latest_universal` never appeared."""
+    out = f"{BUCKET}/interrupted-{when}-{tmp_path.name}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DSCKPT_MULTIPART_CHUNKSIZE": "4096"}
     proc = subprocess.Popen([sys.executable, "-m", "dsckpt", "convert", f"s3://{BUCKET}/z3_ws2_fp32", f"s3://{out}",
                              "--to", "universal"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def started() -> list[str]:
+        uploads = s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+        return [u["Key"] for u in uploads if u["Key"].startswith(out.split("/", 1)[1])]
     deadline = time.monotonic() + 60
-    while not s3.find(out) and proc.poll() is None and time.monotonic() < deadline:
+    while proc.poll() is None and time.monotonic() < deadline and not (len(started()) >= 10 if when == "streaming"
+                                                                       else s3.find(out)):
         s3.invalidate_cache()
         time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
@@ -302,9 +309,7 @@ def test_an_interrupted_upload_leaves_nothing_that_looks_complete(s3, tmp_path):
     if proc.returncode == 0:  # finished before the signal landed: then it is complete, `latest_universal` last
         pytest.skip("the upload finished before Ctrl-C reached it")
     assert proc.returncode == 130 and b"Traceback" not in stderr
-    assert s3.find(out) == []
-    uploads = s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
-    assert [u["Key"] for u in uploads if u["Key"].startswith(out.split("/", 1)[1])] == []  # streamed ones aborted
+    assert s3.find(out) == [] and started() == []
 
 
 def test_the_reading_api_and_commands_take_urls(s3, tmp_path):
