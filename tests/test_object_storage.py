@@ -128,22 +128,21 @@ def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3
     assert s3.cat_file(f"{out.removeprefix('s3://')}/model.safetensors") == (tmp_path / "bf16.safetensors").read_bytes()
 
 
-def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, tmp_path):
+def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, tmp_path, monkeypatch):
     """Parts of 4 KiB: tensors and cast elements cut at part edges, a row-parallel join, two processes filling one
     file's upload, torch zips (reshard's rank files, a universal checkpoint, a .pt); each object equals the local
     file, and none is left half-uploaded."""
-    env = {"DSCKPT_MULTIPART_CHUNKSIZE": "4096"}
+    monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "4096")  # (--nproc's processes inherit it)
     out = f"s3://{BUCKET}/streamed-{tmp_path.name}"
     for name, args in (("z3_ws2_fp32", ["--dtype", "bf16", "--nproc", "2"]), ("z2_ws3_bf16", []),
-                       ("tp2_dp2_z1_fp32", ["--nproc", "2"])):
-        proc = run_cli("consolidate", f"s3://{BUCKET}/{name}", f"{out}/{name}.safetensors", *args, env=env)
+                       ("tp2_dp2_z1_fp32", [])):
+        proc = run_cli("consolidate", f"s3://{BUCKET}/{name}", f"{out}/{name}.safetensors", *args)
         assert proc.returncode == 0, proc.stderr
         ok("consolidate", FIXTURES / name, tmp_path / f"{name}.safetensors", *args[:2])  # (one process: the same)
         local = (tmp_path / f"{name}.safetensors").read_bytes()
         assert len(local) > 3 * 4096
         assert s3.cat_file(f"{out.removeprefix('s3://')}/{name}.safetensors") == local, name
-    proc = run_cli("consolidate", f"s3://{BUCKET}/tp2_dp2_z1_fp32", f"{out}/hf", "--hf", "--nproc", "2",
-                   "--max-shard-size", "100KB", env=env)
+    proc = run_cli("consolidate", f"s3://{BUCKET}/tp2_dp2_z1_fp32", f"{out}/hf", "--hf", "--max-shard-size", "100KB")
     assert proc.returncode == 0, proc.stderr
     ok("consolidate", FIXTURES / "tp2_dp2_z1_fp32", tmp_path / "hf", "--hf", "--max-shard-size", "100KB")
     got = tmp_path / "got"
@@ -151,12 +150,12 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
     same_tree(got, tmp_path / "hf")
     # torch zips (zipfile writes each entry's header again when it closes: those parts are held until then)
     for verb, args in (("reshard", ["-w", "3", "--nproc", "2"]), ("convert", ["--to", "universal"])):
-        proc = run_cli(verb, f"s3://{BUCKET}/z3_ws2_fp32", f"{out}/{verb}", *args, env=env)
+        proc = run_cli(verb, f"s3://{BUCKET}/z3_ws2_fp32", f"{out}/{verb}", *args)
         assert proc.returncode == 0, proc.stderr
         ok(verb, FIXTURES / "z3_ws2_fp32", tmp_path / f"{verb}_local", *args[:2])
         s3.get(f"{out.removeprefix('s3://')}/{verb}/", f"{tmp_path / verb}/", recursive=True)
         same_tree(tmp_path / verb, tmp_path / f"{verb}_local")
-    proc = run_cli("consolidate", f"s3://{BUCKET}/z2_ws3_bf16", f"{out}/model.pt", env=env)
+    proc = run_cli("consolidate", f"s3://{BUCKET}/z2_ws3_bf16", f"{out}/model.pt")
     assert proc.returncode == 0, proc.stderr
     ok("consolidate", FIXTURES / "z2_ws3_bf16", tmp_path / "model.pt")
     assert s3.cat_file(f"{out.removeprefix('s3://')}/model.pt") == (tmp_path / "model.pt").read_bytes()
@@ -173,7 +172,7 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
         byte = fh.read(1)
         fh.seek(piece.offset)
         fh.write(bytes([byte[0] ^ 0x10]))
-    proc = run_cli("consolidate", damaged, f"{out}/damaged.safetensors", env=env)
+    proc = run_cli("consolidate", damaged, f"{out}/damaged.safetensors")
     assert proc.returncode == 2 and "CRC-32" in proc.stderr and "Traceback" not in proc.stderr
     assert not s3.exists(f"{out.removeprefix('s3://')}/damaged.safetensors")
     assert not s3.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")  # none left started
@@ -381,8 +380,8 @@ def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subp
 
 @pytest.mark.parametrize("scheme", ["gs", "az"])
 def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
-    """The same commands through gcsfs and adlfs against their clouds' emulators: the local bytes, a damaged object
-    named, nothing left at OUT."""
+    """The same commands through gcsfs and adlfs against their clouds' emulators: the local bytes (az:// outputs
+    streamed as staged blocks), a truncated object named, nothing left at OUT."""
     port = _free_port()
     if scheme == "gs":
         pytest.importorskip("gcsfs")
@@ -399,6 +398,11 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
         env = {"AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
                f"AccountKey={AZURITE_KEY};BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;"}
     server = _serve(cmd, port)
+    from dsckpt.io import parts
+
+    uploaded = []  # az:// streams its outputs as staged blocks; gs:// stages them and uploads them whole
+    real_put = parts.AzureBlocks.put
+    monkeypatch.setattr(parts.AzureBlocks, "put", lambda self, *a: uploaded.append(a[0]) or real_put(self, *a))
     try:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
@@ -416,6 +420,9 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
         fs.get("bkt/out/rs/", f"{tmp_path / 'got'}/", recursive=True)
         same_tree(tmp_path / "got", tmp_path / "rs")
         assert '"zero_stage": 2' in ok("inspect", url, "--json").stdout
+        streamed = {key.rsplit("/", 1)[-1] for key in uploaded}
+        zips = {name for name in streamed if name.endswith("_optim_states.pt")}
+        assert ("model.safetensors" in streamed and len(zips) == 2) == (scheme == "az"), streamed
         rel = next(p for p in fs.find("bkt/ckpt") if p.endswith("optim_states.pt"))
         fs.pipe_file(rel, fs.cat_file(rel)[:-4096])
         proc = run_cli("consolidate", url, f"{scheme}://bkt/out/truncated.safetensors")

@@ -24,7 +24,8 @@ from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
 from ..io.remote import is_url
-from ..io.stream import Streams, streamable, streaming
+from ..io.parts import streamable
+from ..io.stream import Streams, streaming
 from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
@@ -92,8 +93,8 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
 def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], stream: bool = True) -> R:
     """A verb whose OUT is a URL (``io.upload``): ``run(local)`` publishes into a staging folder as it would locally,
     then rank 0 uploads it (what a reader looks for last) and the result names the URLs.  With ``stream`` (and an
-    ``s3://`` URL) the safetensors files go to the store as they are written (``io.stream``): every process's
-    uploads are handed to rank 0, which completes them in that order."""
+    ``s3://`` or ``az://`` URL) its safetensors files and zips go to the store as they are written (``io.stream``):
+    every process's uploads are handed to rank 0, which completes them in that order."""
     def start() -> Upload | None:
         if group.rank != 0:
             return None

@@ -1,8 +1,8 @@
 """Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
-A command whose OUT is an ``s3://`` URL stages OUT locally (``io.upload``), but its safetensors files and torch zips
-are not written there: ``io.writer`` and ``io.torch_writer`` hand them here, and the staging folder keeps a
-placeholder under each name.  A safetensors file:
+A command whose OUT is an ``s3://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``), but its
+safetensors files and torch zips are not written there: ``io.writer`` and ``io.torch_writer`` hand them here, and
+the staging folder keeps a placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
    ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);
 2. a part's bytes: the header's slice and each overlapping tensor's range cut from its pieces
@@ -12,7 +12,7 @@ placeholder under each name.  A safetensors file:
    in the order a reader looks for files (an index, ``latest``, a single file's final key last); a failure anywhere
    aborts it (``abort``: the parts are dropped by the store).
 A torch zip: ``ZipSink`` (its docstring), parts uploaded as the writer fills them.
-Other backends (gs://, az://) and other files are staged whole and uploaded after (``io.upload``).
+gs:// and other files are staged whole and uploaded after (``io.upload``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from ..plan.consolidate import TensorPlan
 from ..plan.segments import TensorSource, clip
 from .inflight import InFlight
 from .read import Reader
-from .remote import filesystem, typed_error
+from .parts import BACKENDS
+from .remote import filesystem
 
 PART = 8 << 20
 PART_ENV = "DSCKPT_MULTIPART_CHUNKSIZE"  # bytes per part (aws s3's multipart_chunksize; S3 takes 5 MiB or more)
@@ -86,11 +87,12 @@ class Pending:
 
 
 class Streams:
-    """Where this process streams the safetensors files a run stages under ``local`` (OUT's staging path), and
-    the uploads it started that nobody completed yet (aborted by ``close``)."""
+    """Where this process streams the safetensors files and zips a run stages under ``local`` (OUT's staging
+    path), and the uploads it started that nobody completed yet (aborted by ``close``)."""
 
     def __init__(self, url: str, local: Path):
         self.fs, root = filesystem(url)
+        self.parts = BACKENDS[url.split("://", 1)[0].lower()](self.fs)
         self.parent = root.rstrip("/").rsplit("/", 1)[0]
         self.scratch = local.parent
         self.pending: dict[str, Pending] = {}
@@ -105,16 +107,9 @@ class Streams:
         parts = [p[1:p.index(TEMP_MARK)] if TEMP_MARK in p else p for p in rel.parts]
         return "/".join([self.parent, *parts])
 
-    def _call(self, key: str, method: str, **kwargs) -> dict:
-        bucket, name, _ = self.fs.split_path(key)
-        try:
-            return self.fs.call_s3(method, Bucket=bucket, Key=name, **kwargs)
-        except Exception as exc:
-            raise typed_error(f"s3://{key}", exc, f"uploading ({method})") from None
-
     def start(self, key: str) -> Pending:
         with signals_deferred():  # an upload the store started is known here before Ctrl-C can land
-            upload = Pending(key, self._call(key, "create_multipart_upload")["UploadId"])
+            upload = Pending(key, self.parts.start(key))
             with self._lock:
                 self.pending[key] = upload
         return upload
@@ -125,9 +120,9 @@ class Streams:
             return self.pending.setdefault(key, Pending(key, upload_id))
 
     def put(self, upload: Pending, number: int, data) -> None:
-        etag = self._call(upload.key, "upload_part", PartNumber=number, UploadId=upload.upload_id, Body=data)
+        etag = self.parts.put(upload.key, upload.upload_id, number, data)
         with self._lock:
-            upload.parts[number] = etag["ETag"]
+            upload.parts[number] = etag
 
     def adopt(self, uploads: list[Pending]) -> None:
         """Another process's uploads (its parts of one file joined): completed or aborted from here."""
@@ -143,19 +138,13 @@ class Streams:
 
     def complete(self, key: str) -> None:
         upload = self.pending.pop(key)
-        parts = [{"PartNumber": n, "ETag": etag} for n, etag in sorted(upload.parts.items())]
-        self._call(key, "complete_multipart_upload", UploadId=upload.upload_id, MultipartUpload={"Parts": parts})
+        self.parts.complete(key, upload.upload_id, upload.parts)
 
     def close(self) -> None:
         """Abort every upload not completed (best effort: the error that brought us here is the one to report)."""
         for upload in self.handed_over():
             with contextlib.suppress(Exception):
-                self._call(upload.key, "abort_multipart_upload", UploadId=upload.upload_id)
-
-
-def streamable(url: str) -> bool:
-    """Multipart parts any process can upload: the S3 protocol (AWS, MinIO, Ceph, R2...)."""
-    return url.lower().startswith("s3://")
+                self.parts.abort(upload.key, upload.upload_id)
 
 
 _ACTIVE: list[Streams] = []

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
-from .stream import PARTS_IN_FLIGHT, chunksize, signals_deferred, streamable
+from .stream import PARTS_IN_FLIGHT, chunksize, signals_deferred
 
 LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"))
 
@@ -46,7 +46,8 @@ class Upload:
         self.superseded: set[str] = set()
         self.shadowing: list[str] = []  # weights files in an existing OUT that a loader would read before an index
         # s3fs: parts as streamed ones, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)
-        self.part_options = {"chunksize": chunksize(), "max_concurrency": PARTS_IN_FLIGHT} if streamable(url) else {}
+        self.part_options = {"chunksize": chunksize(), "max_concurrency": PARTS_IN_FLIGHT} \
+            if url.lower().startswith("s3://") else {}
 
     def check(self) -> None:
         """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
