@@ -193,10 +193,11 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
     this process wrote.
 
     The writers are the processes of rank 0's storage group.  A single ``.safetensors`` file with several
-    writers: rank 0 creates it at its final size with its header, each writer fills every n-th tensor; a
-    sharded folder's shards are dealt out (rank 0 writes the index).  Any other format (``.pt``, ``--hf``,
-    Lightning: their zip CRCs run in one order) and one process: rank 0 writes it whole.  Each writer first
-    receives the source bytes it lacks (``transfer.fetch``); rank 0 stages the client-state sidecar.
+    writers: rank 0 creates it at its final size with its header, each writer fills its tensors (dealt by bytes;
+    streamed to a URL: its run of parts); a sharded folder's shards are dealt out (rank 0 writes the index).  Any
+    other format (``.pt``, ``--hf``, Lightning: their zip CRCs run in one order) and one process: rank 0 writes it
+    whole.  Each writer first receives the source bytes it lacks (``transfer.fetch``; a checkpoint in a bucket
+    written to one: while it writes, ``transfer.fetching``); rank 0 stages the client-state sidecar.
     """
     fmt, plan = prepared.format, prepared.plan
     writers = groups.members(groups.of[0])
@@ -221,6 +222,7 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
 
 def _write_parts(group: Group, groups, ckpt, prepared: Prepared, staged: Staged, write_client: bool, out: Path,
                  progress, part: tuple[int, int] | None) -> list[str]:
+    """``_write``'s steps once the bytes are there (or arriving): OUT's files, then the client-state sidecar."""
     fmt, plan = prepared.format, prepared.plan
     writers = groups.members(groups.of[0])
     split = fmt.name in SPLIT_FORMATS and len(writers) > 1
