@@ -85,7 +85,7 @@ def test_what_cannot_be_read_is_refused_by_name(tmp_path):
 # (stage, ep_size, precision, N, M, ep_size at M): the expert-data-parallel group grows 1 -> 2; experts change ranks
 # (ep_size 2 -> 1: every rank holds every expert); ep_size 1 at ZeRO-1 in bf16 (`make test-all`: the suite's time)
 # Default suite: the expert-parallel size changed (2 -> 1); a world size grown at the same ep size (a 4-rank
-# train-and-load, ~24 s on 2 cores) and ZeRO-1 bf16 are `make test-all`'s (the suite's budget is 10 minutes).
+# train-and-load) and ZeRO-1 bf16 are `make test-all`'s (the suite's budget is 10 minutes).
 RESHARDS = [pytest.param((2, 2, "32", 2, 4, 2), marks=pytest.mark.slow), (2, 2, "32", 2, 2, 1),
             pytest.param((1, 1, "bf16", 2, 3, 1), marks=pytest.mark.slow)]
 

@@ -28,26 +28,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A storage server started on ``port``, once it accepts connections."""
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None, f"{cmd[0]} did not start"
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def s3():
     """The server, the environment pointing at it, a bucket holding the fixtures; an fsspec filesystem on it."""
     port = _free_port()
     # parts of a few KiB (S3 takes 5 MiB or more): the small fixtures' streamed files then come in many parts
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env={**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "4096"})
+    server = _serve([sys.executable, "-m", "moto.server", "-p", str(port)], port, {"S3_UPLOAD_PART_MIN_SIZE": "4096"})
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto's server did not start"
-                time.sleep(0.1)
         import fsspec
 
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -364,18 +368,6 @@ def _azurite() -> str | None:
 
     local = ROOT / ".tools" / "node_modules" / ".bin" / "azurite-blob"  # where `make setup` puts it, given npm
     return str(local) if local.exists() else shutil.which("azurite-blob")
-
-
-def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None, f"{cmd[0]} did not start"
-            time.sleep(0.1)
 
 
 @pytest.mark.parametrize("scheme", ["gs", "az"])
