@@ -75,6 +75,12 @@ def same_tree(a: Path, b: Path) -> None:
     files = lambda root: sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert files(a) == files(b)
     for rel in files(a):
+        if rel == ".metadata":  # a DCP folder's: torch pickles a fresh save id into it each time
+            from torch.distributed.checkpoint import FileSystemReader
+
+            assert FileSystemReader(a).read_metadata().state_dict_metadata == \
+                FileSystemReader(b).read_metadata().state_dict_metadata
+            continue
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
@@ -138,6 +144,10 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
     file, and none is left half-uploaded."""
     monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "4096")  # (--nproc's processes inherit it)
     out = f"s3://{BUCKET}/streamed-{tmp_path.name}"
+    from dsckpt.io import parts
+
+    streamed, real_put = set(), parts.S3Parts.put  # (the commands without --nproc run in this process)
+    monkeypatch.setattr(parts.S3Parts, "put", lambda self, key, *a: streamed.add(key) or real_put(self, key, *a))
     for name, args in (("z3_ws2_fp32", ["--dtype", "bf16", "--nproc", "2"]), ("z2_ws3_bf16", []),
                        ("tp2_dp2_z1_fp32", [])):
         proc = run_cli("consolidate", f"s3://{BUCKET}/{name}", f"{out}/{name}.safetensors", *args)
@@ -153,12 +163,18 @@ def test_streamed_files_are_the_local_bytes_part_by_part_from_every_process(s3, 
     s3.get(f"{out.removeprefix('s3://')}/hf/", f"{got}/", recursive=True)
     same_tree(got, tmp_path / "hf")
     # torch zips (zipfile writes each entry's header again when it closes: those parts are held until then)
-    for verb, args in (("reshard", ["-w", "3", "--nproc", "2"]), ("convert", ["--to", "universal"])):
-        proc = run_cli(verb, f"s3://{BUCKET}/z3_ws2_fp32", f"{out}/{verb}", *args)
+    for verb, args in (("reshard", ["-w", "3", "--nproc", "2"]), ("convert", ["--to", "universal"]),
+                       ("convert", ["--to", "dcp"])):  # (DCP: torch's pickles and archives inside one data file)
+        name = f"{verb}-{args[1]}"
+        proc = run_cli(verb, f"s3://{BUCKET}/z3_ws2_fp32", f"{out}/{name}", *args)
         assert proc.returncode == 0, proc.stderr
-        ok(verb, FIXTURES / "z3_ws2_fp32", tmp_path / f"{verb}_local", *args[:2])
-        s3.get(f"{out.removeprefix('s3://')}/{verb}/", f"{tmp_path / verb}/", recursive=True)
-        same_tree(tmp_path / verb, tmp_path / f"{verb}_local")
+        ok(verb, FIXTURES / "z3_ws2_fp32", tmp_path / f"{name}_local", *args[:2])
+        s3.get(f"{out.removeprefix('s3://')}/{name}/", f"{tmp_path / name}/", recursive=True)
+        same_tree(tmp_path / name, tmp_path / f"{name}_local")
+    bucket_out = out.removeprefix("s3://")
+    zips = {f"{bucket_out}/convert-universal/{p.relative_to(tmp_path / 'convert-universal').as_posix()}"
+            for p in (tmp_path / "convert-universal").rglob("zero/*/*.pt")}  # (model-states files: copies, staged)
+    assert f"{bucket_out}/convert-dcp/__0_0.distcp" in streamed and len(zips) > 10 and zips <= streamed
     proc = run_cli("consolidate", f"s3://{BUCKET}/z2_ws3_bf16", f"{out}/model.pt")
     assert proc.returncode == 0, proc.stderr
     ok("consolidate", FIXTURES / "z2_ws3_bf16", tmp_path / "model.pt")
@@ -250,6 +266,47 @@ def test_a_part_is_the_files_bytes_at_any_edge(tmp_path):
     for total in (10, 8 << 20, 80 << 30, 1 << 40):  # S3: at most 10,000 parts, whole MiB when larger than 8 MiB
         size = part_size(total)
         assert size >= 8 << 20 and -(-total // size) <= 10_000 and (size == 8 << 20 or size % (1 << 20) == 0)
+
+
+def test_a_zip_header_rewritten_at_close_stays_while_it_spans_parts(tmp_path, monkeypatch):
+    """``ZipSink`` keeps every part an open entry's header touches (with parts smaller than the header: all of
+    them), so the rewrite at the entry's close lands before they go up; the parts join into the local zip."""
+    import zipfile
+
+    from dsckpt.io.stream import ZipSink
+
+    class Parts:  # the store's side of Streams: what ZipSink calls
+        def __init__(self):
+            self.got: dict[int, bytes] = {}
+
+        def start(self, key):
+            return key
+
+        def put(self, upload, number, data):
+            self.got[number] = bytes(data)
+
+    monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "64")
+    got, name = Parts(), "archive/data/" + "x" * 150  # its header: 30 + 163 bytes, over three 64-byte parts
+    with ZipSink(got, "key", tmp_path / "placeholder") as sink, zipfile.ZipFile(sink, "w") as zf:
+        for entry in (name, "archive/version"):
+            sink.hold(zf.fp.tell())
+            with zf.open(zipfile.ZipInfo(entry), "w") as out:
+                out.write(os.urandom(1000))
+            sink.release(sink._holds[0])
+    data = b"".join(got.got[n] for n in sorted(got.got))
+    assert len(got.got) > 20 and zipfile.ZipFile(__import__("io").BytesIO(data)).testzip() is None
+
+
+def test_what_a_reader_looks_for_goes_up_last():
+    from dsckpt.io.upload import upload_order
+
+    assert upload_order(["d/.metadata", "d/__0_0.distcp", "d/client_state.json"])[-1] == "d/.metadata"  # DCP's
+    assert upload_order(["u/latest_universal", "u/step3/zero/w/fp32.pt", "u/step3/mp_rank_00_model_states.pt"]) \
+        [-1] == "u/latest_universal"
+    assert upload_order(["hf/model.safetensors.index.json", "hf/model-00001-of-00002.safetensors",
+                         "hf/config.json"])[-1] == "hf/model.safetensors.index.json"
+    assert upload_order(["m.safetensors", "m.safetensors.client_state.json"], last="m.safetensors")[-1] == \
+        "m.safetensors"
 
 
 def test_inspect_reads_a_bucket_as_it_reads_a_folder(s3):
@@ -372,8 +429,8 @@ def _azurite() -> str | None:
 
 @pytest.mark.parametrize("scheme", ["gs", "az"])
 def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
-    """The same commands through gcsfs and adlfs against their clouds' emulators: the local bytes (az:// outputs
-    streamed as staged blocks), a truncated object named, nothing left at OUT."""
+    """The same commands through gcsfs and adlfs against their clouds' emulators: the local bytes, streamed (Azure's
+    staged blocks, GCS's composed part objects), a truncated object named, nothing left at OUT."""
     port = _free_port()
     if scheme == "gs":
         pytest.importorskip("gcsfs")
@@ -392,9 +449,11 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
     server = _serve(cmd, port)
     from dsckpt.io import parts
 
-    uploaded = []  # az:// streams its outputs as staged blocks; gs:// stages them and uploads them whole
-    real_put = parts.AzureBlocks.put
-    monkeypatch.setattr(parts.AzureBlocks, "put", lambda self, *a: uploaded.append(a[0]) or real_put(self, *a))
+    uploaded = []  # both stream their outputs: Azure as staged blocks, GCS as part objects composed at the end
+    backend = parts.GcsCompose if scheme == "gs" else parts.AzureBlocks
+    real_put = backend.put
+    monkeypatch.setattr(backend, "put", lambda self, *a: uploaded.append(a[0]) or real_put(self, *a))
+    monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "512")  # (over 32 parts a file: GCS composes composites)
     try:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
@@ -407,6 +466,7 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
         ok("consolidate", url, f"{scheme}://bkt/out/model.safetensors", "--dtype", "bf16")
         ok("consolidate", FIXTURES / "z2_ws3_bf16", tmp_path / "model.safetensors", "--dtype", "bf16")
         assert fs.cat_file("bkt/out/model.safetensors") == (tmp_path / "model.safetensors").read_bytes()
+        monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "4096")
         ok("reshard", url, f"{scheme}://bkt/out/rs", "-w", "2")
         ok("reshard", FIXTURES / "z2_ws3_bf16", tmp_path / "rs", "-w", "2")
         fs.get("bkt/out/rs/", f"{tmp_path / 'got'}/", recursive=True)
@@ -414,12 +474,23 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
         assert '"zero_stage": 2' in ok("inspect", url, "--json").stdout
         streamed = {key.rsplit("/", 1)[-1] for key in uploaded}
         zips = {name for name in streamed if name.endswith("_optim_states.pt")}
-        assert ("model.safetensors" in streamed and len(zips) == 2) == (scheme == "az"), streamed
+        assert "model.safetensors" in streamed and len(zips) == 2, streamed
+        assert uploaded.count("bkt/out/model.safetensors") > 32  # (GCS: composites of composites)
+        assert not [key for key in fs.find("bkt/out") if ".dsckpt-" in key]  # (GCS's part objects deleted)
+        if scheme == "gs":  # what a failure or Ctrl-C does to a started upload: its part objects go
+            gcs, key = parts.GcsCompose(fs), "bkt/out/aborted.safetensors"
+            upload_id = gcs.start(key)
+            for number in (1, 2, 3):
+                real_put(gcs, key, upload_id, number, bytearray(100))
+            assert len([key for key in fs.find("bkt/out", refresh=True) if ".dsckpt-part-" in key]) == 3
+            gcs.abort(key, upload_id)
+            assert not [key for key in fs.find("bkt/out", refresh=True) if ".dsckpt-" in key]
         rel = next(p for p in fs.find("bkt/ckpt") if p.endswith("optim_states.pt"))
         fs.pipe_file(rel, fs.cat_file(rel)[:-4096])
         proc = run_cli("consolidate", url, f"{scheme}://bkt/out/truncated.safetensors")
         assert proc.returncode == 2 and f"{scheme}://{rel}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not fs.exists("bkt/out/truncated.safetensors")
+        assert not [key for key in fs.find("bkt/out") if ".dsckpt-" in key]
     finally:
         server.terminate()
         server.wait(10)

@@ -68,6 +68,25 @@ class _Window:
         self.f.flush()
 
 
+class _SinkWindow(_Window):
+    """A ``_Window`` on a ``ZipSink`` (a data file streamed to object storage): the zip writer's holds and mirror
+    switch reach the sink, at its own offsets."""
+
+    def hold(self, pos: int) -> None:
+        self.f.hold(self.base + pos)
+
+    def release(self, pos: int) -> None:
+        self.f.release(self.base + pos)
+
+    @property
+    def mirror(self) -> bool:
+        return self.f.mirror
+
+    @mirror.setter
+    def mirror(self, on: bool) -> None:
+        self.f.mirror = on
+
+
 def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict[str, Any]:
     import torch
 
@@ -120,6 +139,7 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
     from torch.futures import Future
 
     from ..formats.pickle_writer import NewTensor
+    from ..io import stream
     from ..io.read import Reader
     from ..io.torch_writer import write_archive
     from ..plan.consolidate import TensorPlan
@@ -136,21 +156,24 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
 
         def write_data(self, plan, planner):
             name = f"{plan.storage_data.prefix}0{DATA_FILE_SUFFIX}"
+            path = Path(self.path) / name
+            streamed = stream.target(path)  # OUT in object storage: the data file goes up as it is written
+            window = _SinkWindow if streamed else _Window
             results = []
-            with open(Path(self.path) / name, "wb") as f, Reader() as reader:
+            with (stream.ZipSink(*streamed, path) if streamed else open(path, "wb")) as f, Reader() as reader:
                 for item in plan.items:
                     offset = f.tell()
                     planned = sources.get(id(planner.lookup_object(item.index)))
                     if item.type == WriteItemType.BYTE_IO:
                         f.write(planner.resolve_data(item).getbuffer())
                     elif planned is None:  # a tensor made here (a step count that was a number)
-                        torch.save(planner.resolve_data(item), _Window(f))
+                        torch.save(planner.resolve_data(item), window(f))
                     else:
-                        write_archive(_Window(f), NewTensor(planned.dtype, planned.shape, planned),
+                        write_archive(window(f), NewTensor(planned.dtype, planned.shape, planned),
                                       reader.storage_chunks, progress)
                     length = f.tell() - offset
                     results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
-                if fsync:
+                if fsync and not streamed:
                     f.flush()
                     os.fsync(f.fileno())
             done: Future = Future()

@@ -1,11 +1,13 @@
 """Parts that any process can upload in any order, then one call makes them an object: each store's own way.
 
 ``S3Parts``: S3's multipart upload (AWS, MinIO, Ceph, R2...) through s3fs.  ``AzureBlocks``: an Azure block blob's
-staged blocks and their committed list, through adlfs's client.  GCS is not here: its resumable uploads take the
-bytes in order, so outputs to gs:// are staged and uploaded whole (``io.upload``).
+staged blocks and their committed list, through adlfs's client.  ``GcsCompose``: GCS has neither (its resumable
+uploads take the bytes in order), so each part is a hidden object of its own, composed into the key at the end, as
+gcloud storage's parallel composite uploads do.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
 from typing import Any
@@ -78,7 +80,72 @@ class AzureBlocks:
         pass
 
 
-BACKENDS = {"s3": S3Parts, "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
+class GcsCompose:
+    """GCS: each part a hidden object beside the key (``.<name>.dsckpt-part-<id>-<n>``, never what a reader looks
+    for); ``complete`` composes them into the key, 32 at a time (GCS's limit per compose; composites of composites
+    above that), then deletes them; ``abort`` deletes them.  A run killed hard (SIGKILL) leaves its part objects."""
+
+    COMPOSE_MAX = 32
+    IN_FLIGHT = 32
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def _run(self, key: str, doing: str, *coros) -> list:
+        from fsspec.asyn import sync
+
+        limit = asyncio.Semaphore(self.IN_FLIGHT) if len(coros) > 1 else None
+
+        async def bounded(coro):
+            if limit is None:
+                return await coro
+            async with limit:
+                return await coro
+
+        async def run():
+            return await asyncio.gather(*(bounded(c) for c in coros))
+        try:
+            return sync(self.fs.loop, run)
+        except Exception as exc:
+            raise typed_error(f"gs://{key}", exc, f"uploading ({doing})") from None
+
+    @staticmethod
+    def _stem(key: str, upload_id: str) -> str:
+        parent, _, name = key.rpartition("/")
+        return f"{parent}/.{name}.dsckpt-part-{upload_id}-"
+
+    def start(self, key: str) -> str:
+        return secrets.token_hex(8)
+
+    def put(self, key: str, upload_id: str, number: int, data: bytearray) -> str:
+        part = f"{self._stem(key, upload_id)}{number:05d}"
+        self._run(key, "a part", self.fs._pipe_file(part, bytes(data)))
+        return part
+
+    def complete(self, key: str, upload_id: str, parts: dict[int, str]) -> None:
+        names, made, level = [parts[n] for n in sorted(parts)], [], 0
+        try:
+            while len(names) > self.COMPOSE_MAX:
+                level += 1
+                groups = [names[i:i + self.COMPOSE_MAX] for i in range(0, len(names), self.COMPOSE_MAX)]
+                names = [f"{self._stem(key, upload_id)}c{level}-{i:05d}" for i in range(len(groups))]
+                made += names
+                self._run(key, "compose", *(self.fs._merge(name, group) for name, group in zip(names, groups)))
+            self._run(key, "compose", self.fs._merge(key, names))
+        finally:
+            self._delete(key, list(parts.values()) + made)
+
+    def abort(self, key: str, upload_id: str) -> None:
+        stem = self._stem(key, upload_id)
+        self._delete(key, [p for p in self.fs.ls(stem.rsplit("/", 1)[0], detail=False, refresh=True)
+                           if p.startswith(stem)])
+
+    def _delete(self, key: str, names: list[str]) -> None:
+        batches = [names[i:i + 100] for i in range(0, len(names), 100)]  # (GCS's batch limit)
+        self._run(key, "deleting its parts", *(self.fs._rm_files(batch) for batch in batches))
+
+
+BACKENDS = {"s3": S3Parts, "gs": GcsCompose, "gcs": GcsCompose, "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
 
 
 def streamable(url: str) -> bool:

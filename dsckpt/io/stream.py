@@ -1,6 +1,6 @@
 """Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
-A command whose OUT is an ``s3://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``), but its
+A command whose OUT is an ``s3://``, ``gs://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``), but its
 safetensors files and torch zips are not written there: ``io.writer`` and ``io.torch_writer`` hand them here, and
 the staging folder keeps a placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
@@ -12,7 +12,8 @@ the staging folder keeps a placeholder under each name.  A safetensors file:
    in the order a reader looks for files (an index, ``latest``, a single file's final key last); a failure anywhere
    aborts it (``abort``: the parts are dropped by the store).
 A torch zip: ``ZipSink`` (its docstring), parts uploaded as the writer fills them.
-gs:// and other files are staged whole and uploaded after (``io.upload``).
+Other files (small ones; a DCP folder, written by torch's own writer) are staged whole and uploaded after
+(``io.upload``).
 """
 from __future__ import annotations
 
@@ -217,6 +218,7 @@ def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors
             flying.cancel()
 
 
+HEADER_SPAN = 1024  # a zip entry's local header (short names, alignment padding, zip64 extra) ends within this
 TIER_PARTS = 1000  # a streamed zip's size is unknown up front: every 1,000 parts the part size doubles
 
 
@@ -295,7 +297,8 @@ class ZipSink:
 
     def _send(self, final: bool) -> None:
         """Upload each part written to its end (every part left, when ``final``) that no hold keeps."""
-        held = {tiered_part(pos)[0] for pos in self._holds} | {tiered_part(pos + 1024)[0] for pos in self._holds}
+        held = {index for pos in self._holds
+                for index in range(tiered_part(pos)[0], tiered_part(pos + HEADER_SPAN)[0] + 1)}
         for index in sorted(self._parts):
             start, buffer, written = self._parts[index]
             if index in held or not (final or written[0] == len(buffer)):

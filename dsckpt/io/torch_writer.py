@@ -103,7 +103,7 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
 def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[StorageOut]], chunks: Chunks,
                progress: Callable[[int], None] | None) -> list[StorageOut]:
     pickle_bytes, storages = pickled
-    sink = path if isinstance(path, stream.ZipSink) else None
+    sink = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(CRC_THREADS) as crc_threads:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
@@ -129,7 +129,7 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
 
 
 @contextlib.contextmanager
-def _held(sink: stream.ZipSink | None, zf: zipfile.ZipFile) -> Iterator[None]:
+def _held(sink: Any, zf: zipfile.ZipFile) -> Iterator[None]:
     """An entry written into a streamed zip: zipfile writes its local header again when it closes (the CRC)."""
     if sink is None:
         yield
