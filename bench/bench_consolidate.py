@@ -44,15 +44,22 @@ INSPECT_IO = ("import sys, json; rc = lambda: int(open('/proc/self/io').read().s
 
 def timed(cmd: list[str]) -> tuple[float, int, str]:
     """Run ``cmd`` under a tiny wrapper that reports its own child's peak RSS exactly."""
+    wall, rss, _, out = timed_cpu(cmd)
+    return wall, rss, out
+
+
+def timed_cpu(cmd: list[str]) -> tuple[float, int, float, str]:
+    """``timed``, with the CPU seconds (user + system) of ``cmd``'s process tree."""
     wrapper = ("import os, subprocess, sys, time, json; t = time.perf_counter(); p = subprocess.Popen(sys.argv[1:], "
                "stdout=subprocess.PIPE); out = p.stdout.read(); _, st, ru = os.wait4(p.pid, 0); "
-               "sys.stderr.write(json.dumps([time.perf_counter() - t, ru.ru_maxrss * 1024, os.waitstatus_to_exitcode(st)]) + '\\n'); "
+               "c = os.times(); sys.stderr.write(json.dumps([time.perf_counter() - t, ru.ru_maxrss * 1024, "
+               "os.waitstatus_to_exitcode(st), c.children_user + c.children_system]) + '\\n'); "
                "sys.stdout.buffer.write(out)")
     proc = subprocess.run([PY, "-c", wrapper, *cmd], capture_output=True, cwd=ROOT)
-    wall, rss, code = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    wall, rss, code, cpu = json.loads(proc.stderr.decode().strip().splitlines()[-1])
     if code != 0:
         raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{proc.stderr.decode()[-3000:]}")
-    return wall, rss, proc.stdout.decode()
+    return wall, rss, cpu, proc.stdout.decode()
 
 
 def generate(stage: int, layers: int) -> Path:

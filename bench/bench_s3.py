@@ -11,7 +11,9 @@ each a fresh process (peak RSS of its own tree via ``os.wait4``):
   get         the plain ranged GETs of the bytes consolidate needs, 16 in flight (issue 41's floor)
   get+put     the same, then a multipart upload of as many bytes (16 parts in flight): the transfers alone, one
               after the other; no parsing, no checking, nothing written locally
-Prints medians and ratios measured in the same run; JSON beside it with ``--json``.
+Prints medians and ratios measured in the same run, and the CPU seconds of each approach and of the local server
+while it ran (the server shares the host's cores: on a small host the transfers' own CPU is the bound); JSON beside
+it with ``--json``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-from bench_consolidate import PY, generate, timed  # noqa: E402
+from bench_consolidate import PY, generate, timed_cpu  # noqa: E402
 
 BUCKET = "dsckpt-bench"
 
@@ -71,6 +73,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of process ``pid`` so far (0 without one: a remote endpoint)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def needed_ranges(ckpt: Path, prefix: str) -> list[tuple[str, int, int]]:
@@ -118,14 +128,14 @@ def main() -> None:
     os.environ["AWS_ENDPOINT_URL"] = args.endpoint
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     try:
-        run(args)
+        run(args, server.pid if server else None)
     finally:
         if server is not None:
             server.terminate()
             server.wait(10)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, server: int | None) -> None:
     import fsspec
 
     ckpt = generate(3, args.layers)
@@ -147,22 +157,24 @@ def run(args: argparse.Namespace) -> None:
         "get+put": [PY, "-c", FLOOR, str(ranges_file), f"{BUCKET}/out/floor.bin"],
         "get": [PY, "-c", FLOOR, str(ranges_file)],
     }
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
+    results: dict[str, list[tuple[float, int, float, float]]] = {k: [] for k in commands}  # wall, RSS, CPU, server CPU
     for r in range(args.runs):
         for name in (list(commands) if r % 2 == 0 else list(commands)[::-1]):
-            wall, rss, _ = timed(commands[name])
-            results[name].append((wall, rss))
+            before = cpu_seconds(server)
+            wall, rss, cpu, _ = timed_cpu(commands[name])
+            results[name].append((wall, rss, cpu, cpu_seconds(server) - before))
     assert fs.cat_file(f"{BUCKET}/out/dsckpt.safetensors") == fs.cat_file(f"{BUCKET}/out/get-then.safetensors")
-    med = {k: statistics.median(w for w, _ in v) for k, v in results.items()}
+    med = {k: statistics.median(row[0] for row in v) for k, v in results.items()}
     print(f"bench_s3: {ckpt.name}: {ckpt_bytes / 1e6:,.0f} MB of rank files, {sum(n for _, _, n in ranges) / 1e6:,.0f} MB "
           f"read by consolidate; endpoint {args.endpoint}; {os.cpu_count()} CPUs; {args.runs} alternating runs, medians\n")
-    print("| approach | seconds (min-max) | / get (floor) | / get+put | / get-then | peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| approach | seconds (min-max) | / get (floor) | / get+put | / get-then | peak RSS MiB | CPU s | server CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
-        walls = [w for w, _ in rows]
+        walls = [row[0] for row in rows]
+        cpu, server_cpu = (statistics.median(row[i] for row in rows) for i in (2, 3))
         print(f"| {name} | {med[name]:.2f} ({min(walls):.2f}-{max(walls):.2f}) | {med[name] / med['get']:.2f}x | "
               f"{med[name] / med['get+put']:.2f}x | {med[name] / med['get-then']:.2f}x | "
-              f"{max(m for _, m in rows) / 2**20:,.0f} |")
+              f"{max(row[1] for row in rows) / 2**20:,.0f} | {cpu:.2f} | {server_cpu:.2f} |")
     if args.json:
         args.json.write_text(json.dumps({"checkpoint_bytes": ckpt_bytes, "needed": sum(n for _, _, n in ranges),
                                          "cpus": os.cpu_count(), "results": results}, indent=1))
