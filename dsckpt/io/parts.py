@@ -145,7 +145,8 @@ class GcsCompose:
         self._run(key, "deleting its parts", *(self.fs._rm_files(batch) for batch in batches))
 
 
-BACKENDS = {"s3": S3Parts, "gs": GcsCompose, "gcs": GcsCompose, "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
+BACKENDS = {"s3": S3Parts, "gs": GcsCompose, "gcs": GcsCompose,
+            "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
 
 
 def streamable(url: str) -> bool:

@@ -1,8 +1,8 @@
 """Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
-A command whose OUT is an ``s3://``, ``gs://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``), but its
-safetensors files and torch zips are not written there: ``io.writer`` and ``io.torch_writer`` hand them here, and
-the staging folder keeps a placeholder under each name.  A safetensors file:
+A command whose OUT is an ``s3://``, ``gs://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``),
+but its safetensors files and torch zips are not written there: ``io.writer`` and ``io.torch_writer`` hand them
+here, and the staging folder keeps a placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
    ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);
 2. a part's bytes: the header's slice and each overlapping tensor's range cut from its pieces
@@ -11,9 +11,9 @@ the staging folder keeps a placeholder under each name.  A safetensors file:
 3. nothing is visible yet: the upload is only started.  ``Upload.publish`` completes it after every check passed,
    in the order a reader looks for files (an index, ``latest``, a single file's final key last); a failure anywhere
    aborts it (``abort``: the parts are dropped by the store).
-A torch zip: ``ZipSink`` (its docstring), parts uploaded as the writer fills them.
-Other files (small ones; a DCP folder, written by torch's own writer) are staged whole and uploaded after
-(``io.upload``).
+A torch zip (a DCP data file too): ``ZipSink`` (its docstring), parts uploaded as the writer fills them.
+Other files (small ones: ``latest``, sidecars, DCP's ``.metadata``; files copied whole) are staged whole and
+uploaded after (``io.upload``).
 """
 from __future__ import annotations
 
