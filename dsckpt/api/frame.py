@@ -92,9 +92,9 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
 
 def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], stream: bool = True) -> R:
     """A verb whose OUT is a URL (``io.upload``): ``run(local)`` publishes into a staging folder as it would locally,
-    then rank 0 uploads it (what a reader looks for last) and the result names the URLs.  With ``stream`` (and an
-    ``s3://`` or ``az://`` URL) its safetensors files and zips go to the store as they are written (``io.stream``):
-    every process's uploads are handed to rank 0, which completes them in that order."""
+    then rank 0 uploads it (what a reader looks for last) and the result names the URLs.  With ``stream`` (and a
+    store that takes parts: ``io.parts``) its safetensors files and zips go to the store as they are written
+    (``io.stream``): every process's uploads are handed to rank 0, which completes them in that order."""
     def start() -> Upload | None:
         if group.rank != 0:
             return None

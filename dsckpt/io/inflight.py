@@ -14,7 +14,7 @@ class InFlight:
         self.pool, self.limit, self.progress = pool, limit, progress
         self._pending: list[Future] = []
 
-    def submit(self, fn: Callable[..., int], *args: Any) -> None:
+    def submit(self, fn: Callable[..., int | None], *args: Any) -> None:
         self._pending.append(self.pool.submit(fn, *args))
         while len(self._pending) > self.limit:
             self._finish(self._pending.pop(0))

@@ -247,7 +247,7 @@ class ZipSink:
         self._parts: dict[int, tuple[int, bytearray, list[int]]] = {}  # index -> (start, buffer, [bytes written])
         self._holds: list[int] = []
         self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT)
-        self._flying: list = []
+        self._flying = InFlight(self._pool, PARTS_IN_FLIGHT)
 
     def seekable(self) -> bool:
         return True
@@ -304,17 +304,14 @@ class ZipSink:
             if index in held or not (final or written[0] == len(buffer)):
                 continue
             del self._parts[index]
-            while len(self._flying) >= PARTS_IN_FLIGHT:
-                self._flying.pop(0).result()
             del buffer[written[0]:]  # (the last part: as long as it is)
-            self._flying.append(self._pool.submit(self.streams.put, self.upload, index + 1, buffer))
+            self._flying.submit(self.streams.put, self.upload, index + 1, buffer)
 
     def close(self) -> None:
         """Every part up (the last one as long as it is); the placeholder at the zip's size."""
         try:
             self._send(final=True)
-            for future in self._flying:
-                future.result()
+            self._flying.drain()
             self.local.truncate(self.end)
         finally:
             self._pool.shutdown(cancel_futures=True)

@@ -1,11 +1,12 @@
 """An output in object storage: staged locally, then uploaded (``io.remote`` reads; this writes).
 
-``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would locally
-(its safetensors files and zips there are placeholders of uploads streamed as they were written: ``io.stream``); then
+``Upload`` (a command's OUT is a URL): the command publishes into a local staging folder as it would locally (its
+safetensors files and zips there are placeholders of uploads streamed as they were written: ``io.stream``); then
 each file is uploaded (fsspec ``put_file``: multipart for large ones) or its streamed upload completed - an object
 is visible only once complete - the files a reader looks for (``latest``, ``latest_universal``, ``*.index.json``,
-a single file after its sidecars) last; a failed or interrupted upload deletes what this run uploaded; with ``--force`` the shards an existing
-OUT's index named and the new output does not write again are deleted once it is up, anything else there stays.
+DCP's ``.metadata``, a single file after its sidecars) last; a failed or interrupted upload deletes what this run
+uploaded; with ``--force`` the shards an existing OUT's index named and the new output does not write again are
+deleted once it is up, anything else there stays.
 """
 from __future__ import annotations
 
