@@ -14,8 +14,8 @@ FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# uv installs what pip would (the same resolution, compiled to .pyc as pip does: imports without them are 2x
-# slower where PYTHONDONTWRITEBYTECODE is set) in a third of the time; pip where uv cannot be had.
+# uv installs what pip would, faster (docs/dev/performance-log.md 24), compiled to .pyc as pip does (where
+# PYTHONDONTWRITEBYTECODE is set nothing else compiles them); pip where uv cannot be had.
 # Beside it: Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	{ command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix .tools azurite@3 >/dev/null 2>&1; } & \

@@ -233,7 +233,7 @@ def test_other_optimizers_convert_and_load(tmp_path):
     assert loaded["groups"][0]["lr_decay"] == 0.01  # Adagrad's own settings carried
 
 
-@pytest.mark.slow  # (its FusedAdam is JIT-compiled: about 45 s on 2 cores in every new venv, so in every CI run)
+@pytest.mark.slow  # (DeepSpeed JIT-compiles its FusedAdam in every new venv, so in every CI run)
 @pytest.mark.runtime
 def test_muon_converts_and_loads(tmp_path):
     """DeepSpeed's Muon at ZeRO-3 (momentum for its matrices, Adam's moments for the rest): `--to dcp` gives what
