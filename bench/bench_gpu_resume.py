@@ -42,12 +42,16 @@ def main() -> None:
     ap.add_argument("--file-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the weights file")
     ap.add_argument("--approaches", default="dsckpt,every-rank-loads,transformers,floor")
     ap.add_argument("--profile", action="store_true", help="rank 0's seconds per phase (bench_resume.Phases) per line")
+    ap.add_argument("--offload", choices=("pinned", "pageable"),
+                    help="fp32 masters and Adam's state on the host (offload_optimizer, DeepSpeed's CPU Adam)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab),
            "OMP_NUM_THREADS": "4", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if args.profile:
         env["BENCH_PROFILE"] = "1"
+    if args.offload:
+        env["BENCH_OFFLOAD"] = args.offload
     if args.cpu:
         env.update({"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     files = {fmt: args.out / f"weights_{args.file_dtype}.{fmt}" for fmt in args.formats.split(",")}
@@ -60,7 +64,8 @@ def main() -> None:
                         *map(str, files.values())], check=True, env=env, cwd=ROOT)
     sizes = ", ".join(f"{f.stat().st_size / 2**20:,.0f} MiB {args.file_dtype} .{fmt}" for fmt, f in files.items())
     lines = [f"# bench_gpu_resume: `{' '.join(sys.argv)}`", "",
-             f"files: {sizes}; ZeRO-3 bf16, world size {args.nproc}; {args.runs} alternating runs; "
+             f"files: {sizes}; ZeRO-3 bf16, world size {args.nproc}"
+             f"{f', optimizer offloaded ({args.offload} host memory)' if args.offload else ''}; {args.runs} alternating runs; "
              "floor = the file's bytes page cache -> pinned -> GPU (8 threads), no parsing, no DeepSpeed", "",
              "| input | approach | run | load s (slowest rank) | host RSS growth MiB (max rank) | peak GPU MiB (max rank) | steps/s |",
              "|---|---|---|---|---|---|---|"]
@@ -91,7 +96,8 @@ def main() -> None:
             steps = rows[0].get("steps_per_s")
             trained = "steps failed (.stderr)" if proc.returncode else f"{steps:.2f}" if steps else "-"
             if steps:
-                trained += f", peak GPU {max(r['gpu_peak_training'] for r in rows) / 2**30:.1f} GiB"
+                trained += (f", peak GPU {max(r['gpu_peak_training'] for r in rows) / 2**30:.1f} GiB, peak host RSS "
+                            f"{max(r.get('host_peak_training', 0) for r in rows) / 2**30:.1f} GiB")
             line = (f"| .{fmt} | {approach} | {run + 1} | {max(r['seconds'] for r in rows):.2f} | "
                     f"{max(r['growth'] for r in rows) / 2**20:,.0f} | {max(r['gpu_peak'] for r in rows) / 2**20:,.0f} | "
                     f"{trained} |")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -209,7 +210,15 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
     quiet_deepspeed()
     import torch
 
-    trainer = Trainer(TrainOptions(model="bench.models:transformer", stage=3, precision=precision))
+    if os.environ.get("BENCH_OFFLOAD"):  # Adam's state on the host: DeepSpeed's CPU Adam, from the config
+        config = Path(report).with_suffix(".config.json")
+        config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "cpu", "pin_memory": os.environ["BENCH_OFFLOAD"] == "pinned"}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
+        options = TrainOptions(model="bench.models:transformer", config=str(config), precision=precision)
+    else:
+        options = TrainOptions(model="bench.models:transformer", stage=3, precision=precision)
+    trainer = Trainer(options)
     phases = Phases()
     if os.environ.get("BENCH_PROFILE"):
         phases.install()
@@ -287,6 +296,7 @@ def job(approach: str, weights: str, report: str, precision: str = "32") -> None
             torch.cuda.synchronize()
         row["steps_per_s"] = steps / (time.perf_counter() - start)
         row["gpu_peak_training"] = torch.cuda.max_memory_allocated() if cuda else 0
+        row["host_peak_training"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # the process's peak
         publish(row)
     from dsckpt.runtime.engine import shutdown
 

@@ -1,6 +1,10 @@
 #!/bin/bash
 # Issues 41 and 42 on the lent 16-core H200 host, one part per `run` (each well inside its 10-minute limit):
-#   bash bench/device_session.sh resume7b $OUT   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU, against Transformers
+#   bash bench/device_session.sh resume7b $OUT [RUNS] [APPROACHES]   6.7B bf16 safetensors -> ZeRO-3 bf16 on the GPU,
+#        against Transformers; the optimizer offloaded (Adam's fp32 state of 6.7B parameters does not fit beside
+#        the weights on one card), 2 training steps after dsckpt's load
+#   bash bench/device_session.sh curve $OUT LAYERS [DIM]   generate, then scaling, in one run (a run's files go
+#        when the machine is given back)
 #   bash bench/device_session.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
 #   bash bench/device_session.sh s3 $OUT LAYERS [DIM]    bench_s3.py against a local moto server (wheels in .whl/s3/)
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
@@ -13,7 +17,7 @@ case $part in
   resume7b)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 bench/bench_gpu_resume.py --out /tmp/r7b --dim 4096 --layers 32 --vocab 32000 --file-dtype bf16 \
-      --formats safetensors --steps 2 --runs 2 --approaches dsckpt,transformers,floor 2>&1 | tail -12
+      --formats safetensors --steps 2 --runs ${3:-1} --approaches ${4:-dsckpt,transformers} --offload pageable 2>&1 | tail -12
     cp /tmp/r7b/report.md $out/resume7b.md; cp /tmp/r7b/report.json $out/resume7b.json
     cp /tmp/r7b/*.stderr $out/ 2>/dev/null; rm -rf /tmp/r7b ;;
   scaling)
@@ -22,6 +26,8 @@ case $part in
   s3)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/s3/*.whl || exit 1
     BENCH_DIM=${4:-1024} python3 bench/bench_s3.py --layers $3 --runs 3 --json $out/s3.json 2>&1 | tail -8 | tee $out/s3.md ;;
+  curve)
+    bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks
     export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu
     start=$(date +%s)

@@ -207,6 +207,22 @@ def test_train_without_save_dir_says_so():
     assert "no --save-dir given: this run trains and saves nothing" in proc.stderr
 
 
+def test_a_config_optimizer_is_the_one_deepspeed_builds(tmp_path):
+    """A config's "optimizer" section wins over the trainer's AdamW (as in Lightning): DeepSpeed builds it, and
+    the checkpoint holds that optimizer's state (Adagrad's ``sum``, its own ``lr_decay``), not Adam's moments."""
+    from dsckpt.formats.torchzip import TorchFile
+
+    config = tmp_path / "adagrad.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                                  "optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "lr_decay": 0.01}}}))
+    proc = run_cli("train", *ODD, "--config", config, "--steps", "1", "--save-dir", tmp_path / "ckpt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    optim = TorchFile(next((tmp_path / "ckpt").glob("*/*optim_states.pt"))).obj["optimizer_state_dict"]
+    base = optim["base_optimizer_state"]
+    assert [set(s) for s in base["state"].values()] == [{"step", "sum"}]
+    assert base["param_groups"][0]["lr_decay"] == 0.01 and base["param_groups"][0]["lr"] == 0.05
+
+
 def test_consolidate_fsyncs_unless_told_not_to(monkeypatch, tmp_path):
     import dsckpt
 

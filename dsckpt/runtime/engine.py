@@ -204,20 +204,24 @@ class Runtime:
     def setup(self, factory: Callable[[], torch.nn.Module],
               optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], Any]):
         """Build the model and engine; ``optimizer_factory`` gets the trainable parameters (a DeepSpeed-MoE
-        model's: as param groups, its experts in groups of their own, ``runtime.moe``)."""
+        model's: as param groups, its experts in groups of their own, ``runtime.moe``).  A config with an
+        ``"optimizer"`` section wins over the factory, as in Lightning: DeepSpeed builds that one (with
+        ``offload_optimizer``, its CPU Adam), where a client optimizer would make it ignore the section."""
         import deepspeed
 
         init_distributed()
         model = self.build_model(factory)
         from .moe import optimizer_groups
 
-        optimizer = optimizer_factory(optimizer_groups(model, [p for p in model.parameters() if p.requires_grad]))
+        groups = optimizer_groups(model, [p for p in model.parameters() if p.requires_grad])
+        optimizer = None if "optimizer" in self.config else optimizer_factory(groups)
         if isinstance(optimizer, (list, tuple)):
             if len(optimizer) != 1:
                 raise ConfigError(f"DeepSpeed supports exactly one optimizer, got {len(optimizer)}")
             optimizer = optimizer[0]
         import_muon_uncompiled(optimizer)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+                                               model_parameters=groups if optimizer is None else None)
         check_model_dtype(self.engine.module, model_dtype(self.config))
         return self.engine
 
