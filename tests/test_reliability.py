@@ -144,3 +144,29 @@ def test_reshard_flushes_every_file_it_publishes(tmp_path, monkeypatch):
     staged = {path: i for i, path in enumerate(flushed) if ".dsckpt-tmp-" in path}  # before the rename
     for path, i in staged.items():  # each staged folder after what it holds
         assert all(staged[folder] > i for folder in staged if path.startswith(folder + os.sep))
+
+
+def test_durable_outputs_start_their_writeback_as_they_go(tmp_path, monkeypatch):
+    """A flushed output asks the disk to start on each range as it is written (io.writeback: the copy and the
+    disk overlap instead of following each other); a --no-fsync one does not; nothing stays registered."""
+    import os
+
+    import dsckpt
+    import dsckpt.io.writeback as writeback
+
+    started = []
+    monkeypatch.setattr(writeback, "_bind", lambda: lambda fd, offset, n, flags: started.append(
+        (os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n, flags)))
+    src = FIXTURES / "z3_ws2_fp32"
+    dsckpt.consolidate(src, tmp_path / "model.safetensors")
+    dsckpt.reshard(src, tmp_path / "ws3", 3)
+    files = {name for name, _, _, _ in started}
+    assert any(name.startswith(".model.safetensors.dsckpt-tmp-") for name in files)  # the temp, before the rename
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)} <= files
+    assert all(flags == 2 and n > 0 for _, _, n, flags in started)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+    size = (tmp_path / "model.safetensors").stat().st_size
+    assert sum(n for name, _, n, _ in started if name.startswith(".model.")) > size // 2  # the data, not the header
+    started.clear()
+    dsckpt.consolidate(src, tmp_path / "fast.safetensors", fsync=False)
+    dsckpt.reshard(src, tmp_path / "fast_ws3", 3, fsync=False)
+    assert started == [] and not writeback._durable

@@ -74,15 +74,15 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate s3://bucket/runs/demo s3://bucket/model.safetensors   (gs://, az://: docs/cli.md)
     The client state goes to OUT.client_state.json (+ .safetensors for its tensors).
     """
-    from tqdm import tqdm
-
-    from ..api.consolidation import consolidate as run
-
     if hf and form:
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
     group = parallel_group(nproc)
+    from tqdm import tqdm  # (after: a --nproc launcher only launches)
+
+    from ..api.consolidation import consolidate as run
+
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:

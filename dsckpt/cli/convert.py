@@ -53,11 +53,11 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
       dsckpt convert runs/demo runs/demo_weights_dcp --to dcp --weights-only
       dsckpt convert runs/demo runs/demo_universal --to universal --json
     """
-    from tqdm import tqdm
+    group = parallel_group(nproc)
+    from tqdm import tqdm  # (after: a --nproc launcher only launches)
 
     from ..api.conversion import convert as run
 
-    group = parallel_group(nproc)
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {to}", disable=bar_off, delay=0.5,
               file=sys.stderr, leave=False) as bar:

@@ -53,11 +53,11 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
       torchrun --nnodes 2 --nproc-per-node 4 ... -m dsckpt reshard /local/ckpt /local/ws16 -w 16
                                        (every host: its own rank files in, its target ranks' files out)
     """
-    from tqdm import tqdm
+    group = parallel_group(nproc)
+    from tqdm import tqdm  # (after: a --nproc launcher only launches)
 
     from ..api.resharding import reshard as run
 
-    group = parallel_group(nproc)
     if group is None and gather:
         raise click.UsageError("--gather places files across hosts: it needs --nproc or torchrun")
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)

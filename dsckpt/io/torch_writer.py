@@ -26,7 +26,7 @@ from ..formats.crc import crc32_async
 from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
-from . import stream
+from . import stream, writeback
 from .read import Reader
 
 ALIGN = 64
@@ -50,7 +50,7 @@ def _aligned(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
-def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
+def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress, started: writeback.Started) -> int:
     """Write one stored entry's chunks with its CRC-32 computed on ``crc_threads`` (each chunk in parts:
     ``formats.crc``) while this thread writes the same chunk; the next chunk is asked for only when both are
     done (the reader reuses its buffers).
@@ -70,13 +70,22 @@ def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress) -> int:
     crc, size = 0, 0
     for chunk in chunks:
         checksum = crc32_async(crc_threads, chunk, crc, CRC_THREADS)
-        write_all(fp, chunk)
+        written = write_all(fp, chunk)
+        started(fp.tell() - written, written)
         crc = checksum()
         size += len(chunk)
         if progress:
             progress(len(chunk))
     out._crc, out._file_size = crc, size
     return size
+
+
+def _fileno(fp) -> int | None:
+    """The descriptor of a local file, else None (a streamed zip's sink has none)."""
+    try:
+        return fp.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is an OSError and a ValueError)
+        return None
 
 
 def write_archive(path: Path | BinaryIO, obj: Any, chunks: Chunks,
@@ -109,6 +118,7 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
             with _held(sink, zf):
                 zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
+        started = writeback.for_output(path, _fileno(zf.fp))
         following, then = [], None  # each storage's next one with bytes (read ahead while it is written)
         for storage in reversed(storages):
             following.append(then)
@@ -118,7 +128,7 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
             with _held(sink, zf), zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
                 if sink:  # (its data is not kept locally)
                     sink.mirror = False
-                written = _stream(out, zf.fp, chunks(storage, then), crc_threads, progress)
+                written = _stream(out, zf.fp, chunks(storage, then), crc_threads, progress, started)
                 if sink:
                     sink.mirror = True
             if written != storage.nbytes:

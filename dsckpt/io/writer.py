@@ -22,7 +22,7 @@ from ..formats.positional import WRITE_SLICE, pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
-from . import stream
+from . import stream, writeback
 from .inflight import InFlight
 from .integrity import note, recording_now
 from ..plan.consolidate import Plan, TensorPlan
@@ -53,7 +53,8 @@ def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> t
     return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata)
 
 
-def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path) -> None:
+def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path,
+                started: writeback.Started = writeback.skip) -> None:
     """``nbytes`` from ``src_off`` of one file (``src_path``, named in errors) to ``dst_off`` of another:
     ``copy_file_range`` when both offsets sit at the same place within a page, else through a mapped window of
     the source.
@@ -63,7 +64,7 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
     populated mapping is one copy at any offset (docs/dev/performance-log.md 17).
     """
     if _MAP_POPULATE and (src_off - dst_off) % mmap.PAGESIZE:
-        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path)
+        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path, started)
     while nbytes:
         try:
             n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
@@ -71,6 +72,7 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
             n = pwrite_all(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
         if n == 0:
             raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
+        started(dst_off, n)
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
 
 
@@ -79,7 +81,7 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: every page mapped up 
 
 
 def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int,
-                 src_path: Path) -> tuple[int, int, int]:
+                 src_path: Path, started: writeback.Started = writeback.skip) -> tuple[int, int, int]:
     """Copy through mapped windows of the source; returns what is left (all of it where the source cannot be
     mapped, or is shorter than the range: ``copy_file_range`` then copies it, or reports the truncation).
     A page beyond a file truncated meanwhile fails the ``pwrite`` with EFAULT (an OSError), not the process with
@@ -100,6 +102,7 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
                     note(src_path, src_off, copied)
         if not whole:
             raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
+        started(dst_off, n)
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
     return nbytes, src_off, dst_off
 
@@ -175,6 +178,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
     owners = dealt([t.nbytes for t in tensors], n)
     mine = [(t, rel) for t, rel, owner in zip(tensors, offsets, owners) if owner == k]
     fd = os.open(path, os.O_WRONLY)
+    started = writeback.for_output(path, fd)
 
     def cast_chunk(job, t: TensorPlan) -> int:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
@@ -182,7 +186,8 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
         src_path, src_off, n, dst_off = job
         raw = src.pread(src_path, n, src_off)
         note(src_path, src_off, raw)
-        pwrite_all(fd, cast_bytes(raw, t.src_dtype, t.dtype), dst_off)
+        written = pwrite_all(fd, cast_bytes(raw, t.src_dtype, t.dtype), dst_off)
+        started(dst_off, written)
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
@@ -194,14 +199,16 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
                 if t.src_dtype == t.dtype and isinstance(t.pieces, Interleaved):
                     # a row-parallel join: a run per row and TP rank, too small to copy one by one - read into
                     # the reader's buffers, written a buffer at a time
+                    start = pos
                     for chunk in reader.chunks(t):
                         pos += pwrite_all(fd, chunk, pos)
+                    started(start, pos - start)
                     if progress:
                         progress(t.nbytes)
                 elif t.src_dtype == t.dtype:
                     for p in t.pieces:
                         if isinstance(p, Segment):  # (zero fills: see the module docstring)
-                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path)
+                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path, started)
                         pos += p.nbytes
                     if progress:
                         progress(t.nbytes)

@@ -19,6 +19,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..io import writeback
 from ..io.output import TEMP_MARK, Staging, remove_path
 from .group import Group
 
@@ -79,6 +80,8 @@ class Staged:
         if group.size > 1:
             pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
             self.tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
+            if fsync:  # every member writes into it, the leader flushes it
+                writeback.durable(self.tmp)
 
     def create(self) -> None:
         """The leaders make the temp folder (a file output is created by its writer); all agree."""
@@ -90,11 +93,15 @@ class Staged:
     def publish(self, stale: list[Path] | None = None) -> None:
         """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place
         and remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
+        if self.tmp is not None:
+            writeback.forget(self.tmp)
         if self.leads:
             self.staging.remove_on_commit(stale or ())
         self.group.step(lambda: self.staging.flush() if self.leads else None)
         self.group.step(lambda: self.staging.publish() if self.leads else None)
 
     def abort(self) -> None:
+        if self.tmp is not None:
+            writeback.forget(self.tmp)
         if self.leads:
             self.staging.abort()

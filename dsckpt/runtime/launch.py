@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -90,16 +91,51 @@ def _wait(procs: list[subprocess.Popen], deadline: float | None) -> bool:
     """Until every rank has ended (True) or ``deadline`` (False); once one fails, the rest get
     FAILURE_GRACE_S, then are stopped."""
     failed_at = None
-    while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop at the first)
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        if failed_at is None and any(code not in (None, 0) for code in codes):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
-            _stop(procs, first=signal.SIGTERM, wait_first=0)
-            break
-        time.sleep(0.05)
+    with _ExitWatch(procs) as watch:
+        while None in (codes := [p.poll() for p in procs]):  # every rank polled (any() would stop at the first)
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                _stop(procs, first=signal.SIGTERM, wait_first=0)
+                break
+            watch.pause(0.05)
     return True
+
+
+class _ExitWatch:
+    """``pause(s)``: sleep at most ``s`` seconds, waking as soon as a rank exits (Linux pidfds; elsewhere a
+    plain sleep), so a short run's launcher does not lag its ranks by a polling period."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.fds: list[int] = []
+        for proc in procs:
+            try:
+                self.fds.append(os.pidfd_open(proc.pid))
+            except (AttributeError, OSError):  # (no pidfd_open; a rank already reaped): plain sleeps
+                self.close()
+                return
+
+    def pause(self, seconds: float) -> None:
+        if not self.fds:
+            time.sleep(seconds)
+            return
+        ended, _, _ = select.select(self.fds, [], [], seconds)
+        for fd in ended:  # an exited rank's pidfd stays readable: watch the others only
+            os.close(fd)
+            self.fds.remove(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def __enter__(self) -> "_ExitWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _stop(procs: list[subprocess.Popen], first: signal.Signals, wait_first: float) -> None:
