@@ -5,6 +5,10 @@ BIN    := $(VENV)/bin
 # CPU wheel: an unpinned torch would pull a multi-GB CUDA build. Override for GPU hosts.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo_run
+# Test files run on this many workers (pytest-xdist, a file's tests on one worker): the suite's jobs spend much of
+# their time starting processes and waiting on each other, so two workers fill two cores (performance log 25).
+TEST_JOBS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: setup demo test test-all test-fast fixtures bench bench-quick fuzz clean
 
@@ -46,15 +50,15 @@ demo: setup
 	$(DS) inspect runs/demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
-# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix): ~16 min on 2 cores.
+# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix, DeepSpeed's Muon and its JIT build).
 test-all: setup
-	$(BIN)/python -m pytest -q -m "slow or not slow"
+	$(PYTEST) -m "slow or not slow"
 
 # The edit loop: every test that starts no DeepSpeed ranks (layers, formats, plans, hostile input, CLI contract).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not runtime"
+	$(PYTEST) -m "not slow and not runtime"
 
 fixtures: setup
 	$(BIN)/python fixtures/make_fixtures.py

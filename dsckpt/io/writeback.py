@@ -44,10 +44,15 @@ def for_output(path: object, fd: int | None) -> Started:
     call = _bind()
     if call is None:
         return skip
-    return lambda offset, nbytes: nbytes > 0 and call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) and None
+
+    def started(offset: int, nbytes: int) -> None:
+        if nbytes > 0:
+            call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+    return started
 
 
 def _bind() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range``, looked up once (None: not Linux, or no such symbol)."""
     global _call, _bound
     if not _bound:
         _bound = True
@@ -56,9 +61,9 @@ def _bind() -> Callable[[int, int, int, int], int] | None:
 
             try:
                 fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _call = fn
             except (OSError, AttributeError):
-                _call = None
+                return None
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _call = fn
     return _call
