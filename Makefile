@@ -8,7 +8,7 @@ DEMO_DIR ?= demo_run
 # Test files run on this many workers (pytest-xdist, a file's tests on one worker): the suite's jobs spend much of
 # their time starting processes and waiting on each other, so two workers fill two cores (performance log 25).
 TEST_JOBS ?= 2
-PYTEST = $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
+PYTEST = $(BIN)/python -m pytest -q -rs -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: setup demo test test-all test-fast fixtures bench bench-quick fuzz clean
 
