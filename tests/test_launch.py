@@ -106,3 +106,25 @@ def test_nproc_ranks_meet_without_torch_and_a_vanished_rank_is_one_typed_error(t
         seen = json.loads((tmp_path / f"seen{r}.json").read_text())
         assert seen["gather"] == [0, 10, 20] and seen["bcast"] == "from 1" and seen["torch"] is False
         assert "a process of the run stopped or cannot be reached" in seen["error"]
+
+
+def test_the_launcher_wakes_when_a_rank_exits_not_at_its_next_poll():
+    """``_ExitWatch.pause`` returns as soon as a watched rank ends (pidfds), and watches only those still running."""
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with launch._ExitWatch([quick, slow]) as watch:
+            if not watch.fds:
+                pytest.skip("no pidfd_open here: the launcher sleeps its polling period instead")
+            start = time.monotonic()
+            watch.pause(20)
+            assert time.monotonic() - start < 10  # woken by the quick rank's exit, not the 20 s timeout
+            assert len(watch.fds) == 1  # the ended rank's pidfd is closed; the slow one is still watched
+            start = time.monotonic()
+            watch.pause(0.2)
+            assert time.monotonic() - start >= 0.15  # nothing else ended: a full pause, not a busy loop
+        assert watch.fds == []
+    finally:
+        slow.kill()
+        slow.wait()
+        quick.wait()
