@@ -29,7 +29,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 # The tree's own modules compiled to .pyc: where PYTHONDONTWRITEBYTECODE is set (these machines) every process the
-# tests start would compile them again, ~0.1 s each (performance log 25); compileall skips what is up to date.
+# tests start would compile them again (performance log 25); compileall skips what is up to date.
 setup: $(VENV)/.installed
 	@$(BIN)/python -m compileall -q -j 0 dsckpt tests fixtures bench > /dev/null
 

@@ -31,7 +31,7 @@ def main(fixture: str, ckpt: str, resave: str, stages: str = "", mode: str = "")
                            partition_method="parameters")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": mode == "universal"},
-              # torch's AdamW (torch_adam): DeepSpeed's FusedAdam is a C++ build of a minute in every fresh venv
+              # torch's AdamW (torch_adam): DeepSpeed's FusedAdam is a C++ build in every fresh venv
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
               "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -28,7 +28,7 @@ def main(fixture: str, ckpt: str, resave: str, stage: str, tp: str, mode: str = 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": int(stage)}, "checkpoint": {"load_universal": mode == "universal"},
               **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}),
-              # torch's AdamW (torch_adam): DeepSpeed's FusedAdam is a C++ build of a minute in every fresh venv
+              # torch's AdamW (torch_adam): DeepSpeed's FusedAdam is a C++ build in every fresh venv
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
               "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
