@@ -161,6 +161,19 @@ def test_nproc_reshard_writes_the_same_bytes(single, tmp_path):
     assert _same_tree(single / f"{Z2}_ws4", tmp_path / "out") == []
 
 
+def test_nproc_errors_are_said_once_and_nothing_is_published(tmp_path):
+    """--nproc's ranks (forks of the command): a missing rank file is one typed error, exit 2, no traceback."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / Z3, ckpt)
+    (ckpt / "step3" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    proc = run_cli("reshard", ckpt, tmp_path / "out", "-w", "2", "--nproc", "2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[0] == (f"dsckpt: error: {ckpt}/step3: optimizer-states file of rank 2 is missing "
+                                           "(the checkpoint records world size 3)")
+    assert proc.stderr.count("dsckpt: error:") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no output, no temp, no view
+
+
 @needs_namespaces
 @pytest.mark.parametrize("name, split, nproc", [(Z3, Z3_SPLIT, 1), (Z2, Z2_SPLIT, 2)])
 def test_node_local_reshard_puts_each_target_rank_on_its_host(single, tmp_path, name, split, nproc):

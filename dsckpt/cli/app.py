@@ -97,17 +97,46 @@ def _in_group() -> bool:
 def _exit(code: int) -> None:
     """Exit; in a process of a distributed run, without interpreter teardown: gloo's threads, still joinable
     when static destructors run, abort the process ("terminate called without an active exception",
-    measured: ``runtime.engine.shutdown``) and the exit code with it."""
+    measured: ``runtime.engine.shutdown``) and the exit code with it; a forked rank runs none of its
+    parent's exit handlers."""
     if _in_group():
         dist = sys.modules["torch.distributed"]
         import contextlib
 
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _hard_exit(code)
+    if _forked():
+        _hard_exit(code)
     sys.exit(code)
+
+
+def _hard_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _forked() -> bool:
+    launch = sys.modules.get("dsckpt.runtime.launch")  # (imported only by a command that launches)
+    return launch is not None and launch.forked_rank()
+
+
+_in_main = False
+
+
+def may_fork_ranks() -> bool:
+    """``--nproc`` may fork its ranks from this process: ``main`` runs it, and ends each of them."""
+    if not _in_main:
+        return False
+    from ..runtime.launch import may_fork
+
+    return may_fork()
+
+
+def become_rank() -> None:
+    """A rank forked by ``--nproc`` (``cli.options.parallel_group``) from here on behaves as one it started."""
+    signal.signal(signal.SIGINT, _raise_interrupted)
 
 
 def _fail(message: str, hint: str | None, code: int, as_json: bool) -> int:
@@ -131,7 +160,22 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if in_launched_rank():
         signal.signal(signal.SIGINT, _raise_interrupted)
-    _exit(run(args))
+    global _in_main
+    _in_main = True  # (every way out of here below ends a forked rank with os._exit)
+    try:
+        code = run(args)
+    except SystemExit as exc:
+        if not _forked():
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        if not _forked():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit(code)
 
 
 def run(args: list[str]) -> int:

@@ -78,8 +78,8 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
-    group = parallel_group(nproc)
-    from tqdm import tqdm  # (after: a --nproc launcher only launches)
+    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.consolidation"))
+    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
 
     from ..api.consolidation import consolidate as run
 

@@ -53,8 +53,8 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
       dsckpt convert runs/demo runs/demo_weights_dcp --to dcp --weights-only
       dsckpt convert runs/demo runs/demo_universal --to universal --json
     """
-    group = parallel_group(nproc)
-    from tqdm import tqdm  # (after: a --nproc launcher only launches)
+    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.conversion"))
+    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
 
     from ..api.conversion import convert as run
 

@@ -98,10 +98,11 @@ NPROC_HELP = ("Split the work over N local processes (no torch needed); under to
               "host share it instead (docs/cli.md, 'Many processes, many hosts').")
 
 
-def parallel_group(nproc: int):
-    """The process group this command runs on, or None for one process.  ``--nproc N`` re-runs the command
-    on N local processes (``runtime.launch``; this process only launches); a process so started joins the
-    group of every process of the run, on every host."""
+def parallel_group(nproc: int, needs: tuple[str, ...] = ()):
+    """The process group this command runs on, or None for one process.  ``--nproc N`` runs the command on N
+    local processes (``runtime.launch``; this process only launches): forks of this one where that is safe,
+    which start with the modules in ``needs`` imported once, here; else N fresh interpreters.  A process so
+    started joins the group of every process of the run, on every host."""
     import os
     import sys
 
@@ -109,8 +110,18 @@ def parallel_group(nproc: int):
 
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         from ..runtime import launch
+        from .app import become_rank, may_fork_ranks
 
-        sys.exit(launch.launch(nproc))
+        if not may_fork_ranks():
+            sys.exit(launch.launch(nproc))
+        from importlib import import_module
+
+        for module in needs:
+            import_module(module)
+        code = launch.fork_ranks(nproc)
+        if code is not None:
+            sys.exit(code)
+        become_rank()
     return init_group() if launched() else None  # (left without teardown at exit: cli.app._exit)
 
 

@@ -53,8 +53,8 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
       torchrun --nnodes 2 --nproc-per-node 4 ... -m dsckpt reshard /local/ckpt /local/ws16 -w 16
                                        (every host: its own rank files in, its target ranks' files out)
     """
-    group = parallel_group(nproc)
-    from tqdm import tqdm  # (after: a --nproc launcher only launches)
+    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.resharding"))
+    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
 
     from ..api.resharding import reshard as run
 

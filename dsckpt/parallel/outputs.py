@@ -9,7 +9,7 @@ group's temp output and publishes it.
 ``Staged``: one temp path per storage group, the same name everywhere (from rank 0), written by the
 group's members; published by the leaders (``io.output.Staging``, the one commit protocol) only after every
 process has agreed that every part is written and flushed - so an interrupted run publishes nothing.  On
-error each leader removes its temp.  One process is one group of one: no probe, Staging's own temp name.
+error every process removes its group's temp.  One process is one group of one: no probe, Staging's own temp name.
 """
 from __future__ import annotations
 
@@ -101,7 +101,11 @@ class Staged:
         self.group.step(lambda: self.staging.publish() if self.leads else None)
 
     def abort(self) -> None:
+        """Every process removes the temp, each once its own writes have stopped: a member still writing when
+        its leader aborted (a Ctrl-C reaches the processes one by one) may have made folders in it again."""
         if self.tmp is not None:
             writeback.forget(self.tmp)
+            if self.group.size > 1:
+                remove_path(self.tmp)
         if self.leads:
             self.staging.abort()

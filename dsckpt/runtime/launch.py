@@ -14,16 +14,23 @@
    on as SIGINT (a rank ignores all but its first, ``cli.app``), then SIGKILL after ``STOP_GRACE_S``.
 5. Children report typed errors through files (``console.report_rank_error``); the parent prints each
    distinct one once and exits 2, as ``--nproc 1`` does.
+6. A command that needs no torch (``fork_ranks``) forks its ranks instead of starting N interpreters: each
+   rank begins with the parent's imports (a fresh one paid its start and imports again, the larger part of
+   a short run's time) and its own environment; the steps above are the same.  Only where that is safe
+   (``may_fork``): Linux, no thread but the main one, no torch, and an entry point that ends every rank with
+   ``os._exit`` (``cli.app.main``), so no rank returns into its parent's code or runs its exit handlers.
 """
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,12 +70,23 @@ def run_ranks(command: list[str], nproc: int, env: dict[str, str] | None = None,
     """Run ``command`` as ``nproc`` local ranks; their exit codes, by rank (steps 1, 3, 4).  ``popen``: more
     arguments for every rank's ``subprocess.Popen`` (``stdout``, ``cwd``...).  Past ``timeout`` seconds
     the ranks are stopped and ``subprocess.TimeoutExpired`` is raised."""
-    base = {**os.environ, **(env or {})}
-    base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    base.update(hub_environment(free_port()))
+    base = {**os.environ, **(env or {}), **_shared_environment()}
     port = free_port()
     procs = [subprocess.Popen(command, env={**base, **rank_environment(r, nproc, port)}, **popen)
              for r in range(nproc)]
+    return _supervise(procs, timeout, command)
+
+
+def _shared_environment() -> dict[str, str]:
+    """What every rank of one launch gets beyond the launcher's own environment."""
+    shared = hub_environment(free_port())
+    if "OMP_NUM_THREADS" not in os.environ:
+        shared["OMP_NUM_THREADS"] = "1"  # ranks share the cores
+    return shared
+
+
+def _supervise(procs: list, timeout: float | None, command: list[str]) -> list[int]:
+    """Wait for the ranks, passing signals on (steps 3, 4); their exit codes."""
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not _wait(procs, time.monotonic() + timeout if timeout else None):
@@ -157,21 +175,85 @@ def launch(nproc: int, argv: list[str] | None = None, script: str | None = None)
     argv = sys.argv[1:] if argv is None else argv
     command = [sys.executable, script, *argv] if script else [sys.executable, "-m", "dsckpt", *argv]
     with tempfile.TemporaryDirectory(prefix="dsckpt-ranks-") as errors:
-        codes = run_ranks(command, nproc, {console.ERROR_DIR_ENV: errors})
-        if not any(codes):
-            return 0
-        reported = console.collect_rank_errors(Path(errors))
-        if reported:
-            raise _one_error(reported, nproc)
-        if any(code == 130 for code in codes) and all(code in (0, 130, -signal.SIGTERM) for code in codes):
-            raise Interrupted  # a rank was interrupted on its own (e.g. SIGINT sent to it alone)
-        killed = [(r, code) for r, code in enumerate(codes) if code < 0 and code != -signal.SIGTERM]
-        if killed:  # the cause, where the others' tracebacks show only the broken connection
-            rank, code = killed[0]
-            raise RankError(f"rank {rank} of {nproc} was killed by {signal.Signals(-code).name}",
-                            hint="out of memory? the system log (dmesg) says what killed it")
-        first = next(code for code in codes if code)
-        return first if first > 0 else 1
+        return _outcome(run_ranks(command, nproc, {console.ERROR_DIR_ENV: errors}), Path(errors), nproc)
+
+
+def may_fork() -> bool:
+    """This process may fork its ranks (step 6; its entry point is the caller's to check)."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1 and "torch" not in sys.modules
+
+
+def forked_rank() -> bool:
+    """This process is a rank ``fork_ranks`` forked."""
+    return _forked_rank
+
+
+_forked_rank = False
+
+
+def fork_ranks(nproc: int) -> int | None:
+    """Step 6: ``nproc`` forks of this process.  In each rank it returns None, the environment that of a
+    launched rank; in the launcher, once every rank has ended, the launch's exit code (or its error)."""
+    global _forked_rank
+    shared = _shared_environment()
+    port = free_port()
+    ranks = [rank_environment(r, nproc, port) for r in range(nproc)]  # here: the run's id is this pid
+    errors = tempfile.mkdtemp(prefix="dsckpt-ranks-")  # (no TemporaryDirectory: its finalizer would run in ranks)
+    shared[console.ERROR_DIR_ENV] = errors
+    sys.stdout.flush()
+    sys.stderr.flush()
+    procs: list[_ForkedRank] = []
+    try:
+        for environment in ranks:
+            pid = os.fork()
+            if pid == 0:
+                _forked_rank = True
+                os.environ.update({**shared, **environment})
+                return None
+            procs.append(_ForkedRank(pid))
+        return _outcome(_supervise(procs, None, sys.argv), Path(errors), nproc)
+    except BaseException:
+        _stop(procs, first=signal.SIGTERM, wait_first=0)  # (a fork that failed: the ranks started wait for it)
+        raise
+    finally:
+        if not _forked_rank:
+            shutil.rmtree(errors, ignore_errors=True)
+
+
+class _ForkedRank:
+    """What ``_wait`` and ``_stop`` use of a ``subprocess.Popen``, for a forked rank."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # (negative: the signal that ended it)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _outcome(codes: list[int], errors: Path, nproc: int) -> int:
+    """The launch's exit code, or the ranks' error (step 5)."""
+    if not any(codes):
+        return 0
+    reported = console.collect_rank_errors(errors)
+    if reported:
+        raise _one_error(reported, nproc)
+    if any(code == 130 for code in codes) and all(code in (0, 130, -signal.SIGTERM) for code in codes):
+        raise Interrupted  # a rank was interrupted on its own (e.g. SIGINT sent to it alone)
+    killed = [(r, code) for r, code in enumerate(codes) if code < 0 and code != -signal.SIGTERM]
+    if killed:  # the cause, where the others' tracebacks show only the broken connection
+        rank, code = killed[0]
+        raise RankError(f"rank {rank} of {nproc} was killed by {signal.Signals(-code).name}",
+                        hint="out of memory? the system log (dmesg) says what killed it")
+    first = next(code for code in codes if code)
+    return first if first > 0 else 1
 
 
 def _one_error(reported: list[tuple[str, str | None, list[int]]], nproc: int) -> RankError:
