@@ -29,9 +29,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 # The tree's own modules compiled to .pyc: where PYTHONDONTWRITEBYTECODE is set (these machines) every process the
-# tests start would compile them again (performance log 25); compileall skips what is up to date.
+# tests start would compile them again (performance log 25); compileall skips what is up to date.  Not the
+# benchmark checkpoints' DeepSpeed scripts: a `__pycache__` there would travel with them as a companion.
 setup: $(VENV)/.installed
-	@$(BIN)/python -m compileall -q -j 0 dsckpt tests fixtures bench > /dev/null
+	@$(BIN)/python -m compileall -q -j 0 -x 'bench/cache/' dsckpt tests fixtures bench > /dev/null
 
 # The README's examples, in $(DEMO_DIR)/ (they run there as written afterwards: `cd demo_run`; tested).
 DS = cd $(DEMO_DIR) && $(abspath $(BIN))/dsckpt

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def rewrite_tree(path: Path, edit) -> Path:
 
     def whole_storage(storage, then=None):  # (write_archive names the storage it streams next)
         loc = source.locate(storage.source.storage)
-        yield read_range(path, loc.offset, loc.nbytes)
+        data = read_range(path, loc.offset, loc.nbytes)
+        yield data, zlib.crc32(data)
 
     forged = path.with_name(path.name + ".forged")
     write_archive(forged, tree, whole_storage, allow_foreign=True)  # forging is what tests do

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -213,7 +214,7 @@ def test_the_reader_reads_the_next_storage_ahead_and_never_mixes_buffers(tmp_pat
     from types import SimpleNamespace
 
     from dsckpt.io import read
-    from dsckpt.plan.segments import Segment, TensorSource
+    from dsckpt.plan.segments import Segment, TensorSource, Zeros
 
     f = tmp_path / "a.bin"
     data = os.urandom(1 << 20)
@@ -225,17 +226,25 @@ def test_the_reader_reads_the_next_storage_ahead_and_never_mixes_buffers(tmp_pat
 
     s1, empty, s2 = storage(0, 70_000), storage(0, 0), storage(100_000, 50_001)
     s3, s4 = storage(7, 90_000), storage(300_000, 4096)
+    def got(s, then=None) -> bytes:  # every chunk comes with its own CRC-32
+        chunks = [(bytes(c), crc) for c, crc in reader.storage_chunks(s, then)]
+        assert [crc for _, crc in chunks] == [zlib.crc32(c) for c, _ in chunks]
+        return b"".join(c for c, _ in chunks)
+
     with read.Reader(chunk=16_384) as reader:
-        got = lambda s, then=None: b"".join(bytes(c) for c in reader.storage_chunks(s, then))  # noqa: E731
         assert got(s1, then=s2) == data[:70_000]
         assert reader._ahead[0] is s2
         assert got(empty, then=s2) == b"" and reader._ahead[0] is s2  # an empty storage leaves it in place
         assert got(s2, then=s3) == data[100_000:150_001]
         assert got(s4) == data[300_000:304_096]  # not s3, which was read ahead: dropped
         stream = reader.storage_chunks(s3, then=s1)
-        assert bytes(next(stream)) == data[7:7 + 16_384]  # abandoned after one chunk
+        assert bytes(next(stream)[0]) == data[7:7 + 16_384]  # abandoned after one chunk
         assert got(s1, then=s3) == data[:70_000]
         assert got(s3) == data[7:90_007]
+        # a ZeRO-3 partition's pieces from several places and padding: each chunk's CRC joined from its pieces'
+        pieces = (Segment(f, 5, 1000), Zeros(3000), Segment(f, 200_000, 20_000), Segment(f, 1, 7))
+        mixed = SimpleNamespace(source=SimpleNamespace(source=TensorSource("U8", "U8", pieces)), nbytes=24_007)
+        assert got(mixed) == data[5:1005] + bytes(3000) + data[200_000:220_000] + data[1:8]
 
 
 def test_every_read_and_publish_goes_through_the_storage_seam(tmp_path):

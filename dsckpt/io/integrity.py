@@ -56,8 +56,9 @@ class Ledger:
         self._spans: dict[Path, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, path: Path, offset: int, data) -> None:
-        crc = crc32(data)
+    def add(self, path: Path, offset: int, data, crc: int | None = None) -> None:
+        """``data`` read at ``offset`` of ``path`` (``crc``: its CRC-32, where the reader computed it already)."""
+        crc = crc32(data) if crc is None else crc
         with self._lock:
             self._spans.setdefault(Path(path), []).append((offset, len(data), crc))
 
@@ -94,10 +95,11 @@ def recording_now() -> bool:
     return bool(_RECORDING)
 
 
-def note(path: Path, offset: int, data) -> None:
-    """Called by the readers with bytes they just read: noted when a write is being recorded."""
+def note(path: Path, offset: int, data, crc: int | None = None) -> None:
+    """Called by the readers with bytes they just read (and their CRC-32, if computed): noted when a write is
+    being recorded."""
     if _RECORDING:
-        _RECORDING[-1].add(path, offset, data)
+        _RECORDING[-1].add(path, offset, data, crc)
 
 
 def check_files(paths: Iterable[Path]) -> None:

@@ -5,7 +5,10 @@
    second of two reused buffers while the caller writes the current one (pread, crc32 and write release
    the GIL), and with ``storage_chunks(storage, then)`` the next storage's first chunk while the caller
    writes this one's last; zero fills come from one zero buffer;
-2. a source with a cast is read in whole elements and cast with numpy (``formats.cast``).
+2. a source with a cast is read in whole elements and cast with numpy (``formats.cast``);
+3. ``storage_chunks`` gives each chunk's CRC-32 with it, for the zip entry the caller writes: uncast, it is joined
+   from the CRC-32 of each piece read, the same values the integrity check notes (``io.integrity``), so every
+   byte is checksummed once, on the prefetch thread, for both.
 Bytes come from a ``formats.storage.Storage`` (``LocalStorage``: descriptors opened once per file, shared by
 threads, positional reads).
 
@@ -19,9 +22,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..dtypes import ITEMSIZE, torch_dtype
 from ..errors import InconsistentCheckpointError
+from ..formats.crc import crc32, crc32_combine
 from ..formats.pickle_policy import TensorRef
 from ..formats.storage import LocalStorage, Storage
-from .integrity import note
+from .integrity import note, recording_now
 from ..plan.segments import ByteSource, Segment, Zeros, storage_source
 
 # Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
@@ -56,36 +60,36 @@ class Reader:
             self.files.close()
 
     def chunks(self, source: ByteSource) -> Iterator[bytes | memoryview]:
-        return self._stream(source, source, None)
+        return (chunk for chunk, _ in self._stream(source, source, None, crc=False))
 
-    def storage_chunks(self, storage: Any, then: Any = None) -> Iterator[bytes | memoryview]:
-        """``chunks`` of a ``pickle_writer.StorageOut``: a new tensor's source, or an unchanged storage.  ``then``:
-        the storage with bytes the caller streams next (empty ones may come between) - its first chunk is read
-        while the caller writes this one's last."""
-        return self._stream(storage, _source_of(storage), then)
+    def storage_chunks(self, storage: Any, then: Any = None) -> Iterator[tuple[bytes | memoryview, int]]:
+        """``chunks`` of a ``pickle_writer.StorageOut`` (a new tensor's source, or an unchanged storage), each with
+        its CRC-32 (step 3).  ``then``: the storage with bytes the caller streams next (empty ones may come
+        between) - its first chunk is read while the caller writes this one's last."""
+        return self._stream(storage, _source_of(storage), then, crc=True)
 
-    def _stream(self, key: Any, source: ByteSource, then: Any) -> Iterator[bytes | memoryview]:
+    def _stream(self, key: Any, source: ByteSource, then: Any, crc: bool) -> Iterator[tuple[Any, int | None]]:
         if source.src_dtype != source.dtype:
-            yield from self._cast_chunks(source)
+            yield from self._cast_chunks(source, crc)
             return
         if not any(piece.nbytes for piece in source.pieces):  # (an empty storage leaves a read-ahead in place)
             return
         ahead, self._ahead = self._ahead, None
-        started = ahead[1:] if ahead is not None and ahead[0] is key else self._start(source)
+        started = ahead[1:] if ahead is not None and ahead[0] is key else self._start(source, crc)
         if started is None:
             return
         jobs, pending = started
         for i in range(len(jobs)):
             current = pending.result()
             if i + 1 < len(jobs):  # the other buffer: the caller is done with it
-                pending = self._submit(jobs[i + 1])
+                pending = self._submit(jobs[i + 1], crc)
             elif then is not None:
                 # Read ahead into the next storage: each one's first read waited on its own otherwise.
-                following = self._start(_source_of(then))
+                following = self._start(_source_of(then), crc)
                 self._ahead = (then, *following) if following else None
             yield current
 
-    def _start(self, source: ByteSource) -> tuple[list, Any] | None:
+    def _start(self, source: ByteSource, crc: bool) -> tuple[list, Any] | None:
         """The read jobs of an uncast ``source`` and the first one submitted (None: nothing to read)."""
         if source.src_dtype != source.dtype:
             return None
@@ -93,14 +97,14 @@ class Reader:
         if not jobs:
             return None
         self._pool.submit(self._advise, source)  # on the prefetch thread, before the first read
-        return jobs, self._submit(jobs[0])
+        return jobs, self._submit(jobs[0], crc)
 
-    def _submit(self, job) -> Any:
+    def _submit(self, job, crc: bool) -> Any:
         """Read ``job`` into the buffer not read into last.  One worker runs reads in order, so a read left in
         flight by an abandoned stream finishes before the next read starts."""
         buffer = self._buffers[self._turn]
         self._turn ^= 1
-        return self._pool.submit(self._read, job, buffer)
+        return self._pool.submit(self._read, job, buffer, crc)
 
     def _batches(self, source: ByteSource) -> Iterator[list[tuple[Segment | Zeros, int, int]]]:
         """The source's pieces cut to fill whole buffers: a resharded ZeRO-3 partition is one segment per
@@ -137,18 +141,25 @@ class Reader:
         for path, runs in spans.items():
             self.files.advise(path, [(start, end - start) for start, end in runs])
 
-    def _read(self, batch: list[tuple[Segment | Zeros, int, int]], buffer: bytearray) -> memoryview:
-        view, pos = memoryview(buffer), 0
+    def _read(self, batch: list[tuple[Segment | Zeros, int, int]], buffer: bytearray,
+              crc: bool) -> tuple[memoryview, int | None]:
+        """The batch's bytes, and with ``crc`` their CRC-32 (joined from each piece's: step 3)."""
+        view, pos, joined = memoryview(buffer), 0, 0
         for piece, start, n in batch:
+            part = view[pos:pos + n]
             if isinstance(piece, Zeros):
-                view[pos:pos + n] = self._zeros[:n]
+                part[:] = self._zeros[:n]
+                piece_crc = crc32(part) if crc else None
             else:
-                self.files.pread(piece.path, n, piece.offset + start, into=view[pos:pos + n])
-                note(piece.path, piece.offset + start, view[pos:pos + n])
+                self.files.pread(piece.path, n, piece.offset + start, into=part)
+                piece_crc = crc32(part) if crc or recording_now() else None
+                note(piece.path, piece.offset + start, part, piece_crc)
+            if crc:
+                joined = crc32_combine(joined, piece_crc, n) if pos else piece_crc
             pos += n
-        return view[:pos]
+        return view[:pos], joined if crc else None
 
-    def _cast_chunks(self, source: ByteSource) -> Iterator[bytes]:
+    def _cast_chunks(self, source: ByteSource, crc: bool) -> Iterator[tuple[bytes, int | None]]:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_size, dst_size = ITEMSIZE[source.src_dtype], ITEMSIZE[source.dtype]
@@ -157,11 +168,12 @@ class Reader:
             for start in range(0, piece.nbytes, step):
                 n = min(step, piece.nbytes - start)
                 if isinstance(piece, Zeros):
-                    yield bytes(n // src_size * dst_size)
+                    out = bytes(n // src_size * dst_size)
                 else:
                     raw = self.files.pread(piece.path, n, piece.offset + start)
                     note(piece.path, piece.offset + start, raw)
-                    yield cast_bytes(raw, source.src_dtype, source.dtype)
+                    out = cast_bytes(raw, source.src_dtype, source.dtype)
+                yield out, crc32(out) if crc else None
 
 
 def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:

@@ -6,7 +6,8 @@
 2. the zip entries torch writes - ``data.pkl``, ``.format_version``, ``.storage_alignment``,
    ``byteorder`` - under a folder named after the file's stem, as ``torch.save`` names it;
 3. each storage as ``data/<key>``: stored uncompressed, its data 64-byte aligned (as torch aligns
-   it, so memory-mapped loading works), streamed from ``chunks(storage, next storage)`` - memory stays O(chunk);
+   it, so memory-mapped loading works), streamed from ``chunks(storage, next storage)`` - memory stays O(chunk) -
+   with the CRC-32 its chunks come with (the reader's: ``io.read`` step 3);
 4. ``version``.
 Consolidated ``.pt`` files (``write_torch``) and resharded rank files both go through here; the
 results load with torch's weights-only unpickler whenever the tree names only allowlisted globals.
@@ -17,12 +18,11 @@ import contextlib
 import os
 import struct
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
-from ..formats.crc import crc32_async
+from ..formats.crc import crc32_combine
 from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
@@ -30,11 +30,9 @@ from . import stream, writeback
 from .read import Reader
 
 ALIGN = 64
-# ``Reader.storage_chunks``: a storage's bytes in chunks; the second argument names the storage streamed next
-Chunks = Callable[[StorageOut, "StorageOut | None"], Iterable[bytes]]
-# Each chunk's CRC-32 in this many parts at once, beside the write: worth it only where cores are left over after
-# the write and the prefetch (docs/dev/performance-log.md 15).
-CRC_THREADS = 2 if (os.cpu_count() or 1) >= 4 else 1
+# ``Reader.storage_chunks``: a storage's bytes in chunks, each with its CRC-32; the second argument names the
+# storage streamed next
+Chunks = Callable[[StorageOut, "StorageOut | None"], Iterable[tuple[bytes | memoryview, int]]]
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same input gives the same bytes
 
 
@@ -50,32 +48,30 @@ def _aligned(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
-def _stream(out, fp, chunks: Iterable[bytes], crc_threads, progress, started: writeback.Started) -> int:
-    """Write one stored entry's chunks with its CRC-32 computed on ``crc_threads`` (each chunk in parts:
-    ``formats.crc``) while this thread writes the same chunk; the next chunk is asked for only when both are
-    done (the reader reuses its buffers).
+def _stream(out, fp, chunks: Iterable[tuple[bytes | memoryview, int]], progress,
+            started: writeback.Started) -> int:
+    """Write one stored entry's chunks, its CRC-32 joined from theirs.
 
-    zipfile computes the CRC inside ``write``, in turn with the write (then the larger part of a reshard's
-    time: docs/dev/performance-log.md 12).  Its entry
+    zipfile computes the CRC inside ``write``, a second pass over bytes the reader checksummed already (and, in
+    turn with the write, once the larger part of a reshard's time: docs/dev/performance-log.md 12).  Its entry
     writer keeps the running CRC and size in ``_crc`` / ``_file_size`` (Python 3.6 - 3.13) and writes them
     into the headers on close; without those attributes, plain ``write`` is used.
     """
     if not (hasattr(out, "_crc") and hasattr(out, "_file_size")):
         size = 0
-        for chunk in chunks:
+        for chunk, _ in chunks:
             size += write_all(out, chunk)
             if progress:
                 progress(len(chunk))
         return size
     crc, size = 0, 0
-    for chunk in chunks:
-        checksum = crc32_async(crc_threads, chunk, crc, CRC_THREADS)
+    for chunk, chunk_crc in chunks:
         written = write_all(fp, chunk)
         started(fp.tell() - written, written)
-        crc = checksum()
-        size += len(chunk)
+        crc = crc32_combine(crc, chunk_crc, written) if size else chunk_crc
+        size += written
         if progress:
-            progress(len(chunk))
+            progress(written)
     out._crc, out._file_size = crc, size
     return size
 
@@ -113,7 +109,7 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
                progress: Callable[[int], None] | None) -> list[StorageOut]:
     pickle_bytes, storages = pickled
     sink = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf, ThreadPoolExecutor(CRC_THREADS) as crc_threads:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
             with _held(sink, zf):
@@ -128,7 +124,7 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
             with _held(sink, zf), zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
                 if sink:  # (its data is not kept locally)
                     sink.mirror = False
-                written = _stream(out, zf.fp, chunks(storage, then), crc_threads, progress, started)
+                written = _stream(out, zf.fp, chunks(storage, then), progress, started)
                 if sink:
                     sink.mirror = True
             if written != storage.nbytes:
