@@ -50,8 +50,9 @@ from ..zero.reader import open_checkpoint
 
 Pickled = tuple[bytes, list[StorageOut]]  # a rank file's pickle and the storages it names (``dumps``)
 # Rank files written at once, each by its own thread and Reader: one stream of writes cannot fill a large host's
-# page cache; on 2 cores the CRC and read-ahead threads already take the second (docs/dev/performance-log.md 17).
-WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+# page cache, and on 2 cores too a thread's reads and writes wait in the kernel often enough to leave room for
+# others (docs/dev/performance-log.md 17, 26).
+WRITE_THREADS = 4
 
 
 @dataclass(frozen=True)

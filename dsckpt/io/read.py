@@ -45,8 +45,8 @@ class Reader:
         self.files = files or LocalStorage()
         self._own_files = files is None
         self.chunk = chunk
-        self._buffers = (bytearray(chunk), bytearray(chunk))
-        self._zeros = memoryview(bytes(chunk))
+        self._buffers: tuple[bytearray, bytearray] | None = None  # (made at the first read: many Readers read nothing)
+        self._zero_fill: memoryview | None = None
         self._pool = ThreadPoolExecutor(1)
         self._turn = 0  # the buffer the next read fills
         self._ahead: tuple | None = None  # (storage, jobs, first read) read ahead by ``storage_chunks(then=)``
@@ -102,6 +102,8 @@ class Reader:
     def _submit(self, job, crc: bool) -> Any:
         """Read ``job`` into the buffer not read into last.  One worker runs reads in order, so a read left in
         flight by an abandoned stream finishes before the next read starts."""
+        if self._buffers is None:
+            self._buffers = (bytearray(self.chunk), bytearray(self.chunk))
         buffer = self._buffers[self._turn]
         self._turn ^= 1
         return self._pool.submit(self._read, job, buffer, crc)
@@ -125,6 +127,12 @@ class Reader:
     def read(self, source: ByteSource) -> bytes:
         """The whole output bytes of one source (for checks and small tensors)."""
         return b"".join(bytes(c) for c in self.chunks(source))
+
+    @property
+    def _zeros(self) -> memoryview:
+        if self._zero_fill is None:
+            self._zero_fill = memoryview(bytes(self.chunk))
+        return self._zero_fill
 
     def _advise(self, source: ByteSource) -> None:
         """Tell the kernel every range this source will read (``POSIX_FADV_WILLNEED``), each file's nearby ranges
