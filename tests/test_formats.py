@@ -364,6 +364,48 @@ def test_processes_of_one_host_share_the_crc_checks_out_disjointly_and_a_damaged
     assert len(failed) == 1  # the one process that owns the damaged storage
 
 
+def test_processes_pool_what_they_noted_so_the_check_reads_only_what_nobody_read(tmp_path):
+    """Two processes of one host, each its own view of the checkpoint (other paths, the same files), each reads half
+    the tensors: with the other's notes adopted (by relative name), each one's share of the check reads next to
+    nothing; without them it reads what the other copied."""
+    import shutil
+
+    from dsckpt.formats import storage
+    from dsckpt.io import integrity
+    from dsckpt.io.read import Reader
+    from dsckpt.plan.consolidate import build_plan
+    from dsckpt.zero.reader import open_checkpoint
+
+    roots = [tmp_path / "view0" / "ckpt", tmp_path / "view1" / "ckpt"]
+    plans = []
+    for root in roots:
+        shutil.copytree(FIXTURES / "z3_ws2_fp32", root)
+        plans.append(build_plan(open_checkpoint(root)))
+    ledgers = [integrity.Ledger(), integrity.Ledger()]
+    for k in range(2):
+        with integrity.recording(ledgers[k]), Reader() as reader:
+            for t in plans[k].tensors[k::2]:
+                reader.read(t)
+
+    def read_by_check(ledger, k) -> int:
+        read = []
+        real = storage.LocalStorage.pread
+        storage.LocalStorage.pread = lambda self, name, n, off, into=None: read.append(n) or real(self, name, n, off, into)
+        try:
+            ledger.check([p for t in plans[k].tensors for p in t.pieces], share=(k, 2))
+        finally:
+            storage.LocalStorage.pread = real
+        return sum(read)
+
+    total = sum(t.nbytes for t in plans[0].tensors)
+    alone = [read_by_check(ledgers[k], k) for k in range(2)]
+    names = [lambda path, root=root: path.relative_to(root).as_posix() for root in roots]
+    for k in range(2):
+        ledgers[k].adopt(ledgers[1 - k].spans(names[1 - k]), lambda rel, root=roots[k]: root / rel)
+    pooled = [read_by_check(ledgers[k], k) for k in range(2)]
+    assert sum(alone) > total / 3 and sum(pooled) < total / 10, (alone, pooled, total)
+
+
 def test_work_is_dealt_by_bytes_the_same_on_every_process():
     """Alternating large and small tensors (weights, biases): every n-th would give one writer everything."""
     from dsckpt.plan.deal import dealt

@@ -402,6 +402,16 @@ def test_every_command_that_reads_values_checks_crcs(damaged_masters, tmp_path):
         load_state_dict(damaged_masters)
 
 
+def test_processes_that_pool_their_crc_checks_still_refuse_damage(damaged_masters, tmp_path):
+    """--nproc 2 on one host: each process notes the CRCs of what it copies and checks its share of the storages
+    from everyone's notes after the write; the damaged masters are still refused, and nothing is published."""
+    named = ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "fails its CRC-32 check")
+    for verb, out, extra in (("consolidate", tmp_path / "m.safetensors", ()), ("reshard", tmp_path / "rs", ("-w", "3")),
+                             ("convert", tmp_path / "u", ("--to", "universal"))):
+        clean_error(run_cli(verb, damaged_masters, out, *extra, "--nproc", "2"), *named)
+    assert [p.name for p in tmp_path.iterdir() if p != damaged_masters] == []  # no output, temp or view
+
+
 def test_skip_crc_check_reads_anyway_and_says_so(damaged_masters):
     proc = run_cli("check-finite", damaged_masters, "--skip-crc-check")
     assert proc.returncode in (0, 3), proc.stderr

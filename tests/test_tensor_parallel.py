@@ -128,10 +128,11 @@ def test_a_replica_that_drifted_is_refused(tmp_path):
     ckpt = _copy("tp2_dp1_z1_fp32", tmp_path)
     path = ckpt / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     nudge_first_master(path)  # its embedding comes first
-    proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors")
-    assert proc.returncode == 2, proc.stderr
-    assert "TP rank 1's copy of the replicated parameter 'model.embed_tokens.weight' differs" in proc.stderr
-    assert not (tmp_path / "out.safetensors").exists()
+    for nproc in ("1", "2"):  # (2: one process checks the replicas, every process stops with its verdict)
+        proc = run_cli("consolidate", ckpt, tmp_path / "out.safetensors", "--nproc", nproc)
+        assert proc.returncode == 2, proc.stderr
+        assert "TP rank 1's copy of the replicated parameter 'model.embed_tokens.weight' differs" in proc.stderr
+        assert proc.stderr.count("dsckpt: error:") == 1 and not (tmp_path / "out.safetensors").exists()
     import dsckpt
 
     with pytest.raises(InconsistentCheckpointError, match="replicated parameter"):

@@ -42,31 +42,37 @@ class Frame:
     @contextlib.contextmanager
     def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = ()) -> Iterator[list[str]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
-        one process notes what its write reads and checks after it, reading only what nobody read (processes of one
-        host: each its share of the storages); processes that see different files each check the files they
-        hold, before writing.  Tensor parallel: the ``replicas``
-        compared with the copies written first.  Yields the notes to report."""
+        each process notes what its write reads; after it, processes that see the same files pool their notes and
+        each checks its share of the storages, reading only what nobody read.  Processes that see different files
+        (hosts with node-local disks) each check the files they hold, before writing.  Tensor parallel: the
+        ``replicas`` compared with the copies written first.  Yields the notes to report."""
         if not enabled:
             yield [SKIPPED_NOTE]
             return
         pieces = list(pieces) + [p for r in replicas for p in r.source.pieces]
-        if not self.view.direct:
+        if not (self.view.direct or self.view.shared):
             self.group.step(lambda: check_sources(pieces, self.view.owns))
             self.group.step(lambda: check_replicas(replicas, self.view.owns))
             yield []
             return
         ledger = Ledger()
-        with recording(ledger):
+
+        def replicas_agree() -> None:
             try:
-                check_replicas(replicas)
+                check_replicas(replicas, self.view.owns)
             except InconsistentCheckpointError:
                 ledger.check(pieces)  # a damaged byte is the better answer, when it is one
                 raise
+        with recording(ledger):
+            self.group.step(replicas_agree)
             yield []
         if self.group.size == 1:
             ledger.check(pieces)
-        else:
-            self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
+            return
+        for rank, spans in enumerate(self.group.gather(ledger.spans(self.view.rel))):
+            if rank != self.group.rank:
+                ledger.adopt(spans, self.view.path)
+        self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
 
     def stage(self, staged: Staged) -> Staged:
         """Create OUT's temp (every process agrees) and abandon it if the verb fails."""

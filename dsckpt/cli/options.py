@@ -118,6 +118,8 @@ def parallel_group(nproc: int, needs: tuple[str, ...] = ()):
 
         for module in needs:
             import_module(module)
+        if not may_fork_ranks():  # (an import started a thread or loaded torch)
+            sys.exit(launch.launch(nproc))
         code = launch.fork_ranks(nproc)
         if code is not None:
             sys.exit(code)

@@ -8,8 +8,9 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
   files on a few threads.  Before writing: a distributed run's processes check the files they hold this way.
 * ``Ledger`` + ``recording``: while a write runs, the one reader and the mapped copy note the CRC-32 of each range
   they pass through user space; ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
-  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  Several processes of one
-  host share the storages out (``share``), so the checkpoint is checked once, not once per process.
+  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  Several processes that see
+  the same files pool what they noted (``spans``/``adopt``) and share the storages out (``share``), so the
+  checkpoint is checked once, not once per process, and mostly from CRCs the writes computed anyway.
 ``--skip-crc-check`` skips both (a note says so).
 """
 from __future__ import annotations
@@ -61,6 +62,17 @@ class Ledger:
         crc = crc32(data) if crc is None else crc
         with self._lock:
             self._spans.setdefault(Path(path), []).append((offset, len(data), crc))
+
+    def spans(self, name: Callable[[Path], str | None]) -> dict[str, list[tuple[int, int, int]]]:
+        """What was noted, by each file's ``name`` (a process's own paths differ from another's: its view's)."""
+        with self._lock:
+            return {key: list(spans) for path, spans in self._spans.items() if (key := name(path)) is not None}
+
+    def adopt(self, spans: dict[str, list[tuple[int, int, int]]], path: Callable[[str], Path]) -> None:
+        """Another process's ``spans``, under this process's ``path`` for each name."""
+        with self._lock:
+            for key, more in spans.items():
+                self._spans.setdefault(path(key), []).extend(more)
 
     def check(self, pieces: Iterable[object], share: tuple[int, int] = (0, 1)) -> None:
         """Every storage the ``Segment``s among ``pieces`` overlap, from the noted CRCs and what is left to read.

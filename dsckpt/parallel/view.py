@@ -48,6 +48,7 @@ class View:
     local: set[str] = field(default_factory=set)  # relative paths this process sees itself
     rank: int = 0  # this process
     store: Any = None  # io.remote.RemoteStore: CKPT is a URL, every byte comes from there (checked as it lands)
+    shared: bool = False  # every process sees every file of the view itself (one host, or a shared file system)
 
     def owns(self, path: Path) -> bool:
         """This process is the one that reads ``path`` (a view path) for everyone (a store's bytes are checked as
@@ -217,8 +218,9 @@ def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: 
             if rel not in local:
                 payloads[rel] = payload
     scratch = scratch_parent / f".{ckpt.name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    shared = all(set(wanted) <= set(seen) for seen, _ in surveyed)
     view = View(scratch / ckpt.name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted),
-                group.rank)
+                group.rank, shared=shared)
     error = None
     try:  # this process's own files: it alone may fail here, so all agree before going on
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
