@@ -378,7 +378,7 @@ def _interrupt_convert(s3, out: str, when: str) -> tuple[int, bytes]:
         if len(_started(s3, out)) >= 10 if when == "streaming" else s3.find(out):
             break
         proc.send_signal(signal.SIGCONT)
-        time.sleep(0.05)
+        time.sleep(0.01)  # (at 50 ms a run could complete every upload between two looks)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, stderr = proc.communicate(timeout=60)
