@@ -1,4 +1,4 @@
-"""CRC-32 (zip's, zlib's): the fastest implementation installed, and a buffer's CRC in parts on threads, joined.
+"""CRC-32 (zip's, zlib's): the fastest implementation installed, and the CRC of joined buffers from theirs.
 
 ``crc32`` is ISA-L's (the ``isal`` package: carry-less multiply, AVX-512 where the CPU has it) when installed,
 else zlib's (both release the GIL; ISA-L's is about ten times faster).  A zip writer checksums every byte it
@@ -10,7 +10,6 @@ bit order, P = 0xEDB88320).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable
 
 try:
     from isal.isal_zlib import crc32
@@ -59,21 +58,3 @@ def _shift(nbytes: int) -> int:
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
     return _multmodp(_shift(len_b), crc_a) ^ crc_b
-
-
-def crc32_async(pool, data, start: int = 0, parts: int = 2) -> Callable[[], int]:
-    """Start ``crc32(data, start)`` on ``pool``, the buffer cut into ``parts`` pieces checksummed at once;
-    returns the function that waits and joins them (``data`` must stay unchanged until it is called)."""
-    view = memoryview(data).cast("B")
-    n = len(view)
-    if parts <= 1 or n < (1 << 20) * parts:
-        return pool.submit(crc32, view, start).result
-    cuts = [n * i // parts for i in range(parts + 1)]
-    jobs = [pool.submit(crc32, view[a:b], start if i == 0 else 0) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-
-    def joined() -> int:
-        crc = jobs[0].result()
-        for job, a, b in zip(jobs[1:], cuts[1:], cuts[2:]):
-            crc = crc32_combine(crc, job.result(), b - a)
-        return crc
-    return joined
