@@ -7,7 +7,6 @@ gcloud storage's parallel composite uploads do.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import secrets
 from typing import Any
@@ -92,6 +91,8 @@ class GcsCompose:
         self.fs = fs
 
     def _run(self, key: str, doing: str, *coros) -> list:
+        import asyncio  # (here: every verb imports this module, only a GCS upload needs asyncio)
+
         from fsspec.asyn import sync
 
         limit = asyncio.Semaphore(self.IN_FLIGHT) if len(coros) > 1 else None
