@@ -14,6 +14,9 @@ from the page cache (untimed):
   consolidate / reshard with fsync    against   `cp` then `sync` of every file and folder it wrote (equal
                                                 durability), and against the same run without fsync (the
                                                 price of durability: reported, no bound)
+  consolidate / reshard --nproc 2     against   the same command at one process, both as a user runs them (a
+                                                fresh interpreter each): what the second process costs,
+                                                reported (on 2 cores it has nothing to gain)
 ``--cold``: the files a run reads are dropped from the page cache instead (``posix_fadvise(DONTNEED)`` after
 a sync: the checkpoint before reshard/consolidate, the output before its ``cp``), so both sides read the disk.
 One untimed round comes first (``--warmup``): the first run in a process paid for lazy imports and, on this
@@ -54,6 +57,8 @@ BOUNDS: dict[str, float | None] = {  # ratio -> the largest median accepted (Non
     "consolidate crc / no-crc": None,  # the default CRC-32 check of every storage read, its price reported
     "reshard z3 crc / no-crc": None,
     "consolidate tp / cp": None,  # an AutoTP checkpoint's row-parallel joins (bench_tp.py), reported
+    "consolidate --nproc 2 / 1": None,  # the CLI both sides: what a second process costs (2 cores: no gain to be had)
+    "reshard z3 --nproc 2 / 1": None,
 }
 
 
@@ -109,6 +114,12 @@ def cp_synced(src: Path, dst: Path) -> None:
     cp(src, dst)
     written = [dst, *_files(dst), *(p for p in dst.rglob("*") if p.is_dir())] if dst.is_dir() else [dst]
     subprocess.run(["sync", *map(str, written), str(dst.parent)], check=True)
+
+
+def cli(*args) -> None:
+    """``dsckpt ARGS`` as a user runs it: a fresh interpreter (the --nproc rows compare two such runs)."""
+    subprocess.run([sys.executable, "-m", "dsckpt", *map(str, args), "-q"], check=True, cwd=HERE.parent,
+                   stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
 
 
 def fresh(*paths: Path) -> None:
@@ -167,6 +178,10 @@ def main() -> int:
         "cp t": job(scratch / "t_cp.safetensors", refs["t"], lambda o: cp(refs["t"], o)),
         "cp+sync r3": job(scratch / "r3_cps", refs["r3"], lambda o: cp_synced(refs["r3"], o)),
         "cp+sync c": job(scratch / "c_cps.safetensors", refs["c"], lambda o: cp_synced(refs["c"], o)),
+        **{f"{verb} cli {n}": job(scratch / out, ckpts[3], lambda o, verb=verb, n=n, extra=extra: cli(
+            verb, ckpts[3], o, *extra, "--no-fsync", "--nproc", n))
+           for verb, out, extra in (("consolidate", "c.safetensors", ("--no-client-state",)), ("reshard", "r3", ("-w", "3")))
+           for n in (1, 2)},
     }
     pairs = {"reshard z2 / cp": ("reshard z2", "cp r2"), "reshard z3 / cp": ("reshard z3", "cp r3"),
              "consolidate z3 / cp": ("consolidate", "cp c"),
@@ -176,7 +191,9 @@ def main() -> int:
              "reshard fsync / no-fsync": ("reshard z3 fsync", "reshard z3"),
              "consolidate crc / no-crc": ("consolidate", "consolidate no-crc"),
              "reshard z3 crc / no-crc": ("reshard z3", "reshard z3 no-crc"),
-             "consolidate tp / cp": ("consolidate tp", "cp t")}
+             "consolidate tp / cp": ("consolidate tp", "cp t"),
+             "consolidate --nproc 2 / 1": ("consolidate cli 2", "consolidate cli 1"),
+             "reshard z3 --nproc 2 / 1": ("reshard cli 2", "reshard cli 1")}
     ratios: dict[str, list[float]] = {name: [] for name in BOUNDS}
     seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in BOUNDS}  # (numerator, denominator)
     for run in range(-args.warmup, args.runs):
