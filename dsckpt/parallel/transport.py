@@ -85,8 +85,7 @@ def hub_environment(port: int) -> dict[str, str]:
 
 
 def _connection(sock: socket.socket) -> Connection:
-    # Connection sends a large object's header and body in two writes: with Nagle's algorithm on, the body
-    # then waits for the peer's delayed ACK, ~40 ms a message on Linux
+    # Connection writes a large message's header and body apart: under Nagle the body waits for a delayed ACK
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return Connection(sock.detach())
 
