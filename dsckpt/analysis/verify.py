@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DsckptError
-from ..formats.torchzip import TorchFile
+from ..formats.torchzip import StorageIndex
 from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
 from ..zero.companions import TRAINER_STATE
@@ -93,7 +93,7 @@ def _layer_storages(ckpt: Checkpoint) -> int:
     count = 0
     for path in ckpt.layout.pipeline_files:
         try:
-            count += len(TorchFile(path).storages)
+            count += len(StorageIndex(path).storages)
         except DsckptError:
             pass
     return count

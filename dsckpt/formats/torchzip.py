@@ -36,8 +36,10 @@ class StorageLocation:
     crc32: int  # as recorded in the zip directory; checked by `consolidate --verify`
 
 
-class TorchFile:
-    """One ``torch.save`` file: its parsed pickle (``obj``) and where each storage lives."""
+class StorageIndex:
+    """A ``torch.save`` file's zip directory alone: where each storage's bytes lie and the CRC-32 recorded for them
+    (checked as the directory is read: entries inside the file, disjoint, stored).  The pickle is not read: what
+    the CRC check and the storage maps need costs a tenth of ``TorchFile``'s parse."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -47,7 +49,8 @@ class TorchFile:
             with storage.open(self.path) as fh:
                 if fh.read(4) != _LOCAL_MAGIC:
                     raise CorruptFileError(f"{self.path}: not a torch zip checkpoint (legacy or foreign format, or empty)")
-                self._index(fh)
+                with zipfile.ZipFile(fh) as zf:
+                    self._read(fh, zf)
         except CorruptFileError:
             raise
         except IsADirectoryError:
@@ -58,36 +61,28 @@ class TorchFile:
             raise CorruptFileError(f"{self.path}: unreadable zip archive ({type(exc).__name__}: {exc}); "
                                    "truncated or damaged?") from None
 
-    def _index(self, fh) -> None:
-        with zipfile.ZipFile(fh) as zf:
-            pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-            if len(pickles) != 1:
-                raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
-            self.prefix = pickles[0].filename[: -len("data.pkl")]
-            check("MAX_PICKLE_BYTES", pickles[0].file_size, str(self.path), "the size data.pkl declares")
-            spans = [(*self._entry_span(fh, pickles[0]), pickles[0].filename)]
-            pickle_bytes = zf.read(pickles[0])  # CRC-checked by zipfile
-            self.storages: dict[str, StorageLocation] = {}
-            data_dir = self.prefix + "data/"
-            for info in zf.infolist():
-                if not info.filename.startswith(data_dir):
-                    continue
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CorruptFileError(f"{self.path}: storage {info.filename} is compressed; torch never does that")
-                key = info.filename[len(data_dir):]
-                if key in self.storages:
-                    raise CorruptFileError(f"{self.path}: storage {info.filename} appears twice in the archive")
-                start, end = self._entry_span(fh, info)
-                spans.append((start, end, info.filename))
-                self.storages[key] = StorageLocation(start, info.file_size, info.CRC)
-            _check_disjoint(spans, self.path)
-        try:
-            self.obj: Any = unpickle(pickle_bytes, self)
-        except CorruptFileError:
-            raise
-        except Exception as exc:  # any failure of a hostile or damaged pickle is a format error
-            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {str(exc)[:200]})") from None
-        check_structure(self.obj, str(self.path))
+    def _read(self, fh, zf: zipfile.ZipFile) -> None:
+        pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+        if len(pickles) != 1:
+            raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
+        self._pickle = pickles[0]
+        self.prefix = self._pickle.filename[: -len("data.pkl")]
+        check("MAX_PICKLE_BYTES", self._pickle.file_size, str(self.path), "the size data.pkl declares")
+        spans = [(*self._entry_span(fh, self._pickle), self._pickle.filename)]
+        self.storages: dict[str, StorageLocation] = {}
+        data_dir = self.prefix + "data/"
+        for info in zf.infolist():
+            if not info.filename.startswith(data_dir):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptFileError(f"{self.path}: storage {info.filename} is compressed; torch never does that")
+            key = info.filename[len(data_dir):]
+            if key in self.storages:
+                raise CorruptFileError(f"{self.path}: storage {info.filename} appears twice in the archive")
+            start, end = self._entry_span(fh, info)
+            spans.append((start, end, info.filename))
+            self.storages[key] = StorageLocation(start, info.file_size, info.CRC)
+        _check_disjoint(spans, self.path)
 
     def _entry_span(self, fh, info: zipfile.ZipInfo) -> tuple[int, int]:
         """[start, end) of an entry's data in the file, from its local header; inside the file."""
@@ -110,6 +105,21 @@ class TorchFile:
             raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
                                    f"needs {storage.numel * storage.itemsize}")
         return loc
+
+
+class TorchFile(StorageIndex):
+    """One ``torch.save`` file: its parsed pickle (``obj``) and where each storage lives."""
+
+    def _read(self, fh, zf: zipfile.ZipFile) -> None:
+        super()._read(fh, zf)
+        pickle_bytes = zf.read(self._pickle)  # CRC-checked by zipfile
+        try:
+            self.obj: Any = unpickle(pickle_bytes, self)
+        except CorruptFileError:
+            raise
+        except Exception as exc:  # any failure of a hostile or damaged pickle is a format error
+            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {str(exc)[:200]})") from None
+        check_structure(self.obj, str(self.path))
 
 
 def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:

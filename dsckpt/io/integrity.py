@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
 from ..formats.storage import storage_for
-from ..formats.torchzip import StorageLocation, TorchFile, is_torch_zip
+from ..formats.torchzip import StorageIndex, StorageLocation, is_torch_zip
 from ..plan.deal import dealt
 from ..plan.segments import Segment
 
@@ -61,7 +61,7 @@ class Ledger:
         """``data`` read at ``offset`` of ``path`` (``crc``: its CRC-32, where the reader computed it already)."""
         crc = crc32(data) if crc is None else crc
         with self._lock:
-            self._spans.setdefault(Path(path), []).append((offset, len(data), crc))
+            self._spans.setdefault(path if isinstance(path, Path) else Path(path), []).append((offset, len(data), crc))
 
     def spans(self, name: Callable[[Path], str | None]) -> dict[str, list[tuple[int, int, int]]]:
         """What was noted, by each file's ``name`` (a process's own paths differ from another's: its view's)."""
@@ -173,7 +173,7 @@ def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:
 def _overlapping(path: Path, spans: list[tuple[int, int]]) -> list[tuple[str, StorageLocation]]:
     spans = sorted(spans)
     out = []
-    for key, loc in TorchFile(path).storages.items():
+    for key, loc in StorageIndex(path).storages.items():
         if loc.nbytes and any(o < loc.offset + loc.nbytes and loc.offset < o + n for o, n in spans):
             out.append((key, loc))
     return out

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedError, DsckptError, OutputError, TagError,
                       UnsafeCheckpointError)
 from ..formats.positional import pwrite_all
-from ..formats.torchzip import TorchFile, is_torch_zip
+from ..formats.torchzip import StorageIndex, is_torch_zip
 from ..io.remote import RemoteStore, is_url
 from ..limits import limit
 from ..plan.segments import Segment
@@ -163,7 +163,7 @@ def _skeleton(path: Path, size: int) -> list[tuple[int, bytes]]:
         if size <= SMALL_FILE:
             return [(0, fh.read())]
         try:
-            spans = sorted((loc.offset, loc.offset + loc.nbytes) for loc in TorchFile(path).storages.values())
+            spans = sorted((loc.offset, loc.offset + loc.nbytes) for loc in StorageIndex(path).storages.values())
         except CorruptFileError:
             return []
         out, pos = [], 0
@@ -298,7 +298,7 @@ def _write_skeletons(store: RemoteStore, view: View, sizes: dict[str, int]) -> N
 def zip_storages(path: Path) -> list:
     """Where the storages of a torch zip lie (none for any other file, or one its reader will refuse)."""
     try:
-        return list(TorchFile(path).storages.values()) if is_torch_zip(path) else []
+        return list(StorageIndex(path).storages.values()) if is_torch_zip(path) else []
     except CorruptFileError:
         return []
 
