@@ -136,15 +136,17 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.parametrize("small_copy", [0, 1 << 20])  # large ranges' paths; a read and a write
 @pytest.mark.parametrize("src_off,dst_off", [(0, 0), (4096, 8192), (64, 200), (4095, 1), (130, 130)])
-def test_copy_range_any_offsets(tmp_path, monkeypatch, src_off, dst_off):
+def test_copy_range_any_offsets(tmp_path, monkeypatch, src_off, dst_off, small_copy):
     """Pages in step go through copy_file_range, out of step through mapped windows (small here, so a range
-    spans several): the bytes land the same either way."""
+    spans several), small ranges through pread and pwrite: the bytes land the same every way."""
     import os
 
     import dsckpt.io.writer as writer
 
     monkeypatch.setattr(writer, "MAP_WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
     data = os.urandom(50_000)
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(data)
@@ -157,10 +159,36 @@ def test_copy_range_any_offsets(tmp_path, monkeypatch, src_off, dst_off):
     assert out[:dst_off] == b"\0" * dst_off and out[dst_off + n:] == b"\0" * (60_000 - n)
 
 
-@pytest.mark.parametrize("src_off", [0, 64])  # copy_file_range's path, the mapped path
-def test_copy_range_short_source_names_it(tmp_path, src_off):
+@pytest.mark.parametrize("small_copy", [0, 1 << 20])
+def test_copy_range_notes_the_crc_of_what_it_copied(tmp_path, monkeypatch, small_copy):
+    """The mapped copy (CRC taken slice by slice as written) and the small read note the CRC-32 of the very
+    bytes copied, which the integrity check joins per storage."""
+    import os
+    import zlib
+
+    import dsckpt.io.writer as writer
+    from dsckpt.io.integrity import Ledger, recording
+
+    monkeypatch.setattr(writer, "MAP_WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr(writer, "MAPPED_SLICE", 1000)
+    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
+    data = os.urandom(50_000)
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(data)
+    ledger = Ledger()
+    with open(src, "rb") as fi, open(dst, "wb") as fo, recording(ledger):
+        writer._copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src)
+    spans = ledger.spans(lambda path: path.name)["src.bin"]
+    assert sum(n for _, n, _ in spans) == 40_000 and (len(spans) > 1) == (small_copy == 0)
+    assert all(crc == zlib.crc32(data[offset:offset + n]) for offset, n, crc in spans)
+
+
+@pytest.mark.parametrize("src_off,small_copy", [(0, 0), (64, 0), (64, 1 << 20)])  # copy_file_range, mapped, read
+def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy):
     from dsckpt.errors import CorruptFileError
     import dsckpt.io.writer as writer
+
+    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
 
     src, dst = tmp_path / "rank.pt", tmp_path / "dst.bin"
     src.write_bytes(b"x" * 10_000)
@@ -185,6 +213,7 @@ def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(writer, "_write_view", truncate_first)
+    monkeypatch.setattr(writer, "SMALL_COPY", 0)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         with pytest.raises(CorruptFileError, match="rank.pt: shrank while being copied"):
             writer._copy_range(fi.fileno(), fo.fileno(), 90_000, 64, 0, src)
@@ -206,6 +235,7 @@ def test_failed_mapped_write_leaves_nothing(tmp_path, monkeypatch):
         return real(fd, data, offset)
 
     monkeypatch.setattr(writer.os, "pwrite", full_disk)
+    monkeypatch.setattr(writer, "SMALL_COPY", 0)  # (this fixture's pieces are all small enough to be read)
     with pytest.raises(OutputError, match="m.safetensors: writing failed \\(No space left on device\\)"):
         consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     assert used and [p.name for p in tmp_path.iterdir()] == []

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CorruptFileError
+from ..formats.crc import crc32
 from ..dtypes import ITEMSIZE
-from ..formats.positional import WRITE_SLICE, pwrite_all
+from ..formats.positional import pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
@@ -57,12 +58,20 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
                 started: writeback.Started = writeback.skip) -> None:
     """``nbytes`` from ``src_off`` of one file (``src_path``, named in errors) to ``dst_off`` of another:
     ``copy_file_range`` when both offsets sit at the same place within a page, else through a mapped window of
-    the source.
+    the source; a small range through a read and a write (a mapping costs more than the copy).
 
     The kernel's copy runs at half speed when source and destination are out of step within a page, as nearly
     every piece of a consolidation is (each partition starts where its zip entry happens to); ``pwrite`` from a
     populated mapping is one copy at any offset (docs/dev/performance-log.md 17).
     """
+    if nbytes <= SMALL_COPY:
+        data = os.pread(src_fd, nbytes, src_off)
+        if len(data) < nbytes:
+            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
+        pwrite_all(dst_fd, data, dst_off)
+        note(src_path, src_off, data)
+        started(dst_off, nbytes)
+        return
     if _MAP_POPULATE and (src_off - dst_off) % mmap.PAGESIZE:
         nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path, started)
     while nbytes:
@@ -77,6 +86,8 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: in
 
 
 MAP_WINDOW = 8 << 20  # mapped at a time: page-cache pages, counted in RSS only while mapped
+SMALL_COPY = 64 << 10  # up to this: pread and pwrite (most ZeRO-3 pieces of norms and biases are a few KB)
+MAPPED_SLICE = 256 << 10  # written, then checksummed while still in the core's L2 cache (performance log 27)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: every page mapped up front (without it: slower than cfr)
 
 
@@ -96,10 +107,11 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
         except (OSError, ValueError):  # (ValueError: the range runs past the end of the file)
             break
         with window, memoryview(window) as view:
-            whole = _write_view(dst_fd, view, start, n, dst_off)
-            if whole and recording_now():  # the CRC from the pages just copied, not a second read later
+            crc = _write_view(dst_fd, view, start, n, dst_off, recording_now())
+            whole = crc is not None
+            if whole and recording_now():
                 with view[start:start + n] as copied:
-                    note(src_path, src_off, copied)
+                    note(src_path, src_off, copied, crc)
         if not whole:
             raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
         started(dst_off, n)
@@ -107,20 +119,25 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
     return nbytes, src_off, dst_off
 
 
-def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int) -> bool:
-    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``WRITE_SLICE`` calls; False when the mapped file
-    shrank under it (EFAULT).  Each slice is released before the mapping closes (an exception's frames would
-    otherwise keep it exported)."""
-    done = 0
+def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int, crc: bool) -> int | None:
+    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``MAPPED_SLICE`` calls, with ``crc`` each slice's CRC-32
+    taken just after it was written; the CRC-32 of the whole (0 without ``crc``), None when the mapped file shrank
+    under it (EFAULT).  Each slice is released before the mapping closes (an
+    exception's frames would otherwise keep it exported)."""
+    done, value = 0, 0
     while done < n:
-        with view[start + done:start + min(n, done + WRITE_SLICE)] as piece:
+        with view[start + done:start + min(n, done + MAPPED_SLICE)] as piece:
             try:
-                done += os.pwrite(fd, piece, offset + done)
+                written = os.pwrite(fd, piece, offset + done)
             except OSError as exc:
                 if exc.errno == errno.EFAULT:
-                    return False
+                    return None
                 raise
-    return True
+            if crc:
+                with piece[:written] as copied:
+                    value = crc32(copied, value)
+            done += written
+    return value
 
 
 def _cast_pool(needed: bool):
