@@ -83,13 +83,17 @@ def rewrite_tree(path: Path, edit) -> Path:
     source = TorchFile(path)
     tree = edit(dict(source.obj))
 
-    def whole_storage(storage, then=None):  # (write_archive names the storage it streams next)
-        loc = source.locate(storage.source.storage)
-        data = read_range(path, loc.offset, loc.nbytes)
-        yield data, zlib.crc32(data)
+    class WholeStorages:  # each storage's bytes as recorded, in one chunk (io.torch_writer.StorageBytes)
+        def storage_chunks(self, storage, then=None):
+            loc = source.locate(storage.source.storage)
+            data = read_range(path, loc.offset, loc.nbytes)
+            yield data, zlib.crc32(data)
+
+        def copy_storage(self, *args):
+            return None
 
     forged = path.with_name(path.name + ".forged")
-    write_archive(forged, tree, whole_storage, allow_foreign=True)  # forging is what tests do
+    write_archive(forged, tree, WholeStorages(), allow_foreign=True)  # forging is what tests do
     forged.replace(path)
     return path
 

@@ -130,7 +130,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer, "_copy_range", boom)
+    monkeypatch.setattr(writer, "copy_range", boom)
     with pytest.raises(OutputError, match="m.safetensors: writing failed \\(No space left on device\\)"):
         consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == []
@@ -143,17 +143,17 @@ def test_copy_range_any_offsets(tmp_path, monkeypatch, src_off, dst_off, small_c
     spans several), small ranges through pread and pwrite: the bytes land the same every way."""
     import os
 
-    import dsckpt.io.writer as writer
+    import dsckpt.io.filecopy as filecopy
 
-    monkeypatch.setattr(writer, "MAP_WINDOW", 3 * 4096 + 5)
-    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
+    monkeypatch.setattr(filecopy, "MAP_WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr(filecopy, "SMALL_COPY", small_copy)
     data = os.urandom(50_000)
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(data)
     dst.write_bytes(b"\0" * (dst_off + 60_000))
     n = len(data) - src_off - 7
     with open(src, "rb") as fi, open(dst, "r+b") as fo:
-        writer._copy_range(fi.fileno(), fo.fileno(), n, src_off, dst_off, src)
+        filecopy.copy_range(fi.fileno(), fo.fileno(), n, src_off, dst_off, src)
     out = dst.read_bytes()
     assert out[dst_off:dst_off + n] == data[src_off:src_off + n]
     assert out[:dst_off] == b"\0" * dst_off and out[dst_off + n:] == b"\0" * (60_000 - n)
@@ -166,35 +166,63 @@ def test_copy_range_notes_the_crc_of_what_it_copied(tmp_path, monkeypatch, small
     import os
     import zlib
 
-    import dsckpt.io.writer as writer
+    import dsckpt.io.filecopy as filecopy
     from dsckpt.io.integrity import Ledger, recording
 
-    monkeypatch.setattr(writer, "MAP_WINDOW", 3 * 4096 + 5)
-    monkeypatch.setattr(writer, "MAPPED_SLICE", 1000)
-    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
+    monkeypatch.setattr(filecopy, "MAP_WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr(filecopy, "MAPPED_SLICE", 1000)
+    monkeypatch.setattr(filecopy, "SMALL_COPY", small_copy)
     data = os.urandom(50_000)
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(data)
     ledger = Ledger()
     with open(src, "rb") as fi, open(dst, "wb") as fo, recording(ledger):
-        writer._copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src)
+        crc = filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src, want_crc=True)
+        in_step = filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 4096, 53_248, src, want_crc=True)
+    assert crc == zlib.crc32(data[130:40_130]) and in_step == zlib.crc32(data[4096:44_096])
     spans = ledger.spans(lambda path: path.name)["src.bin"]
-    assert sum(n for _, n, _ in spans) == 40_000 and (len(spans) > 1) == (small_copy == 0)
+    assert sum(n for _, n, _ in spans) == 80_000 and (len(spans) > 2) == (small_copy == 0)
     assert all(crc == zlib.crc32(data[offset:offset + n]) for offset, n, crc in spans)
+    out = dst.read_bytes()
+    assert out[7:40_007] == data[130:40_130] and out[53_248:93_248] == data[4096:44_096]
+
+
+def test_copy_pieces_writes_segments_and_zero_fills_in_order(tmp_path, monkeypatch):
+    """A reshard's storage copied straight into its zip: segments of two files and a zero fill, one CRC-32."""
+    import os
+    import zlib
+
+    import dsckpt.io.filecopy as filecopy
+    from dsckpt.plan.segments import Segment, Zeros
+
+    monkeypatch.setattr(filecopy, "MAP_WINDOW", 3 * 4096 + 5)
+    one, two = tmp_path / "a.bin", tmp_path / "b.bin"
+    one.write_bytes(os.urandom(200_000))
+    two.write_bytes(os.urandom(30_000))
+    pieces = [Segment(one, 77, 150_000), Zeros(5), Segment(two, 3, 20_000), Zeros(0), Segment(one, 0, 1)]
+    expected = one.read_bytes()[77:150_077] + bytes(5) + two.read_bytes()[3:20_003] + one.read_bytes()[:1]
+    fds = {p: os.open(p, os.O_RDONLY) for p in (one, two)}
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as fo:
+        fo.write(b"head")
+        assert filecopy.copy_pieces(pieces, fds.__getitem__, fo.fileno(), 4) == (len(expected), zlib.crc32(expected))
+    assert out.read_bytes() == b"head" + expected
+    for fd in fds.values():
+        os.close(fd)
 
 
 @pytest.mark.parametrize("src_off,small_copy", [(0, 0), (64, 0), (64, 1 << 20)])  # copy_file_range, mapped, read
 def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy):
     from dsckpt.errors import CorruptFileError
-    import dsckpt.io.writer as writer
+    import dsckpt.io.filecopy as filecopy
 
-    monkeypatch.setattr(writer, "SMALL_COPY", small_copy)
+    monkeypatch.setattr(filecopy, "SMALL_COPY", small_copy)
 
     src, dst = tmp_path / "rank.pt", tmp_path / "dst.bin"
     src.write_bytes(b"x" * 10_000)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         with pytest.raises(CorruptFileError, match="rank.pt: ends before byte 20064 while being copied"):
-            writer._copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src)
+            filecopy.copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src)
 
 
 def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
@@ -202,21 +230,21 @@ def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
     import os
 
     from dsckpt.errors import CorruptFileError
-    import dsckpt.io.writer as writer
+    import dsckpt.io.filecopy as filecopy
 
     src, dst = tmp_path / "rank.pt", tmp_path / "dst.bin"
     src.write_bytes(os.urandom(100_000))
-    real = writer._write_view
+    real = filecopy._write_view
 
     def truncate_first(*args):
         os.truncate(src, 4096)
         return real(*args)
 
-    monkeypatch.setattr(writer, "_write_view", truncate_first)
-    monkeypatch.setattr(writer, "SMALL_COPY", 0)
+    monkeypatch.setattr(filecopy, "_write_view", truncate_first)
+    monkeypatch.setattr(filecopy, "SMALL_COPY", 0)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         with pytest.raises(CorruptFileError, match="rank.pt: shrank while being copied"):
-            writer._copy_range(fi.fileno(), fo.fileno(), 90_000, 64, 0, src)
+            filecopy.copy_range(fi.fileno(), fo.fileno(), 90_000, 64, 0, src)
 
 
 def test_failed_mapped_write_leaves_nothing(tmp_path, monkeypatch):
@@ -224,7 +252,7 @@ def test_failed_mapped_write_leaves_nothing(tmp_path, monkeypatch):
     import mmap
     import os
 
-    import dsckpt.io.writer as writer
+    import dsckpt.io.filecopy as filecopy
 
     real, used = os.pwrite, []
 
@@ -234,8 +262,8 @@ def test_failed_mapped_write_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(writer.os, "pwrite", full_disk)
-    monkeypatch.setattr(writer, "SMALL_COPY", 0)  # (this fixture's pieces are all small enough to be read)
+    monkeypatch.setattr(filecopy.os, "pwrite", full_disk)
+    monkeypatch.setattr(filecopy, "SMALL_COPY", 0)  # (this fixture's pieces are all small enough to be read)
     with pytest.raises(OutputError, match="m.safetensors: writing failed \\(No space left on device\\)"):
         consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors")
     assert used and [p.name for p in tmp_path.iterdir()] == []

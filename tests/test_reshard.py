@@ -375,3 +375,25 @@ def test_rank_files_written_on_several_threads_are_the_same_bytes(tmp_path, monk
         counted[threads] = (sum(seen), result.bytes)
     assert outs[1] == outs[3] and len(outs[3]) >= 5
     assert counted[1] == counted[3] == (counted[1][1], counted[1][1])
+
+
+@pytest.mark.parametrize("fixture", ["z3_ws3_bf16", "z2_ws2_fp32", "z1_ws3_bf16"])
+def test_storages_copied_straight_in_are_the_streamed_bytes(tmp_path, monkeypatch, fixture):
+    """Local rank files copy each storage straight into the zip (``Reader.copy_storage``); streamed through the
+    reader's buffers instead (what a cast or a bucket takes), the files are the same bytes, zip CRCs included."""
+    import zipfile
+
+    from dsckpt.io.read import Reader
+
+    copied = []
+    real = Reader.copy_storage
+    monkeypatch.setattr(Reader, "copy_storage", lambda *a, **k: copied.append(real(*a, **k)) or copied[-1])
+    reshard(FIXTURES / fixture, tmp_path / "copied", 5, fsync=False)
+    monkeypatch.setattr(Reader, "copy_storage", lambda *a, **k: None)
+    reshard(FIXTURES / fixture, tmp_path / "streamed", 5, fsync=False)
+    files = sorted(p.relative_to(tmp_path / "copied") for p in (tmp_path / "copied").rglob("*") if p.is_file())
+    assert copied and all(c is not None for c in copied) and len(files) >= 6
+    for name in files:
+        assert (tmp_path / "copied" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
+        if name.suffix == ".pt":
+            assert zipfile.ZipFile(tmp_path / "copied" / name).testzip() is None  # every entry's CRC-32 holds

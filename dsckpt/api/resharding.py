@@ -222,7 +222,7 @@ def write_files(plan: ReshardPlan, root: Path, files, companions, pickled: Mappi
 
     def write(f) -> None:
         with Reader() as reader:
-            write_pickled(tag_dir / f.name, pickled[f.name], reader.storage_chunks, report)
+            write_pickled(tag_dir / f.name, pickled[f.name], reader, report)
     biggest_first = sorted(files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
         for done in [pool.submit(write, f) for f in biggest_first]:

@@ -170,7 +170,7 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
                         torch.save(planner.resolve_data(item), window(f))
                     else:
                         write_archive(window(f), NewTensor(planned.dtype, planned.shape, planned),
-                                      reader.storage_chunks, progress)
+                                      reader, progress)
                     length = f.tell() - offset
                     results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
                 if fsync and not streamed:

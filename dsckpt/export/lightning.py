@@ -79,7 +79,7 @@ class LightningFormat(Format):
         from ..io.torch_writer import write_pickled
 
         with Reader() as reader:  # (client-state tensors are copied as stored: their storages' bytes)
-            write_pickled(path, prepared.pickled, reader.storage_chunks, progress)
+            write_pickled(path, prepared.pickled, reader, progress)
         return [path.name]
 
     def read(self, path: Path) -> Listing:

@@ -65,7 +65,7 @@ class UniversalTarget(Target):
             for p in pickled:
                 path = tag_dir / p.file.name
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_pickled(path, (p.data, p.storages), reader.storage_chunks, progress)
+                write_pickled(path, (p.data, p.storages), reader, progress)
         for source, name in plan.copies:
             shutil.copyfile(source, tag_dir / name)
             if progress:

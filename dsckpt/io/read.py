@@ -8,7 +8,9 @@
 2. a source with a cast is read in whole elements and cast with numpy (``formats.cast``);
 3. ``storage_chunks`` gives each chunk's CRC-32 with it, for the zip entry the caller writes: uncast, it is joined
    from the CRC-32 of each piece read, the same values the integrity check notes (``io.integrity``), so every
-   byte is checksummed once, on the prefetch thread, for both.
+   byte is checksummed once, on the prefetch thread, for both;
+4. ``copy_storage``: a local, uncast storage copied straight into the caller's file (``io.filecopy``), which
+   is a copy less than reading it into a buffer and writing that (a reshard's rank files are written this way).
 Bytes come from a ``formats.storage.Storage`` (``LocalStorage``: descriptors opened once per file, shared by
 threads, positional reads).
 
@@ -24,9 +26,11 @@ from ..dtypes import ITEMSIZE, torch_dtype
 from ..errors import InconsistentCheckpointError
 from ..formats.crc import crc32, crc32_combine
 from ..formats.pickle_policy import TensorRef
-from ..formats.storage import LocalStorage, Storage
+from ..formats.storage import ARRIVING, LocalStorage, Storage
+from .filecopy import copy_pieces
 from .integrity import note, recording_now
-from ..plan.segments import ByteSource, Segment, Zeros, storage_source
+from .writeback import Started
+from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, storage_source
 
 # Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
 # (docs/dev/performance-log.md 16).
@@ -67,6 +71,18 @@ class Reader:
         its CRC-32 (step 3).  ``then``: the storage with bytes the caller streams next (empty ones may come
         between) - its first chunk is read while the caller writes this one's last."""
         return self._stream(storage, _source_of(storage), then, crc=True)
+
+    def copy_storage(self, storage: Any, fd: int, offset: int, started: Started,
+                     progress: Callable[[int], None] | None = None) -> tuple[int, int] | None:
+        """A ``pickle_writer.StorageOut``'s bytes written straight into the file ``fd`` from ``offset``
+        (``io.filecopy``: one copy, no buffer, each byte checksummed once as it is written): (bytes, CRC-32).  None
+        where it cannot be: a cast, files that are not local, a view still arriving from object storage - the
+        caller then streams ``storage_chunks``."""
+        source = _source_of(storage)
+        if (source.src_dtype != source.dtype or not isinstance(self.files, LocalStorage) or ARRIVING
+                or isinstance(source.pieces, Interleaved)):
+            return None
+        return copy_pieces(source.pieces, self.files.fd, fd, offset, started, progress)
 
     def _stream(self, key: Any, source: ByteSource, then: Any, crc: bool) -> Iterator[tuple[Any, int | None]]:
         if source.src_dtype != source.dtype:

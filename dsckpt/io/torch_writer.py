@@ -1,13 +1,14 @@
 """Stream object trees into ``torch.save``-compatible zip archives, without torch and without holding tensors.
 
-``write_archive(path, obj, chunks)`` does, in order:
+``write_archive(path, obj, source)`` does, in order:
 1. ``pickle_writer.dumps(obj)``: the pickle and the storages it names (keys "0", "1", ...) - or takes them
    done (``write_pickled``);
 2. the zip entries torch writes - ``data.pkl``, ``.format_version``, ``.storage_alignment``,
    ``byteorder`` - under a folder named after the file's stem, as ``torch.save`` names it;
 3. each storage as ``data/<key>``: stored uncompressed, its data 64-byte aligned (as torch aligns
-   it, so memory-mapped loading works), streamed from ``chunks(storage, next storage)`` - memory stays O(chunk) -
-   with the CRC-32 its chunks come with (the reader's: ``io.read`` step 3);
+   it, so memory-mapped loading works), from ``source`` (``StorageBytes``: ``io.read.Reader``): into a local file
+   copied straight in where it can be (``copy_storage``), else streamed from ``storage_chunks(storage, next
+   storage)`` - memory stays O(chunk) - with the CRC-32 its chunks come with (``io.read`` steps 3, 4);
 4. ``version``.
 Consolidated ``.pt`` files (``write_torch``) and resharded rank files both go through here; the
 results load with torch's weights-only unpickler whenever the tree names only allowlisted globals.
@@ -20,7 +21,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol
 
 from ..formats.crc import crc32_combine
 from ..formats.positional import write_all
@@ -30,9 +31,18 @@ from . import stream, writeback
 from .read import Reader
 
 ALIGN = 64
-# ``Reader.storage_chunks``: a storage's bytes in chunks, each with its CRC-32; the second argument names the
-# storage streamed next
-Chunks = Callable[[StorageOut, "StorageOut | None"], Iterable[tuple[bytes | memoryview, int]]]
+
+
+class StorageBytes(Protocol):
+    """Where a storage's bytes come from (``io.read.Reader``)."""
+
+    def storage_chunks(self, storage: StorageOut, then: StorageOut | None) -> Iterable[tuple[bytes | memoryview, int]]:
+        """The bytes in chunks, each with its CRC-32; ``then`` names the storage streamed next."""
+
+    def copy_storage(self, storage: StorageOut, fd: int, offset: int, started: writeback.Started,
+                     progress: Callable[[int], None] | None) -> tuple[int, int] | None:
+        """The bytes written into ``fd`` from ``offset``: (bytes, CRC-32), or None (then ``storage_chunks``)."""
+
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same input gives the same bytes
 
 
@@ -84,15 +94,15 @@ def _fileno(fp) -> int | None:
         return None
 
 
-def write_archive(path: Path | BinaryIO, obj: Any, chunks: Chunks,
+def write_archive(path: Path | BinaryIO, obj: Any, source: StorageBytes,
                   progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
     """Write ``obj`` to ``path`` (or an open seekable binary stream, whose ``tell()`` the archive's offsets are
     relative to) as torch.save would; returns the storages written (``allow_foreign``: see ``pickle_writer.dumps``)."""
-    return write_pickled(path, dumps(obj, allow_foreign), chunks, progress)
+    return write_pickled(path, dumps(obj, allow_foreign), source, progress)
 
 
 def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]],
-                  chunks: Chunks,
+                  source: StorageBytes,
                   progress: Callable[[int], None] | None = None) -> list[StorageOut]:
     """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
     it before writing (reshard) does not pickle it twice."""
@@ -100,15 +110,16 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
     folder = folder or "archive"  # what torch.save names the root folder of a stream's archive
     streamed = stream.target(Path(path)) if isinstance(path, (str, os.PathLike)) else None
     if streamed is None:
-        return _write_zip(path, folder, pickled, chunks, progress)
+        return _write_zip(path, folder, pickled, source, progress)
     with stream.ZipSink(*streamed, Path(path)) as sink:  # a run streaming OUT to object storage (io.stream)
-        return _write_zip(sink, folder, pickled, chunks, progress)
+        return _write_zip(sink, folder, pickled, source, progress)
 
 
-def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[StorageOut]], chunks: Chunks,
+def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[StorageOut]], source: StorageBytes,
                progress: Callable[[int], None] | None) -> list[StorageOut]:
     pickle_bytes, storages = pickled
     sink = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
+    local = isinstance(path, (str, os.PathLike))  # (a file this opens: its descriptor's offsets are the zip's)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
@@ -124,7 +135,9 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
             with _held(sink, zf), zf.open(info, "w", force_zip64=storage.nbytes > zipfile.ZIP64_LIMIT) as out:
                 if sink:  # (its data is not kept locally)
                     sink.mirror = False
-                written = _stream(out, zf.fp, chunks(storage, then), progress, started)
+                copied = _copy(zf.fp, out, source, storage, started, progress) if local and storage.nbytes else None
+                written = copied if copied is not None else _stream(out, zf.fp, source.storage_chunks(storage, then),
+                                                                    progress, started)
                 if sink:
                     sink.mirror = True
             if written != storage.nbytes:
@@ -132,6 +145,23 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
         with _held(sink, zf):
             zf.writestr(zipfile.ZipInfo(f"{folder}/version", date_time=ZIP_DATE), b"3\n")
     return storages
+
+
+def _copy(fp, out, source: StorageBytes, storage: StorageOut, started: writeback.Started,
+          progress: Callable[[int], None] | None) -> int | None:
+    """The entry's bytes written by ``source.copy_storage`` at the zip's position (None: it could not); the entry
+    writer gets its CRC-32 and size as ``_stream`` gives them."""
+    if not (hasattr(out, "_crc") and hasattr(out, "_file_size")):
+        return None
+    fp.flush()
+    start = fp.tell()
+    copied = source.copy_storage(storage, fp.fileno(), start, started, progress)
+    if copied is None:
+        return None
+    size, crc = copied
+    fp.seek(start + size)
+    out._crc, out._file_size = crc, size
+    return size
 
 
 @contextlib.contextmanager
@@ -153,4 +183,4 @@ def write_torch(plan: Plan, path: Path, progress: Callable[[int], None] | None =
     for alias, src in plan.aliases.items():
         state[alias] = tensors[src]
     with Reader() as reader:
-        write_archive(path, state, reader.storage_chunks, progress)
+        write_archive(path, state, reader, progress)

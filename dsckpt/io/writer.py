@@ -2,22 +2,18 @@
 
 The header is computed from the plan before any data moves; the file is then sized and filled at known
 offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy) or, where
-source and destination are out of step within a page, from a mapped window of the source (``_copy_range``);
+source and destination are out of step within a page, from a mapped window of the source (``io.filecopy``);
 segments that need a cast go through bounded chunks on a few threads; zero fills are already there (the file
 is sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import CorruptFileError
-from ..formats.crc import crc32
 from ..dtypes import ITEMSIZE
 from ..formats.positional import pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
@@ -25,12 +21,12 @@ from ..plan.segments import Interleaved, Segment
 from ..formats.storage import LocalStorage
 from . import stream, writeback
 from .inflight import InFlight
-from .integrity import note, recording_now
+from .filecopy import copy_range
+from .integrity import note
 from ..plan.consolidate import Plan, TensorPlan
 from ..plan.deal import dealt
 from .read import Reader
 
-CHUNK_BYTES = 64 << 20
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
 CAST_THREADS = min(4, os.cpu_count() or 1)
 Progress = Callable[[int], None]
@@ -52,92 +48,6 @@ def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, in
 def safetensors_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
     """Header bytes (length prefix included) and each tensor's data offset relative to the data start."""
     return encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], metadata)
-
-
-def _copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path,
-                started: writeback.Started = writeback.skip) -> None:
-    """``nbytes`` from ``src_off`` of one file (``src_path``, named in errors) to ``dst_off`` of another:
-    ``copy_file_range`` when both offsets sit at the same place within a page, else through a mapped window of
-    the source; a small range through a read and a write (a mapping costs more than the copy).
-
-    The kernel's copy runs at half speed when source and destination are out of step within a page, as nearly
-    every piece of a consolidation is (each partition starts where its zip entry happens to); ``pwrite`` from a
-    populated mapping is one copy at any offset (docs/dev/performance-log.md 17).
-    """
-    if nbytes <= SMALL_COPY:
-        data = os.pread(src_fd, nbytes, src_off)
-        if len(data) < nbytes:
-            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
-        pwrite_all(dst_fd, data, dst_off)
-        note(src_path, src_off, data)
-        started(dst_off, nbytes)
-        return
-    if _MAP_POPULATE and (src_off - dst_off) % mmap.PAGESIZE:
-        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path, started)
-    while nbytes:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
-        except OSError:  # filesystems without support: fall back to pread/pwrite
-            n = pwrite_all(dst_fd, os.pread(src_fd, min(nbytes, CHUNK_BYTES), src_off), dst_off)
-        if n == 0:
-            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
-        started(dst_off, n)
-        nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
-
-
-MAP_WINDOW = 8 << 20  # mapped at a time: page-cache pages, counted in RSS only while mapped
-SMALL_COPY = 64 << 10  # up to this: pread and pwrite (most ZeRO-3 pieces of norms and biases are a few KB)
-MAPPED_SLICE = 256 << 10  # written, then checksummed while still in the core's L2 cache (performance log 27)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: every page mapped up front (without it: slower than cfr)
-
-
-def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int,
-                 src_path: Path, started: writeback.Started = writeback.skip) -> tuple[int, int, int]:
-    """Copy through mapped windows of the source; returns what is left (all of it where the source cannot be
-    mapped, or is shorter than the range: ``copy_file_range`` then copies it, or reports the truncation).
-    A page beyond a file truncated meanwhile fails the ``pwrite`` with EFAULT (an OSError), not the process with
-    SIGBUS; the CRC check reads a window only after its ``pwrite`` went through whole (a file changed while it is
-    read is outside the threat model, docs/security.md)."""
-    while nbytes:
-        n = min(MAP_WINDOW, nbytes)
-        start = src_off % mmap.PAGESIZE
-        try:
-            window = mmap.mmap(src_fd, start + n, offset=src_off - start, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                                   prot=mmap.PROT_READ)
-        except (OSError, ValueError):  # (ValueError: the range runs past the end of the file)
-            break
-        with window, memoryview(window) as view:
-            crc = _write_view(dst_fd, view, start, n, dst_off, recording_now())
-            whole = crc is not None
-            if whole and recording_now():
-                with view[start:start + n] as copied:
-                    note(src_path, src_off, copied, crc)
-        if not whole:
-            raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
-        started(dst_off, n)
-        nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
-    return nbytes, src_off, dst_off
-
-
-def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int, crc: bool) -> int | None:
-    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``MAPPED_SLICE`` calls, with ``crc`` each slice's CRC-32
-    taken just after it was written; the CRC-32 of the whole (0 without ``crc``), None when the mapped file shrank
-    under it (EFAULT).  Each slice is released before the mapping closes (an
-    exception's frames would otherwise keep it exported)."""
-    done, value = 0, 0
-    while done < n:
-        with view[start + done:start + min(n, done + MAPPED_SLICE)] as piece:
-            try:
-                written = os.pwrite(fd, piece, offset + done)
-            except OSError as exc:
-                if exc.errno == errno.EFAULT:
-                    return None
-                raise
-            if crc:
-                with piece[:written] as copied:
-                    value = crc32(copied, value)
-            done += written
-    return value
 
 
 def _cast_pool(needed: bool):
@@ -225,7 +135,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
                 elif t.src_dtype == t.dtype:
                     for p in t.pieces:
                         if isinstance(p, Segment):  # (zero fills: see the module docstring)
-                            _copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path, started)
+                            copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path, started)
                         pos += p.nbytes
                     if progress:
                         progress(t.nbytes)
