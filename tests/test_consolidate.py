@@ -211,8 +211,9 @@ def test_copy_pieces_writes_segments_and_zero_fills_in_order(tmp_path, monkeypat
         os.close(fd)
 
 
+@pytest.mark.parametrize("want_crc", [False, True])  # (wanting the CRC: mapped, then read where mapping fails)
 @pytest.mark.parametrize("src_off,small_copy", [(0, 0), (64, 0), (64, 1 << 20)])  # copy_file_range, mapped, read
-def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy):
+def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy, want_crc):
     from dsckpt.errors import CorruptFileError
     import dsckpt.io.filecopy as filecopy
 
@@ -222,7 +223,7 @@ def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_
     src.write_bytes(b"x" * 10_000)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         with pytest.raises(CorruptFileError, match="rank.pt: ends before byte 20064 while being copied"):
-            filecopy.copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src)
+            filecopy.copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src, want_crc=want_crc)
 
 
 def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
