@@ -177,43 +177,63 @@ def test_copy_range_notes_the_crc_of_what_it_copied(tmp_path, monkeypatch, small
     src.write_bytes(data)
     ledger = Ledger()
     with open(src, "rb") as fi, open(dst, "wb") as fo, recording(ledger):
-        crc = filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src, want_crc=True)
-        in_step = filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 4096, 53_248, src, want_crc=True)
-    assert crc == zlib.crc32(data[130:40_130]) and in_step == zlib.crc32(data[4096:44_096])
+        filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src)
     spans = ledger.spans(lambda path: path.name)["src.bin"]
-    assert sum(n for _, n, _ in spans) == 80_000 and (len(spans) > 2) == (small_copy == 0)
+    assert sum(n for _, n, _ in spans) == 40_000 and (len(spans) > 1) == (small_copy == 0)
     assert all(crc == zlib.crc32(data[offset:offset + n]) for offset, n, crc in spans)
-    out = dst.read_bytes()
-    assert out[7:40_007] == data[130:40_130] and out[53_248:93_248] == data[4096:44_096]
+    assert dst.read_bytes()[7:] == data[130:40_130]
 
 
 def test_copy_pieces_writes_segments_and_zero_fills_in_order(tmp_path, monkeypatch):
-    """A reshard's storage copied straight into its zip: segments of two files and a zero fill, one CRC-32."""
+    """A reshard's storage copied straight into its zip: segments of two files and zero fills, through a buffer
+    smaller than a piece; the CRC-32 of the whole, and each buffer's noted for the integrity check."""
     import os
     import zlib
 
     import dsckpt.io.filecopy as filecopy
+    from dsckpt.io.integrity import Ledger, recording
     from dsckpt.plan.segments import Segment, Zeros
 
-    monkeypatch.setattr(filecopy, "MAP_WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr(filecopy, "BUFFER", 4096 + 5)
+    monkeypatch.setattr(filecopy, "_THREAD", __import__("threading").local())
     one, two = tmp_path / "a.bin", tmp_path / "b.bin"
     one.write_bytes(os.urandom(200_000))
     two.write_bytes(os.urandom(30_000))
     pieces = [Segment(one, 77, 150_000), Zeros(5), Segment(two, 3, 20_000), Zeros(0), Segment(one, 0, 1)]
     expected = one.read_bytes()[77:150_077] + bytes(5) + two.read_bytes()[3:20_003] + one.read_bytes()[:1]
     fds = {p: os.open(p, os.O_RDONLY) for p in (one, two)}
-    out = tmp_path / "out.bin"
-    with open(out, "wb") as fo:
+    out, ledger, seen = tmp_path / "out.bin", Ledger(), []
+    with open(out, "wb") as fo, recording(ledger):
         fo.write(b"head")
-        assert filecopy.copy_pieces(pieces, fds.__getitem__, fo.fileno(), 4) == (len(expected), zlib.crc32(expected))
+        copied = filecopy.copy_pieces(pieces, fds.__getitem__, fo.fileno(), 4, progress=seen.append)
+    assert copied == (len(expected), zlib.crc32(expected)) and sum(seen) == len(expected)
     assert out.read_bytes() == b"head" + expected
+    for path, spans in ledger.spans(lambda path: path).items():
+        assert all(crc == zlib.crc32(path.read_bytes()[offset:offset + n]) for offset, n, crc in spans)
     for fd in fds.values():
         os.close(fd)
 
 
-@pytest.mark.parametrize("want_crc", [False, True])  # (wanting the CRC: mapped, then read where mapping fails)
+def test_copy_pieces_names_a_short_source(tmp_path):
+    import os
+
+    from dsckpt.errors import CorruptFileError
+    import dsckpt.io.filecopy as filecopy
+    from dsckpt.plan.segments import Segment
+
+    src = tmp_path / "rank.pt"
+    src.write_bytes(b"x" * 10_000)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with open(tmp_path / "dst.bin", "wb") as fo:
+            with pytest.raises(CorruptFileError, match="rank.pt: ends before byte 20064 while being copied"):
+                filecopy.copy_pieces([Segment(src, 64, 20_000)], lambda path: fd, fo.fileno(), 0)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("src_off,small_copy", [(0, 0), (64, 0), (64, 1 << 20)])  # copy_file_range, mapped, read
-def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy, want_crc):
+def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_copy):
     from dsckpt.errors import CorruptFileError
     import dsckpt.io.filecopy as filecopy
 
@@ -223,7 +243,7 @@ def test_copy_range_short_source_names_it(tmp_path, monkeypatch, src_off, small_
     src.write_bytes(b"x" * 10_000)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         with pytest.raises(CorruptFileError, match="rank.pt: ends before byte 20064 while being copied"):
-            filecopy.copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src, want_crc=want_crc)
+            filecopy.copy_range(fi.fileno(), fo.fileno(), 20_000, 64, src_off, src)
 
 
 def test_source_truncated_during_mapped_copy(tmp_path, monkeypatch):
