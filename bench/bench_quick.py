@@ -21,7 +21,7 @@ from the page cache (untimed):
 a sync: the checkpoint before reshard/consolidate, the output before its ``cp``), so both sides read the disk.
 One untimed round comes first (``--warmup``): the first run in a process paid for lazy imports and, on this
 project's VMs (virtio-balloon free page reporting), for memory the host had to fault back in.
-Prints the median of each ratio and exits 1 when one passes its bound (BOUNDS: the targets of issue 25;
+Prints the median of each ratio and exits 1 when one passes its bound (BOUNDS: the targets of issues 25 and 42;
 tiny inputs make ratios noisier than the full benchmarks - rerun before believing a failure), and beside it
 the ratio of each side's fastest run: noise here only ever adds time (on this project's VMs every page freed is
 handed back to the host, and a run that allocates it again can take 3-5x as long: docs/dev/performance-log.md 17),
@@ -49,7 +49,7 @@ import dsckpt  # noqa: E402
 BOUNDS: dict[str, float | None] = {  # ratio -> the largest median accepted (None: reported only)
     "reshard z2 / cp": 1.10,
     "reshard z3 / cp": 1.10,
-    "consolidate z3 / cp": 1.10,
+    "consolidate z3 / cp": 1.25,  # issue 42's: cp reads no byte in user space, the CRC check reads every one
     "consolidate fsync / cp+sync": 1.10,  # the same at equal durability: cp, then `sync` of what it wrote
     "reshard z3 fsync / cp+sync": 1.10,
     "consolidate fsync / no-fsync": None,  # fsync's price, reported: a faster write only makes it look dearer
