@@ -9,8 +9,9 @@
 3. ``storage_chunks`` gives each chunk's CRC-32 with it, for the zip entry the caller writes: uncast, it is joined
    from the CRC-32 of each piece read, the same values the integrity check notes (``io.integrity``), so every
    byte is checksummed once, on the prefetch thread, for both;
-4. ``copy_storage``: a local, uncast storage copied straight into the caller's file (``io.filecopy``), which
-   is a copy less than reading it into a buffer and writing that (a reshard's rank files are written this way).
+4. ``copy_storage``: a local, uncast storage copied into the caller's file at its offset on the caller's thread
+   (``io.filecopy.copy_pieces``), no prefetch hand-off, each buffer checksummed while in cache (a reshard's rank
+   files are written this way: docs/dev/performance-log.md 27).
 Bytes come from a ``formats.storage.Storage`` (``LocalStorage``: descriptors opened once per file, shared by
 threads, positional reads).
 
@@ -74,10 +75,9 @@ class Reader:
 
     def copy_storage(self, storage: Any, fd: int, offset: int, started: Started,
                      progress: Callable[[int], None] | None = None) -> tuple[int, int] | None:
-        """A ``pickle_writer.StorageOut``'s bytes written straight into the file ``fd`` from ``offset``
-        (``io.filecopy``: one copy, no buffer, each byte checksummed once as it is written): (bytes, CRC-32).  None
-        where it cannot be: a cast, files that are not local, a view still arriving from object storage - the
-        caller then streams ``storage_chunks``."""
+        """A ``pickle_writer.StorageOut``'s bytes written into the file ``fd`` from ``offset`` (step 4): (bytes,
+        CRC-32).  None where it cannot be: a cast, a row-parallel join, files that are not local, a view still
+        arriving from object storage - the caller then streams ``storage_chunks``."""
         source = _source_of(storage)
         if (source.src_dtype != source.dtype or not isinstance(self.files, LocalStorage) or ARRIVING
                 or isinstance(source.pieces, Interleaved)):
