@@ -117,6 +117,11 @@ def test_joined_crc32s_equal_zlibs():
     for _ in range(100):
         a, b, start = os.urandom(rng.randint(0, 5000)), os.urandom(rng.randint(0, 5000)), rng.getrandbits(32)
         assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(a + b, start)
+    for length in (0, 1, 4099, 1 << 20):  # joined again and again: past TABLE_AFTER, through the byte tables
+        b = os.urandom(length)
+        for _ in range(40):
+            a, start = os.urandom(rng.randint(0, 99)), rng.getrandbits(32)
+            assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), length) == zlib.crc32(a + b, start)
 
 
 def test_the_fast_crc32_is_zlibs_crc32_and_installed_where_its_wheels_are():

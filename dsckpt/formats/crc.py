@@ -55,6 +55,32 @@ def _shift(nbytes: int) -> int:
     return p
 
 
+TABLE_AFTER = 16  # a length joined more often than this gets byte tables (a reshard or TP join repeats a few)
+_uses: dict[int, int] = {}
+
+
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
-    return _multmodp(_shift(len_b), crc_a) ^ crc_b
+    if len(_uses) > 1 << 16:  # (a long-lived process joining ever new lengths)
+        _uses.clear()
+    uses = _uses[len_b] = _uses.get(len_b, 0) + 1  # (threads may miscount: it only moves when the tables come)
+    if uses <= TABLE_AFTER:
+        return _multmodp(_shift(len_b), crc_a) ^ crc_b
+    t0, t1, t2, t3 = _tables(len_b)
+    return t0[crc_a & 255] ^ t1[crc_a >> 8 & 255] ^ t2[crc_a >> 16 & 255] ^ t3[crc_a >> 24] ^ crc_b
+
+
+@lru_cache(maxsize=64)
+def _tables(nbytes: int) -> tuple[list[int], ...]:
+    """Appending ``nbytes`` bytes as four 256-entry tables, one per byte of the CRC (it is linear): a join is then
+    four lookups, not a 32-step multiplication (~0.5 against ~4 us; ~170 us to build)."""
+    shift = _shift(nbytes)
+    tables = []
+    for byte in range(4):
+        basis = [_multmodp(shift, 1 << (8 * byte + bit)) for bit in range(8)]
+        table = [0] * 256
+        for v in range(1, 256):
+            low = v & -v
+            table[v] = table[v ^ low] ^ basis[low.bit_length() - 1]
+        tables.append(table)
+    return tuple(tables)
