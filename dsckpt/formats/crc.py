@@ -9,6 +9,7 @@ bit order, P = 0xEDB88320).
 """
 from __future__ import annotations
 
+from array import array
 from functools import lru_cache
 
 try:
@@ -43,7 +44,7 @@ def _powers() -> list[int]:
 _X2N = _powers()
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _shift(nbytes: int) -> int:
     """x^(8 nbytes) mod P: what appending ``nbytes`` bytes does to a CRC."""
     p, k, n = _X0, 3, nbytes
@@ -70,15 +71,15 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return t0[crc_a & 255] ^ t1[crc_a >> 8 & 255] ^ t2[crc_a >> 16 & 255] ^ t3[crc_a >> 24] ^ crc_b
 
 
-@lru_cache(maxsize=64)
-def _tables(nbytes: int) -> tuple[list[int], ...]:
-    """Appending ``nbytes`` bytes as four 256-entry tables, one per byte of the CRC (it is linear): a join is then
-    four lookups, not a 32-step multiplication (~0.5 against ~4 us; ~170 us to build)."""
+@lru_cache(maxsize=256)
+def _tables(nbytes: int) -> tuple[array, ...]:
+    """Appending ``nbytes`` bytes as four 256-entry tables (4 KiB), one per byte of the CRC (it is linear): a join is
+    then four lookups, not a 32-step multiplication (performance log 27)."""
     shift = _shift(nbytes)
     tables = []
     for byte in range(4):
         basis = [_multmodp(shift, 1 << (8 * byte + bit)) for bit in range(8)]
-        table = [0] * 256
+        table = array("I", bytes(4 * 256))
         for v in range(1, 256):
             low = v & -v
             table[v] = table[v ^ low] ^ basis[low.bit_length() - 1]
