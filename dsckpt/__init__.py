@@ -7,13 +7,16 @@ The operations live in ``dsckpt.api``; they are re-exported here.
 from ._version import __version__
 
 __all__ = ["__version__", "consolidate", "convert", "load_state_dict", "iter_state_dict", "open_checkpoint", "reshard",
-           "load_into", "classify", "verify"]
+           "load_into", "classify", "verify", "enable_async_save"]
 
 
 def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
     if name == "open_checkpoint":
         from .zero.reader import open_checkpoint
         return open_checkpoint
+    if name == "enable_async_save":  # torch + DeepSpeed: the runtime extra
+        from .runtime.async_save import enable_async_save
+        return enable_async_save
     if name == "verify":
         from .analysis.verify import verify
         return verify

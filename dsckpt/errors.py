@@ -95,6 +95,10 @@ class VerificationError(DsckptError):
     """A written output does not match its source."""
 
 
+class BackgroundSaveError(DsckptError):
+    """A checkpoint persisted in the background failed; the previous tag and `latest` are intact."""
+
+
 class DistributedError(DsckptError):
     """A distributed run (torchrun, --nproc) lost a process or disagreed about its input."""
 

@@ -75,6 +75,9 @@ def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
         click.option("--steps", type=click.IntRange(min=0), default=20, show_default=True, help=steps_help),
         click.option("--save-dir", type=click.Path(file_okay=False), default=None, help="Where to save checkpoints (default: nowhere; nothing is saved)."),
         click.option("--save-every", type=click.IntRange(min=0), default=0, help="Save every N steps (0: once at the end)."),
+        click.option("--sync-save", is_flag=True,
+                     help="Block training for each save (DeepSpeed's own engine); by default a save returns once a "
+                          "snapshot is taken and its files persist in the background, `latest` moved last."),
         click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Local ranks (started with the environment torchrun gives its workers)."),
         click.option("--seed", type=int, default=1234, show_default=True),

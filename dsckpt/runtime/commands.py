@@ -180,6 +180,7 @@ def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:
     console.result(_json(summary) if as_json else
                    f"trained {_steps(len(losses))} (stage {summary['zero_stage']}, world size {summary['world_size']}): "
                    f"loss {_fmt(losses)}" + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
+    trainer.runtime.wait_for_saves()
     eng.shutdown(exit_process=True)
 
 
@@ -223,6 +224,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                        f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
+        trainer.runtime.wait_for_saves()
         eng.shutdown(exit_process=True)
         return
     start = trainer.global_step
@@ -234,4 +236,5 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
     console.result(_json(summary) if as_json else
                    f"resumed training: steps {start} -> {trainer.global_step} ({_steps(len(losses))}), loss {_fmt(losses)}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
+    trainer.runtime.wait_for_saves()
     eng.shutdown(exit_process=True)

@@ -173,8 +173,10 @@ def import_muon_uncompiled(optimizer: Any) -> None:
 class Runtime:
     """One DeepSpeed engine and its checkpoint I/O."""
 
-    def __init__(self, config: Mapping[str, Any]):
+    def __init__(self, config: Mapping[str, Any], async_save: bool = True):
         self.config = dict(config)
+        self.async_save = async_save  # saves persist in the background (runtime.async_save); False: stock, blocking
+        self.saver: Any = None
         self.remote_device = self.config.pop("dsckpt_remote_device", None)
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
         self.engine = None
@@ -223,6 +225,11 @@ class Runtime:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                model_parameters=groups if optimizer is None else None)
         check_model_dtype(self.engine.module, model_dtype(self.config))
+        if self.async_save:
+            from .async_save import enable_async_save
+            from .console import info
+
+            self.saver = enable_async_save(self.engine, report=info)
         return self.engine
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -234,6 +241,10 @@ class Runtime:
         if clash:
             raise ConfigError(f"client state keys {clash} collide with DeepSpeed's own checkpoint keys; rename them")
         tag = tag or f"step{self.engine.global_steps}"
+        if self.saver is not None:  # files staged and `latest` moved by the background commit, once all are durable
+            self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state)
+            self._note_sharded(save_dir, tag)
+            return tag
         # Crash safety: DeepSpeed writes into a hidden partial folder; only when every rank is done
         # does rank 0 rename it to the tag and then (atomically) point `latest` at it.
         partial = f".{tag}{PARTIAL_SUFFIX}"
@@ -242,13 +253,21 @@ class Runtime:
         if rank() == 0:
             publish_tag(Path(save_dir), partial, tag)
         _barrier()
+        self._note_sharded(save_dir, tag)
+        return tag
+
+    def wait_for_saves(self) -> None:
+        """Every save so far durable, `latest` moved (a background failure raised here)."""
+        if self.saver is not None:
+            self.saver.close()
+
+    def _note_sharded(self, save_dir: str | os.PathLike, tag: str) -> None:
         if self.stage == 3 and world_size() > 1 and rank() == 0 and not self._warned_sharded:
             from .console import note
 
             self._warned_sharded = True
             note(f"{Path(save_dir) / tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "
                  f"`dsckpt consolidate {shlex.quote(str(save_dir))} model.safetensors` makes one file of it")
-        return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer: bool = True, trust: bool = False, ckpt=None) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class Trainer:
 
     def __init__(self, opts: TrainOptions):
         self.opts = opts
-        self.runtime = eng.Runtime(opts.deepspeed_config())
+        self.runtime = eng.Runtime(opts.deepspeed_config(), async_save=not opts.sync_save)
         self.global_step = 0
         self.epoch = 0
         self.data_position = 0

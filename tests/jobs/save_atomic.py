@@ -13,7 +13,7 @@ from dsckpt.runtime.train import TrainOptions, Trainer
 def main(save_dir: str, report: str) -> None:
     quiet_deepspeed()
     root = Path(save_dir)
-    trainer = Trainer(TrainOptions(model="dsckpt.runtime.demo_model:build_small_model", stage=2, save_dir=save_dir,
+    trainer = Trainer(TrainOptions(model="dsckpt.runtime.demo_model:build_small_model", stage=2, save_dir=save_dir, sync_save=True,
                                    batch_size=2))
     trainer.fit(1, progress=False)  # saves step1
     real_save = trainer.engine.save_checkpoint

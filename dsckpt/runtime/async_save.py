@@ -1,0 +1,364 @@
+"""Saving without stopping training: a DeepSpeed checkpoint engine that snapshots, then persists in the background.
+
+``enable_async_save(engine)`` works on any engine ``deepspeed.initialize`` returned (dsckpt's runtime, a plain loop,
+Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``engine.save_checkpoint``).
+
+Order of calls, every rank:
+1. ``enable_async_save(engine)`` once, on every rank, after ``deepspeed.initialize``: it makes a gloo group for the
+   commit, installs ``AsyncCheckpointEngine`` as ``engine.checkpoint_engine`` and wraps the engine's
+   ``save_checkpoint``, ``step`` and ``destroy``.
+2. ``engine.save_checkpoint(dir, tag, ...)`` first waits for the previous save's persist (logged when it waited)
+   and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
+   ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
+   copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
+3. The writer thread writes each file to ``<path>.dsckpt-tmp`` with ``torch.save``, flushes it, checks its CRC-32s.
+   At the tag's end all ranks agree (a gather over the commit group): every rank renames its temps into place and
+   flushes; after a second agreement rank 0 moves ``latest`` (temp, flush, rename). A crash at any moment leaves
+   ``latest`` on the previous tag; a failure on any rank removes every rank's temps and is raised on every rank at
+   its next save, step or ``wait()``.
+4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``
+   and at interpreter exit) waits and stops the thread.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import BackgroundSaveError
+from ..zero.layout import LATEST_FILE
+from .snapshot import HostPool, Snapshot
+
+log = logging.getLogger("dsckpt")
+TEMP_SUFFIX = ".dsckpt-tmp"
+TEMP_FOLDER = ".dsckpt-saving"  # beside the tag's files; a temp keeps the final name: torch.save names its zip's entries by it
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+except ImportError:  # pragma: no cover - the runtime extra always brings DeepSpeed
+    CheckpointEngine = object  # type: ignore[misc,assignment]
+
+
+@dataclass
+class SaveRecord:
+    """One save as it went: how long training was held, how long the background persist took."""
+    tag: str
+    blocked_s: float
+    waited_s: float = 0.0
+    nbytes: int = 0
+    persist_s: float = 0.0
+    ok: bool = False
+
+
+@dataclass
+class _Tag:
+    save_dir: str
+    tag: str
+    save_latest: bool
+    record: SaveRecord
+    files: list[str] = field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclass
+class _File:
+    path: str
+    state: Any
+    snapshot: Snapshot
+    ready: Any  # a CUDA event the copies are ordered before, or None on CPU
+
+
+class AsyncCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint-engine interface answered by an ``AsyncSave``: ``save`` snapshots and queues."""
+
+    def __init__(self, saver: "AsyncSave"):
+        self.name = "dsckpt-async"
+        self.saver = saver
+
+    def create(self, info: Any) -> None:
+        self.saver._begin(info.save_dir, str(info.tag))
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.saver._snapshot(state_dict, path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        from .safe_load import _safe_torch_load
+
+        return _safe_torch_load(path, map_location=map_location)
+
+    def commit(self, info: Any) -> bool:
+        return True  # the background writer commits, once every rank's files are durable
+
+
+class AsyncSave:
+    """The handle ``enable_async_save`` returns: ``wait()``, ``close()``, and ``records`` (one per save)."""
+
+    def __init__(self, engine: Any, write: Callable[[Any, str], None] | None = None,
+                 report: Callable[[str], None] | None = None):
+        import torch.distributed as dist
+
+        self.engine = engine
+        self.write = write or _torch_save
+        self.report = report or log.info  # rank 0's one line per save
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None  # the commit's own channel
+        self.records: list[SaveRecord] = []
+        self.pool = HostPool()
+        self.queue: queue.Queue = queue.Queue()
+        self.failure: BackgroundSaveError | None = None
+        self.current: _Tag | None = None
+        self.in_save = False
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
+        self.thread.start()
+        self.closed = False
+        self._wrap(engine)
+        atexit.register(self.close)
+
+    # -- the training thread ---------------------------------------------------------------------
+    def _wrap(self, engine: Any) -> None:
+        save, step, destroy = engine.save_checkpoint, engine.step, getattr(engine, "destroy", None)
+        engine.checkpoint_engine = AsyncCheckpointEngine(self)
+
+        def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+            waited = self._wait_previous()
+            start = time.perf_counter()
+            self.current, self.in_save = None, True
+            self.idle.clear()
+            try:
+                save(save_dir, tag=tag, client_state=client_state, save_latest=False,
+                     exclude_frozen_parameters=exclude_frozen_parameters)
+            except BaseException:
+                if self.current is not None:
+                    self.current.aborted = True  # its temps are removed; `latest` stays
+                self._queue_tag()
+                raise
+            finally:
+                self.in_save = False
+            if self.current is not None:
+                self.current.save_latest = save_latest
+                rec = self.current.record
+                rec.blocked_s, rec.waited_s = time.perf_counter() - start, waited
+                self.records.append(rec)
+            self._queue_tag()
+            return True
+
+        def checked_step(*args, **kwargs):
+            if self.failure is not None:
+                self._raise()
+            return step(*args, **kwargs)
+
+        engine.save_checkpoint, engine.step = save_checkpoint, checked_step
+        if destroy is not None:
+            def destroy_after_persist(*args, **kwargs):
+                self.close()
+                return destroy(*args, **kwargs)
+
+            engine.destroy = destroy_after_persist
+
+    def _queue_tag(self) -> None:
+        current, self.current = self.current, None
+        if current is None:
+            self.idle.set()  # DeepSpeed wrote nothing through the engine
+        else:
+            self.queue.put(current)
+
+    def _begin(self, save_dir: str, tag: str) -> None:
+        if self.in_save:  # DeepSpeed's other saves (save_16bit_model) create/save/commit on their own
+            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0))
+
+    def _snapshot(self, state: Any, path: str) -> None:
+        if self.current is None:  # a save outside save_checkpoint: written now, as stock does
+            self.write(state, path)
+            return
+        snap = Snapshot(self.pool)
+        copied = snap.take(state)
+        ready = None
+        if torch.cuda.is_available() and any(b.device.type == "cpu" and b.is_pinned() for b in snap.buffers):
+            ready = torch.cuda.Event()
+            ready.record()
+        self.current.files.append(path)
+        self.current.record.nbytes += snap.nbytes
+        self.queue.put(_File(path, copied, snap, ready))
+
+    def _wait_previous(self) -> float:
+        start = time.perf_counter()
+        if not self.idle.is_set():
+            self.idle.wait()
+            waited = time.perf_counter() - start
+            if self.rank == 0:
+                self.report(f"waited {waited:.2f} s for the previous save to persist")
+        else:
+            waited = 0.0
+        if self.failure is not None:
+            self._raise()
+        return waited
+
+    def _raise(self) -> None:
+        failure, self.failure = self.failure, None
+        raise failure  # type: ignore[misc]
+
+    def wait(self) -> None:
+        """Block until every save queued so far is durable (``latest`` moved); raise a background failure."""
+        self._wait_previous()
+
+    def close(self) -> None:
+        """Wait for the saves in flight, then stop the writer (idempotent; a failure is raised once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.idle.wait()
+        self.queue.put(None)
+        self.thread.join()
+        if self.failure is not None:
+            self._raise()
+
+    # -- the writer thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        started: float | None = None
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            started = started or time.perf_counter()
+            if isinstance(item, _File):
+                if error is None:
+                    try:
+                        self._persist(item)
+                    except BaseException as exc:  # reported at the commit, on every rank
+                        error = exc
+                self.pool.give_back(item.snapshot.buffers)
+                item.state = item.snapshot = None  # type: ignore[assignment]
+                continue
+            try:
+                if item.aborted:
+                    _remove_temps(item.files)
+                else:
+                    self._commit(item, error, started)
+            except BaseException as exc:  # the commit's own channel broke: the tag is not published
+                self.failure = BackgroundSaveError(f"{os.path.join(item.save_dir, item.tag)}: the background "
+                                                   f"commit failed ({type(exc).__name__}: {exc})")
+            error, started = None, None
+            if self.queue.empty():
+                self.idle.set()
+
+    def _persist(self, item: _File) -> None:
+        from ..io.integrity import check_files
+
+        if item.ready is not None:
+            item.ready.synchronize()
+        temp = _temp(item.path)
+        os.makedirs(os.path.dirname(temp), exist_ok=True)
+        self.write(item.state, temp)
+        _fsync(temp)
+        check_files([Path(temp)])  # what reached the file is what the zip's CRC-32s say
+
+    def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
+        failed = self._agree(error is None)
+        if not failed:
+            try:
+                for path in tag.files:
+                    os.replace(_temp(path), path)
+                _remove_temps(tag.files)
+                for folder in sorted({os.path.dirname(p) for p in tag.files}):
+                    _fsync(folder)
+            except OSError as exc:
+                error = exc
+            failed = self._agree(error is None)
+        if not failed and self.rank == 0 and tag.save_latest:
+            try:
+                _publish_latest(Path(tag.save_dir), tag.tag)
+            except OSError as exc:
+                error = exc
+        if not failed:
+            failed = self._agree(error is None)
+        tag.record.persist_s = time.perf_counter() - started
+        if failed:
+            _remove_temps(tag.files)
+            latest = Path(tag.save_dir) / LATEST_FILE
+            kept = f"`latest` still names {latest.read_text().strip()!r}" if latest.exists() else "no `latest` written"
+            here = f" ({type(error).__name__}: {error})" if error is not None else ""
+            self.failure = BackgroundSaveError(
+                f"{os.path.join(tag.save_dir, tag.tag)}: the background save failed on rank(s) "
+                f"{', '.join(map(str, failed))}{here}; its files were removed, {kept}",
+                hint="free space or fix permissions on the checkpoint's disk, then save again")
+            return
+        tag.record.ok = True
+        if self.rank == 0:
+            rec = tag.record
+            self.report(f"saved {os.path.join(tag.save_dir, tag.tag)}: training blocked {rec.blocked_s * 1e3:.0f} ms, "
+                        f"{rec.nbytes / 1e9:.2f} GB persisted in {rec.persist_s:.2f} s "
+                        f"({rec.nbytes / 1e9 / max(rec.persist_s, 1e-9):.2f} GB/s)")
+
+    def _agree(self, ok: bool) -> list[int]:
+        """The ranks that failed, the same list on every rank."""
+        if self.group is None:
+            return [] if ok else [self.rank]
+        import torch.distributed as dist
+
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
+        dist.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int32), group=self.group)
+        return [r for r, flag in enumerate(flags) if flag.item()]
+
+
+def enable_async_save(engine: Any, report: Callable[[str], None] | None = None) -> AsyncSave:
+    """Make ``engine.save_checkpoint`` return once a snapshot is taken; files persist in the background.
+
+    Call on every rank right after ``deepspeed.initialize``. The files, names and folders are DeepSpeed's own;
+    ``latest`` moves only when every rank's files are durable. Returns the handle (``wait()``, ``close()``).
+    ``report``: where rank 0's line per save goes (default: the ``dsckpt`` logger at INFO).
+    """
+    existing = getattr(engine, "_dsckpt_async_save", None)
+    if existing is not None and not existing.closed:
+        return existing
+    saver = AsyncSave(engine, report=report)
+    engine._dsckpt_async_save = saver
+    return saver
+
+
+def _torch_save(state: Any, path: str) -> None:
+    torch.save(state, path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp(path: str) -> str:
+    return os.path.join(os.path.dirname(path), TEMP_FOLDER, os.path.basename(path))
+
+
+def _remove_temps(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(_temp(path))
+        except FileNotFoundError:
+            pass
+    for folder in {os.path.dirname(_temp(p)) for p in paths}:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # another rank's temps are still in it; the last rank removes it
+
+
+def _publish_latest(save_dir: Path, tag: str) -> None:
+    temp = save_dir / f".{LATEST_FILE}{TEMP_SUFFIX}"
+    temp.write_text(tag)
+    _fsync(str(temp))
+    os.replace(temp, save_dir / LATEST_FILE)
+    _fsync(str(save_dir))

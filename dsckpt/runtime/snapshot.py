@@ -1,0 +1,76 @@
+"""A checkpoint file's state copied out of the training's memory, as ``torch.save`` would see it at that moment.
+
+Every distinct tensor storage is copied once (views, offsets, strides, ``requires_grad`` and parameters kept), so the
+file written later holds the same storages stock ``torch.save`` would have written: the next optimizer step may
+rewrite the originals in place.  On a GPU the copies go to pinned host buffers reused from save to save, queued on
+the current stream (the caller records an event after them).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+
+class HostPool:
+    """Host buffers by size: pinned ones (a GPU's snapshot) are kept for the next save, plain ones freed."""
+
+    def __init__(self):
+        self.free: dict[int, list[torch.UntypedStorage]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        with self.lock:
+            spare = self.free.get(nbytes) if pinned else None
+            if spare:
+                return spare.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+    def give_back(self, buffers: list[torch.UntypedStorage]) -> None:
+        with self.lock:
+            for buf in buffers:
+                if buf.is_pinned():
+                    self.free.setdefault(buf.nbytes(), []).append(buf)
+
+
+class Snapshot:
+    """A file's state with every tensor storage copied to host memory, views kept as ``torch.save`` sees them."""
+
+    def __init__(self, pool: HostPool):
+        self.pool, self.copies, self.nbytes = pool, {}, 0
+        self.buffers: list[torch.UntypedStorage] = []
+
+    def take(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # keeps the mapping's class (OrderedDict and friends)
+            for key, value in obj.items():
+                out[key] = self.take(value)
+            return out
+        if isinstance(obj, list):
+            return [self.take(v) for v in obj]
+        if isinstance(obj, tuple):
+            items = [self.take(v) for v in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        try:
+            return copy.deepcopy(obj)  # the caller may change its objects the moment the save returns
+        except Exception:
+            return obj
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        source = t.detach().untyped_storage()
+        key = (source.data_ptr(), str(t.device))
+        host = self.copies.get(key) if source.nbytes() else None  # empty storages share pointer 0
+        if host is None:
+            host = self.pool.take(source.nbytes(), pinned=t.is_cuda)
+            host.copy_(source, non_blocking=t.is_cuda)
+            self.copies[key] = host
+            self.buffers.append(host)
+            self.nbytes += source.nbytes()
+        view = torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(view, requires_grad=t.requires_grad)
+        return view.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else view

@@ -1,0 +1,41 @@
+"""Run on 2 ranks: every rank is killed (SIGKILL) while a background save is being written.
+
+ARGS: OUT.  Saves t1 and waits for it; steps; saves t2 with a writer that takes seconds, and as soon as
+save_checkpoint returns every rank kills itself.  The test then finds `latest` on t1, and t1 loadable.
+"""
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsckpt.runtime.async_save import AsyncSave
+from dsckpt.runtime.commands import quiet_deepspeed
+from dsckpt.runtime.train import TrainOptions, Trainer
+
+
+def stalled_save(state, path):
+    torch.save(state, path)  # the temp is there, complete, but not yet agreed on by every rank
+    time.sleep(30)
+
+
+def main(out: str) -> None:
+    quiet_deepspeed()
+    trainer = Trainer(TrainOptions(model="odd_model:build", stage=3, batch_size=2, sync_save=True))
+    trainer.fit(1, progress=False)
+    trainer.runtime.saver = saver = AsyncSave(trainer.engine)
+    trainer.runtime.save_checkpoint(out, trainer.client_state(), tag="t1")
+    saver.wait()
+    trainer.step()
+    saver.write = stalled_save
+    trainer.runtime.save_checkpoint(out, trainer.client_state(), tag="t2")
+    torch.distributed.barrier()
+    time.sleep(1)  # the writers are inside the stalled write now
+    Path(out, f"killed.{torch.distributed.get_rank()}").write_text("")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,105 @@
+"""Run on 2 ranks: dsckpt's background save against DeepSpeed's own, on one engine.
+
+ARGS: STAGE OUT REPORT.  OUT/ref: DeepSpeed's blocking save (tag t); OUT/async: the same state saved through
+runtime.async_save (tag t), its persist slowed so that the next two steps rewrite the optimizer's buffers while it
+runs; then a second save at once (t2, back to back); then a save that fails in the background (a file-size limit:
+EFBIG on rank 1 only), reported on both ranks at the next step; then t4 after it.  Finally the engine loads OUT/async tag t with DeepSpeed's own
+load_checkpoint and the optimizer's partitions must equal the ones captured in memory right before the save.
+"""
+import json
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsckpt.errors import BackgroundSaveError
+from dsckpt.runtime.async_save import AsyncSave
+from dsckpt.runtime.commands import quiet_deepspeed
+from dsckpt.runtime.engine import rank, shutdown
+from dsckpt.runtime.train import TrainOptions, Trainer
+
+
+def capture(engine):
+    """Every fp32 partition of the base optimizer and its state, cloned (what the rank's optim file must hold)."""
+    opt = engine.optimizer
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups
+    out = []
+    for p in flats:
+        state = opt.optimizer.state.get(p, {})
+        out.append([p.detach().clone()] + [v.detach().clone() for _, v in sorted(state.items())
+                                           if isinstance(v, torch.Tensor)])
+    assert out and all(len(x) == 4 for x in out), "fp32 partition, exp_avg, exp_avg_sq, step"
+    return out
+
+
+def same(a, b):
+    return len(a) == len(b) and all(len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+                                    for x, y in zip(a, b))
+
+
+def slow_save(state, path):
+    time.sleep(0.5)  # long enough for two training steps to run while the files are written
+    torch.save(state, path)
+
+
+def main(stage: str, out: str, report: str) -> None:
+    quiet_deepspeed()
+    root = Path(out)
+    trainer = Trainer(TrainOptions(model="odd_model:build", stage=int(stage), batch_size=2, sync_save=True))
+    runtime = trainer.runtime
+    trainer.fit(2, progress=False)
+    client = trainer.client_state()
+    client["user"] = {"note": ["as", "of", "the", "call"], "tensor": torch.arange(5)}
+    runtime.save_checkpoint(root / "ref", client, tag="t")  # DeepSpeed's own blocking save
+    before = capture(trainer.engine)
+
+    runtime.saver = saver = AsyncSave(trainer.engine, write=slow_save)
+    runtime.save_checkpoint(root / "async", client, tag="t")
+    blocked = saver.records[-1].blocked_s
+    client["user"]["note"].append("changed after the save returned")  # must not reach the file
+    client["user"]["tensor"].add_(100)
+    trainer.step()
+    trainer.step()
+    moved = not same(capture(trainer.engine), before)
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t2")  # back to back: waits for t
+    waited = saver.records[-1].waited_s
+    saver.wait()
+    latest_after_t2 = (root / "async" / "latest").read_text()
+
+    saver.write = torch.save
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+    if rank() == 1:  # one rank's disk "full": every rank must refuse to publish t3
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
+    trainer.step()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
+    saver.idle.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    try:
+        trainer.step()
+        failure = None
+    except BackgroundSaveError as exc:
+        failure = str(exc)
+    latest_after_failure = (root / "async" / "latest").read_text()
+    t3_files = sorted(p.name for p in (root / "async" / "t3").rglob("*"))
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t4")
+    saver.wait()
+    latest_after_t4 = (root / "async" / "latest").read_text()
+
+    runtime.load_checkpoint(root / "async", tag="t")  # DeepSpeed's own load (weights-only unpickler)
+    restored = same(capture(trainer.engine), before)
+    if rank() == 0:
+        Path(report).write_text(json.dumps({
+            "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
+            "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
+            "latest_after_t4": latest_after_t4, "restored": restored,
+            "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
+    saver.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    shutdown(exit_process=True)

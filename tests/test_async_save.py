@@ -1,0 +1,111 @@
+"""dsckpt's background checkpoint engine (runtime/async_save.py) against DeepSpeed's own save and load."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job
+from dsckpt.api.consolidation import load_state_dict
+from dsckpt.runtime.snapshot import HostPool, Snapshot
+from dsckpt.zero.reader import open_checkpoint
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def test_snapshot_keeps_what_torch_save_sees(tmp_path):
+    """Views of one storage stay views of one copied storage; parameters, requires_grad, containers and plain
+    objects come through; the copy does not follow later in-place changes."""
+    flat = torch.arange(10, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.ones(3))
+    state = {"a": flat[2:5], "b": flat[5:].view(5), "p": param, "empty": [torch.empty(0), torch.empty(0)],
+             "nested": ({"step": 3}, [flat[:2]]), "text": ["x"]}
+    snap = Snapshot(HostPool())
+    copied = snap.take(state)
+    flat.add_(100)
+    state["text"].append("y")
+    assert copied["a"].untyped_storage().data_ptr() == copied["b"].untyped_storage().data_ptr()
+    assert copied["a"].tolist() == [2, 3, 4] and copied["b"].tolist() == [5, 6, 7, 8, 9]
+    assert isinstance(copied["p"], torch.nn.Parameter) and copied["p"].requires_grad
+    assert copied["text"] == ["x"] and copied["nested"][0] == {"step": 3} and snap.nbytes == 40 + 12
+    torch.save(copied, tmp_path / "x.pt")
+    back = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert back["b"].untyped_storage().nbytes() == 40  # one storage, as torch.save wrote the original's
+    assert [t.numel() for t in back["empty"]] == [0, 0]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def saved(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"async{request.param}")
+    run_job("async_save.py", 2, request.param, root, root / "report.json")
+    return root, json.loads((root / "report.json").read_text())
+
+
+@pytest.mark.runtime
+def test_background_save_equals_stock_save(saved):
+    """The tag written in the background holds the state as of the call: equal to DeepSpeed's own blocking save of
+    the same moment, although two optimizer steps and a change to the client state ran while it was written."""
+    root, report = saved
+    assert report["moved"], "the steps after the save must have rewritten the optimizer's buffers"
+    for state in STATES:
+        ref, out = load_state_dict(root / "ref", tag="t", state=state), load_state_dict(root / "async", tag="t",
+                                                                                        state=state)
+        assert ref.keys() == out.keys() and all(torch.equal(ref[k], out[k]) for k in ref), state
+    ref, out = open_checkpoint(root / "ref", "t"), open_checkpoint(root / "async", "t")
+    assert out.client_state["user"]["note"] == ["as", "of", "the", "call"] == ref.client_state["user"]["note"]
+    assert ref.global_steps == out.global_steps and ref.world_size == out.world_size == 2 and not out.problems
+    assert report["restored"], "DeepSpeed's load_checkpoint of the tag gives back the partitions captured at the call"
+
+
+@pytest.mark.runtime
+def test_background_save_read_by_stock_zero_to_fp32(saved):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root, _ = saved
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(root / "async"), tag="t")
+    stock = get_fp32_state_dict_from_zero_checkpoint(str(root / "ref"), tag="t")
+    assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in ours)
+
+
+@pytest.mark.runtime
+def test_back_to_back_and_failed_saves(saved):
+    """A second save waits for the first and both load; a write that fails on one rank is raised on every rank at
+    the next step, leaves no file of its tag and `latest` where it was; the next save works."""
+    root, report = saved
+    assert report["waited_s"] > 0.1 and report["latest_after_t2"] == "t2"
+    assert report["failure"] and "failed on rank(s) 1" in report["failure"] and "'t2'" in report["failure"]
+    assert report["latest_after_failure"] == "t2" and report["t3_files"] == []
+    assert report["latest_after_t4"] == "t4"
+    assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t4", True]]
+    for tag in ("t", "t2", "t4"):
+        assert not open_checkpoint(root / "async", tag).problems
+    proc = run_cli("verify", root / "async", "--tag", "t2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.runtime
+def test_kill_during_persist_leaves_previous_tag(tmp_path):
+    """SIGKILL of every rank while a tag is being written: `latest` names the previous tag, which loads whole."""
+    from dsckpt.runtime.launch import run_ranks
+
+    out = tmp_path / "ckpt"
+    with tempfile.TemporaryFile("w+") as log:
+        codes = run_ranks([sys.executable, str(ROOT / "tests" / "jobs" / "async_kill.py"), str(out)], 2,
+                          {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}, JOB_TIMEOUT, stdout=log, stderr=log,
+                          cwd=ROOT)
+        log.seek(0)
+        text = log.read()
+    assert sorted(p.name for p in out.glob("killed.*")) == ["killed.0", "killed.1"], text[-3000:]
+    assert all(code != 0 for code in codes)
+    assert (out / "latest").read_text() == "t1"
+    ckpt = open_checkpoint(out)
+    assert ckpt.layout.tag == "t1" and not ckpt.problems
+    assert not list((out / "t2").glob("*.pt")), "no rank file of t2 is in place before every rank's is durable"
+    proc = run_cli("verify", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert load_state_dict(out).keys()
