@@ -53,14 +53,14 @@ def run_cli(*args, timeout=JOB_TIMEOUT, env=None, cwd=ROOT) -> subprocess.Comple
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
-def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT) -> subprocess.CompletedProcess:
+def run_job(script: str, nproc: int, *args, timeout=JOB_TIMEOUT, env=None) -> subprocess.CompletedProcess:
     """``tests/jobs/<script>`` on ``nproc`` local ranks, started as `--nproc` starts them (torchrun's
     environment, no torchrun agent: ~1.7 s less per job on 2 cores); rank outputs interleave."""
     from dsckpt.runtime.launch import run_ranks
 
     cmd = [sys.executable, str(ROOT / "tests" / "jobs" / script), *map(str, args)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        codes = run_ranks(cmd, int(nproc), {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}, timeout,
+        codes = run_ranks(cmd, int(nproc), {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, **(env or {})}, timeout,
                           stdout=out, stderr=err, cwd=ROOT)
         out.seek(0), err.seek(0)
         proc = subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0), out.read(), err.read())

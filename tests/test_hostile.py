@@ -69,15 +69,15 @@ def test_sharded_resume_never_runs_checkpoint_code(tmp_path):
 def test_deepspeed_loader_is_weights_only_in_ranks(tmp_path):
     """Defence in depth: the engine's own loader, as installed in every rank, refuses the payload."""
     from dsckpt.errors import UnsafeCheckpointError
-    from dsckpt.runtime.safe_load import _safe_torch_load
+    from dsckpt.runtime.safe_load import safe_torch_load
 
     marker = tmp_path / "pwned"
     root = _plant_payload(tmp_path, marker)
     with pytest.raises(UnsafeCheckpointError, match="names posix.system"):
-        _safe_torch_load(str(next((root / "step3").glob("zero_pp_rank_0_*model_states.pt"))))
+        safe_torch_load(str(next((root / "step3").glob("zero_pp_rank_0_*model_states.pt"))))
     assert not marker.exists()
     for path in sorted(FIXTURES.glob("*/step3/*.pt")):  # DeepSpeed's own files load: stage 0-3, fp32/bf16/fp16
-        assert isinstance(_safe_torch_load(str(path), map_location="cpu"), dict)
+        assert isinstance(safe_torch_load(str(path), map_location="cpu"), dict)
 
 
 # -- 2. wrong output with exit 0 ---------------------------------------------------------------

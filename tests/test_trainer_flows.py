@@ -237,3 +237,66 @@ def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
     assert len(moved["losses"]) == len(native["losses"]) == 3
     for a, b in zip(native["losses"], moved["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (native["losses"], moved["losses"])
+
+
+def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):
+    """HFAsyncSave: a save every step with save_total_limit=1 leaves only published checkpoints (never a
+    checkpoint-N without `latest` when the Trainer looks), the losses of the reference run, and
+    resume_from_checkpoint=True continues from the newest one with the reference's next steps."""
+    ref, out = hf_reference(2, "32"), tmp_path / "out"
+    env = {"DSCKPT_ASYNC_LIMIT": "1"}
+    run_job("hf_resume.py", 2, out, 2, "32", MAX_STEPS, 1, env={**env, "DSCKPT_STOP_AT": str(SAVE_AT)})
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{SAVE_AT}"]
+    first = json.loads((out / "log.json").read_text())
+    assert first["unpublished_at_save"] == []
+    run_job("hf_resume.py", 2, out, 2, "32", MAX_STEPS, 1, "last", env=env)
+    second = json.loads((out / "log.json").read_text())
+    assert second["start_step"] == SAVE_AT and second["unpublished_at_save"] == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{MAX_STEPS}"]
+    steps = lambda log: {e["step"]: e for e in log["history"] if "loss" in e}
+    reference = steps(json.loads((ref / "log.json").read_text()))
+    for step, entry in {**steps(first), **steps(second)}.items():
+        assert entry["learning_rate"] == reference[step]["learning_rate"], step
+        assert abs(entry["loss"] - reference[step]["loss"]) <= 1e-6 * abs(entry["loss"]), step
+
+
+def test_accelerate_background_save_state_loads(tmp_path):
+    """``dsckpt.enable_async_save(model)`` under Accelerate: ``save_state`` returns while the files are written,
+    training goes on, and ``load_state`` of that folder in a new job resumes with the same next steps."""
+    ref, resumed, env = tmp_path / "ref", tmp_path / "resumed", {"DSCKPT_ASYNC": "1"}
+    run_job("accelerate_resume.py", 2, ref, 3, 5, 3, env=env)
+    state = ref / "state"
+    assert (state / "latest").read_text() == "pytorch_model" and not list(state.rglob(".dsckpt-saving"))
+    run_job("accelerate_resume.py", 2, resumed, 3, 5, 3, state)
+    before, after = (json.loads((d / "log.json").read_text())["log"] for d in (ref, resumed))
+    assert [e["step"] for e in after] == [4, 5]
+    for a, b in zip(before[3:], after):
+        assert a["lr"] == b["lr"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
+    assert run_cli("diff", state, resumed / "as_loaded", "--optimizer").returncode == 0  # masters and moments
+
+
+@pytest.mark.gpu
+def test_lightning_strategy_background_saves(tmp_path):
+    """LightningAsyncSave with Lightning's own DeepSpeedStrategy on a GPU: a ModelCheckpoint every step with
+    save_top_k=1 keeps one published checkpoint; the run's losses and a fit(ckpt_path=) resume of its save equal
+    the same runs with DeepSpeed's blocking save."""
+    pytest.importorskip("lightning")
+    if not torch.cuda.is_available():
+        pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
+    import os
+
+    job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
+
+    def fit(out, steps, ckpt=None, background=False):
+        env = {**os.environ, **({"DSCKPT_ASYNC": "1"} if background else {})}
+        proc = subprocess.run([sys.executable, job, str(out), "3", str(steps), *([str(ckpt)] if ckpt else [])],
+                              capture_output=True, text=True, timeout=400, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "log.json").read_text())
+
+    background, stock = fit(tmp_path / "bg", 3, background=True), fit(tmp_path / "stock", 3)
+    assert len(background["every"]) == 1 and background["every_latest"] == [True], background
+    assert background["losses"] == stock["losses"]
+    again_bg = fit(tmp_path / "bg2", 6, tmp_path / "bg" / "ckpt", background=True)
+    again_stock = fit(tmp_path / "stock2", 6, tmp_path / "stock" / "ckpt")
+    assert again_bg["start"] == again_stock["start"] == 3 and again_bg["losses"] == again_stock["losses"]

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +39,7 @@ from ..zero.layout import LATEST_FILE
 from .snapshot import HostPool, Snapshot
 
 log = logging.getLogger("dsckpt")
+_OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
 TEMP_SUFFIX = ".dsckpt-tmp"
 TEMP_FOLDER = ".dsckpt-saving"  # beside the tag's files; a temp keeps the final name: torch.save names its zip's entries by it
 
@@ -66,6 +68,8 @@ class _Tag:
     record: SaveRecord
     files: list[str] = field(default_factory=list)
     aborted: bool = False
+    then: list[Callable[[], None]] = field(default_factory=list)  # run by the writer once the tag is published
+    done: bool = False
 
 
 @dataclass
@@ -90,9 +94,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.saver._snapshot(state_dict, path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        from .safe_load import _safe_torch_load
+        from .safe_load import safe_torch_load
 
-        return _safe_torch_load(path, map_location=map_location)
+        return safe_torch_load(path, map_location=map_location)
 
     def commit(self, info: Any) -> bool:
         return True  # the background writer commits, once every rank's files are durable
@@ -116,6 +120,8 @@ class AsyncSave:
         self.queue: queue.Queue = queue.Queue()
         self.failure: BackgroundSaveError | None = None
         self.current: _Tag | None = None
+        self.last: _Tag | None = None
+        self.hooks = threading.Lock()
         self.in_save = False
         self.idle = threading.Event()
         self.idle.set()
@@ -123,6 +129,7 @@ class AsyncSave:
         self.thread.start()
         self.closed = False
         self._wrap(engine)
+        _OPEN.add(self)
         atexit.register(self.close)
 
     # -- the training thread ---------------------------------------------------------------------
@@ -171,6 +178,7 @@ class AsyncSave:
         if current is None:
             self.idle.set()  # DeepSpeed wrote nothing through the engine
         else:
+            self.last = current
             self.queue.put(current)
 
     def _begin(self, save_dir: str, tag: str) -> None:
@@ -207,6 +215,15 @@ class AsyncSave:
     def _raise(self) -> None:
         failure, self.failure = self.failure, None
         raise failure  # type: ignore[misc]
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on this rank's writer once the last save is published (now, when none is pending):
+        a trainer's deletion of older checkpoints, a folder moved into place.  A failed save drops its actions."""
+        with self.hooks:
+            if self.last is not None and not self.last.done:
+                self.last.then.append(action)
+                return
+        action()
 
     def wait(self) -> None:
         """Block until every save queued so far is durable (``latest`` moved); raise a background failure."""
@@ -249,6 +266,14 @@ class AsyncSave:
             except BaseException as exc:  # the commit's own channel broke: the tag is not published
                 self.failure = BackgroundSaveError(f"{os.path.join(item.save_dir, item.tag)}: the background "
                                                    f"commit failed ({type(exc).__name__}: {exc})")
+            with self.hooks:
+                item.done, actions = True, (item.then if item.record.ok else [])
+            try:
+                for action in actions:
+                    action()
+            except BaseException as exc:  # a trainer's follow-up failed: reported like a failed save
+                self.failure = BackgroundSaveError(f"{os.path.join(item.save_dir, item.tag)}: after publishing: "
+                                                   f"{type(exc).__name__}: {exc}")
             error, started = None, None
             if self.queue.empty():
                 self.idle.set()
@@ -325,6 +350,13 @@ def enable_async_save(engine: Any, report: Callable[[str], None] | None = None) 
     saver = AsyncSave(engine, report=report)
     engine._dsckpt_async_save = saver
     return saver
+
+
+def close_all() -> None:
+    """Wait for every background save of this process (``runtime.engine.shutdown`` calls it: a finished command
+    ends with ``os._exit``, which runs no ``atexit``)."""
+    for saver in list(_OPEN):
+        saver.close()
 
 
 def _torch_save(state: Any, path: str) -> None:

@@ -64,12 +64,12 @@ def shutdown(exit_process: bool = False) -> None:
     of the communication stack still joinable when static destructors run).  All files are closed
     by then, so a finished CLI command skips interpreter teardown with ``os._exit``.
     """
+    if "dsckpt.runtime.async_save" in sys.modules:  # saves still persisting finish first (a failure is raised)
+        sys.modules["dsckpt.runtime.async_save"].close_all()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if exit_process:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -33,7 +33,7 @@ def check_checkpoint_classes(ckpt) -> None:
                 "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT)
 
 
-def _safe_torch_load(path: str, map_location=None):
+def safe_torch_load(path: str, map_location=None):
     import torch
     from torch.serialization import safe_globals
 
@@ -65,4 +65,4 @@ def install(engine, trust: bool = False) -> None:
         print("dsckpt: warning: --trust-checkpoint: DeepSpeed unpickles this checkpoint without weights_only; "
               "its pickles may run code", file=sys.stderr)
     else:
-        loader.load = _safe_torch_load
+        loader.load = safe_torch_load

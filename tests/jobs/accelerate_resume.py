@@ -7,7 +7,9 @@ per step whatever the world size (each rank takes its slice).  Without RESUME_FR
 steps and ``accelerator.save_state(OUTPUT_DIR/state)`` after step SAVE_AT (the uninterrupted run goes
 on).  With it: ``accelerator.load_state(RESUME_FROM)``, the engine saves its state as loaded to
 ``OUTPUT_DIR/as_loaded`` (the oracle), and training goes on from SAVE_AT.  Rank 0 writes
-``OUTPUT_DIR/log.json``: per step the global mean loss and the learning rate.
+``OUTPUT_DIR/log.json``: per step the global mean loss and the learning rate.  With ``DSCKPT_ASYNC=1`` in the
+environment ``save_state`` goes through dsckpt's background engine (``dsckpt.enable_async_save(model)``): training
+goes on while the files are written, and the job waits for them before it ends.
 """
 import json
 import os
@@ -40,6 +42,11 @@ def main(output_dir: str, stage: str, steps: str, save_at: str, resume: str | No
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 10)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    saver = None
+    if os.environ.get("DSCKPT_ASYNC"):
+        import dsckpt
+
+        saver = dsckpt.enable_async_save(model)  # the engine accelerator.prepare returned
     start = 0
     if resume:
         accelerator.load_state(resume)
@@ -61,6 +68,8 @@ def main(output_dir: str, stage: str, steps: str, save_at: str, resume: str | No
         log.append({"step": step + 1, "loss": float(mean) / world, "lr": scheduler.get_last_lr()[0]})
         if not resume and step + 1 == int(save_at):
             accelerator.save_state(os.path.join(output_dir, "state"))
+    if saver is not None:
+        saver.wait()
     if rank == 0:
         with open(os.path.join(output_dir, "log.json"), "w") as fh:
             json.dump({"world_size": world, "log": log}, fh)

@@ -9,10 +9,17 @@ different world sizes see the same global batches.  With RESUME_FROM the Trainer
 loaded to ``OUTPUT_DIR/as_loaded`` (DeepSpeed's own ``save_checkpoint``: the oracle to compare with the
 original through ``ds_to_universal``).  Rank 0 writes ``OUTPUT_DIR/log.json``: the Trainer's
 ``log_history`` (loss and learning rate per step) and the step it started from.
+
+With ``DSCKPT_ASYNC_LIMIT=K`` in the environment the saves go through dsckpt's background engine
+(``HFAsyncSave``) with ``save_total_limit=K``; at every ``on_save`` the log notes each ``checkpoint-N`` of
+OUTPUT_DIR that has no ``latest`` yet (one the Trainer's ``resume_from_checkpoint=True`` could pick half-written).
+RESUME_FROM ``last`` is ``resume_from_checkpoint=True``.  ``DSCKPT_STOP_AT=N`` stops the run after step N (a job
+ended early: the schedule is still MAX_STEPS long).
 """
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -31,7 +38,9 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
     ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
                  "train_batch_size": GLOBAL_BATCH, "zero_optimization": {"stage": int(stage)},
                  "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True}
+    limit = os.environ.get("DSCKPT_ASYNC_LIMIT")
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, deepspeed=ds_config, max_steps=int(max_steps),
+                             save_total_limit=int(limit) if limit else None,
                              per_device_train_batch_size=GLOBAL_BATCH // world, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, bf16=bf16,
                              save_steps=int(save_steps), save_strategy="steps", report_to=[], seed=11,
@@ -47,10 +56,27 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
             if resume:  # after the Trainer's own load_checkpoint, before any step
                 trainer.model_wrapped.save_checkpoint(os.path.join(output_dir, "as_loaded"), tag="as_loaded")
 
+    unpublished, stop_at = [], int(os.environ.get("DSCKPT_STOP_AT", "0"))
+
+    class WatchFolders(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kwargs):
+            unpublished.extend(str(p) for p in sorted(Path(output_dir).glob("checkpoint-*"))
+                               if not (p / "latest").exists())
+
     trainer.add_callback(SaveAsLoaded())
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.add_callback(WatchFolders())
+    if limit:
+        from dsckpt.runtime.integrations import HFAsyncSave
+
+        trainer.add_callback(HFAsyncSave(trainer))
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     if torch.distributed.get_rank() == 0:
-        log = {"start_step": started["step"], "world_size": world, "history": trainer.state.log_history}
+        log = {"start_step": started["step"], "world_size": world, "history": trainer.state.log_history,
+               "unpublished_at_save": unpublished}
         with open(os.path.join(output_dir, "log.json"), "w") as fh:
             json.dump(log, fh)
     torch.distributed.barrier()

@@ -1,0 +1,96 @@
+"""How long a save holds training: DeepSpeed's own `save_checkpoint` against dsckpt's background save (issue 54).
+
+Both on one engine in one run, alternating round by round (bench/jobs/async_save_rank.py).  Reported per mode, as
+medians over the rounds: training blocked (`save_checkpoint` until it returns), durable (until every file is flushed:
+stock + fsync, or the background commit), the steps run right after the save (the async persist overlaps them)
+against the same steps with no save, and the persist's rate against a direct-I/O write of the same bytes (dd, the
+disk's own figure).
+
+    python bench/bench_async_save.py --nproc 2 --stage 3 --precision bf16 --dim 1024 --layers 8 --rounds 5
+    (on a GPU host: --nproc 1; the ranks run over nccl)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def direct_write_rate(folder: Path, nbytes: int) -> float:
+    """GB/s of dd writing ``nbytes`` with O_DIRECT into ``folder`` (what the disk allows)."""
+    target = folder / "dd.bin"
+    count = max(1, nbytes // (16 << 20))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "oflag=direct"],
+                   check=True, capture_output=True)
+    rate = count * (16 << 20) / 1e9 / (time.perf_counter() - t0)
+    target.unlink()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=3)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps-between", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="folder for the checkpoints (default: a temp folder)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from dsckpt.runtime.launch import run_ranks
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-async-"))
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    report = out / "report.json"
+    env = {"BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    codes = run_ranks([sys.executable, str(ROOT / "bench" / "jobs" / "async_save_rank.py"), str(out), str(args.stage),
+                       args.precision, str(args.rounds), str(args.steps_between), str(report)], args.nproc, env)
+    if any(codes):
+        raise SystemExit(f"ranks exited {codes}")
+    doc = json.loads(report.read_text())
+    rows = doc["rows"]
+    nbytes = statistics.median(r["nbytes"] for r in rows if r["mode"] == "async")
+    dd = direct_write_rate(out, int(nbytes) * args.nproc)
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["mode"] == mode)
+
+    doc["summary"] = summary = {
+        "stock_blocked_s": med("stock", "blocked_s"), "async_blocked_s": med("async", "blocked_s"),
+        "stock_durable_s": med("stock", "durable_s"), "async_durable_s": med("async", "durable_s"),
+        "async_persist_s": med("async", "persist_s"), "rank_bytes": nbytes, "dd_direct_gbps": dd,
+        "steps_no_save_s": doc["baseline_steps_s"], "steps_after_stock_s": med("stock", "steps_s"),
+        "steps_after_async_s": med("async", "steps_s")}
+    persist_rate = nbytes * args.nproc / 1e9 / summary["async_persist_s"]
+    print(f"{doc['device']}, {doc['params'] / 1e6:.0f}M parameters, ZeRO-{doc['stage']} {doc['precision']}, "
+          f"world size {doc['world_size']}, {nbytes / 1e9:.2f} GB a rank, {args.rounds} alternating rounds (medians)")
+    print(f"  blocked: stock {summary['stock_blocked_s'] * 1e3:.0f} ms, dsckpt {summary['async_blocked_s'] * 1e3:.0f} ms"
+          f" ({summary['async_blocked_s'] / summary['stock_blocked_s']:.3f}x)")
+    print(f"  durable: stock + fsync {summary['stock_durable_s']:.2f} s, dsckpt background {summary['async_durable_s']:.2f}"
+          f" s; persist {persist_rate:.2f} GB/s against dd O_DIRECT {dd:.2f} GB/s ({dd / persist_rate:.2f}x the disk's time)")
+    print(f"  {args.steps_between} steps: no save {summary['steps_no_save_s']:.3f} s, right after a stock save "
+          f"{summary['steps_after_stock_s']:.3f} s, during a dsckpt persist {summary['steps_after_async_s']:.3f} s")
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+    if args.out is None:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""One rank of bench_async_save.py: stock `save_checkpoint` against dsckpt's background save, alternating, one engine.
+
+ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round saves once with DeepSpeed's own engine (then
+flushes its files, for the durable figure) and once with runtime.async_save, in alternating order; between saves
+STEPS_BETWEEN training steps run, timed (the async round's steps overlap its persist).  Rank 0 writes REPORT (JSON).
+"""
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from models import transformer  # noqa: E402
+
+from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
+from dsckpt.runtime.engine import Runtime, rank, shutdown  # noqa: E402
+from dsckpt.runtime.config import resolve_config  # noqa: E402
+from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, report: str) -> None:
+    torch.manual_seed(0)
+    config = resolve_config(None, preset=None, precision=precision, stage=int(stage))
+    config["train_micro_batch_size_per_gpu"] = 1
+    config.pop("train_batch_size", None)
+    runtime = Runtime(config, async_save=False)
+    engine = runtime.setup(transformer, lambda p: torch.optim.AdamW(p, lr=1e-4))
+    model = engine.module
+
+    def step(i: int) -> None:
+        tokens = synthetic_batch(i, seed=0, batch_size=1, seq_len=model.seq_len, vocab_size=model.vocab_size)
+        loss = engine(tokens.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+
+    def timed_steps(n: int, start: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            step(start + i)
+        sync()
+        return time.perf_counter() - t0
+
+    for i in range(2):
+        step(i)
+    stock_save, stock_engine = engine.save_checkpoint, engine.checkpoint_engine
+    saver = AsyncSave(engine, report=lambda text: None)
+    async_save, async_engine = engine.save_checkpoint, engine.checkpoint_engine
+    n, rows, root = int(steps_between), [], Path(out)
+    baseline = timed_steps(n, 100)  # no save at all
+    for r in range(int(rounds)):
+        for mode in (("stock", "async") if r % 2 == 0 else ("async", "stock")):
+            tag = f"{mode}{r}"
+            torch.distributed.barrier()
+            if mode == "stock":
+                engine.checkpoint_engine = stock_engine
+                t0 = time.perf_counter()
+                stock_save(str(root / mode), tag=tag)
+                sync()
+                blocked = time.perf_counter() - t0
+                fsync_tree(root / mode / tag)
+                durable = time.perf_counter() - t0
+                steps = timed_steps(n, 200 + r)
+                persist = None
+            else:
+                engine.checkpoint_engine = async_engine
+                t0 = time.perf_counter()
+                async_save(str(root / mode), tag=tag)
+                sync()  # the snapshot's device-to-host copies are queued, not done, when the call returns
+                blocked = time.perf_counter() - t0
+                steps = timed_steps(n, 300 + r)
+                saver.wait()
+                durable = time.perf_counter() - t0
+                persist = saver.records[-1].persist_s
+            torch.distributed.barrier()
+            if rank() == 0:
+                shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
+            rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
+                         "persist_s": persist, "nbytes": saver.records[-1].nbytes if mode == "async" else None})
+    saver.close()
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    if rank() == 0:
+        Path(report).write_text(json.dumps({"rows": rows, "baseline_steps_s": baseline, "steps_between": n,
+                                            "stage": int(stage), "precision": precision,
+                                            "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                                          for p in model.parameters()),
+                                            "world_size": torch.distributed.get_world_size(),
+                                            "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                                            else "cpu", "gpu_peak_bytes": peak}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:7])
+    shutdown(exit_process=True)

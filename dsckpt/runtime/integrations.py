@@ -1,0 +1,105 @@
+"""Background saves in the trainers that drive DeepSpeed themselves: one line each (docs/ecosystems/).
+
+Each trainer calls ``engine.save_checkpoint`` and then works on its folders at once; what changes here is only
+when those follow-ups happen, so that no folder a trainer would resume from looks complete before it is:
+
+* Lightning (``LightningAsyncSave``): ``ModelCheckpoint``'s deletion of older checkpoints runs once the newer one is
+  published.  A Lightning DeepSpeed checkpoint folder holds nothing but DeepSpeed's files, `latest` last.
+* HF Trainer (``HFAsyncSave``): each ``checkpoint-N`` is written under ``output_dir/.dsckpt-pending/`` and moved into
+  ``output_dir`` once every rank's DeepSpeed files are durable; ``save_total_limit``'s rotation runs after that move.
+  ``resume_from_checkpoint=True`` therefore never picks a checkpoint that is still being written.
+* Accelerate and plain loops: ``enable_async_save(engine)`` directly (``accelerator.deepspeed_engine_wrapped.engine``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from .async_save import AsyncSave, enable_async_save
+
+PENDING = ".dsckpt-pending"  # HF checkpoints being written: the Trainer's resume looks for checkpoint-N only
+
+
+def LightningAsyncSave() -> Any:
+    """A Lightning callback: ``L.Trainer(strategy=DeepSpeedStrategy(...), callbacks=[LightningAsyncSave()])``."""
+    from lightning.pytorch.callbacks import Callback
+
+    class _LightningAsyncSave(Callback):
+        saver: AsyncSave | None = None
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            strategy = trainer.strategy
+            self.saver = saver = enable_async_save(strategy.deepspeed_engine)
+            remove = strategy.remove_checkpoint
+            strategy.remove_checkpoint = lambda path: saver.then(lambda: remove(path))
+
+        def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.saver is not None:
+                self.saver.wait()
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if self.saver is not None:
+                self.saver.close()
+
+    return _LightningAsyncSave()
+
+
+def HFAsyncSave(trainer: Any) -> Any:
+    """A Transformers callback: ``trainer.add_callback(HFAsyncSave(trainer))`` before ``trainer.train()``."""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    class _HFAsyncSave(TrainerCallback):
+        saver: AsyncSave | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.saver is None:
+                self.saver = enable_async_save(trainer.model_wrapped)
+                trainer._save_checkpoint = self._staged(trainer._save_checkpoint)
+
+        def _staged(self, save_checkpoint: Any) -> Any:
+            def staged_save(model: Any, trial: Any) -> None:
+                args = trainer.args
+                run_dir, limit = trainer._get_output_dir(trial=trial), args.save_total_limit
+                pending = os.path.join(run_dir, PENDING)
+                args.output_dir, args.save_total_limit = pending, None  # written aside; rotated once published
+                try:
+                    save_checkpoint(model, trial)
+                finally:
+                    args.output_dir, args.save_total_limit = run_dir, limit
+                if not args.should_save:
+                    return
+                name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+                best = trainer.state.best_model_checkpoint
+
+                def publish() -> None:
+                    final = os.path.join(run_dir, name)
+                    if os.path.isdir(final):
+                        shutil.rmtree(final)  # a checkpoint of this step saved again
+                    os.replace(os.path.join(pending, name), final)
+                    _fsync_dir(run_dir)
+                    try:
+                        os.rmdir(pending)
+                    except OSError:
+                        pass
+                    rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
+                                       use_mtime=True)
+
+                self.saver.then(publish)  # type: ignore[union-attr]
+
+            return staged_save
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.saver is not None:
+                self.saver.wait()
+
+    return _HFAsyncSave()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
