@@ -50,7 +50,23 @@ def saved(request, tmp_path_factory):
 def test_background_save_equals_stock_save(saved):
     """The tag written in the background holds the state as of the call: equal to DeepSpeed's own blocking save of
     the same moment, although two optimizer steps and a change to the client state ran while it was written."""
-    root, report = saved
+    check_equal_to_stock(*saved)
+
+
+@pytest.mark.gpu
+def test_background_save_from_gpu_equals_stock_save(tmp_path):
+    """The same on a GPU (pinned buffers, copies queued on the stream): ``pytest -m gpu`` on a GPU host."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run_job("async_save.py", 1, 3, tmp_path, tmp_path / "report.json")
+    check_equal_to_stock(tmp_path, json.loads((tmp_path / "report.json").read_text()))
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "async"), tag="t")
+    assert ours.keys() == load_state_dict(tmp_path / "ref", tag="t").keys()
+
+
+def check_equal_to_stock(root: Path, report: dict) -> None:
     assert report["moved"], "the steps after the save must have rewritten the optimizer's buffers"
     for state in STATES:
         ref, out = load_state_dict(root / "ref", tag="t", state=state), load_state_dict(root / "async", tag="t",

@@ -192,20 +192,20 @@ class AsyncSave:
         snap = Snapshot(self.pool)
         copied = snap.take(state)
         ready = None
-        if torch.cuda.is_available() and any(b.device.type == "cpu" and b.is_pinned() for b in snap.buffers):
+        if any(pinned for _, pinned in snap.buffers):
             ready = torch.cuda.Event()
             ready.record()
         self.current.files.append(path)
         self.current.record.nbytes += snap.nbytes
         self.queue.put(_File(path, copied, snap, ready))
 
-    def _wait_previous(self) -> float:
+    def _wait_previous(self, say: bool = True) -> float:
         start = time.perf_counter()
         if not self.idle.is_set():
             self.idle.wait()
             waited = time.perf_counter() - start
-            if self.rank == 0:
-                self.report(f"waited {waited:.2f} s for the previous save to persist")
+            if self.rank == 0 and say:
+                self.report(f"waited {waited:.2f} s for the previous save to persist before saving again")
         else:
             waited = 0.0
         if self.failure is not None:
@@ -227,7 +227,7 @@ class AsyncSave:
 
     def wait(self) -> None:
         """Block until every save queued so far is durable (``latest`` moved); raise a background failure."""
-        self._wait_previous()
+        self._wait_previous(say=False)
 
     def close(self) -> None:
         """Wait for the saves in flight, then stop the writer (idempotent; a failure is raised once)."""

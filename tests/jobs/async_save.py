@@ -45,6 +45,25 @@ def slow_save(state, path):
     torch.save(state, path)
 
 
+def fail_on_rank_1(trainer, runtime, saver, root):
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+    if rank() == 1:  # one rank's disk "full": every rank must refuse to publish t3
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
+    trainer.step()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
+    saver.idle.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    try:
+        trainer.step()
+        failure = None
+    except BackgroundSaveError as exc:
+        failure = str(exc)
+    latest_after_failure = (root / "async" / "latest").read_text()
+    t3_files = sorted(p.name for p in (root / "async" / "t3").rglob("*"))
+    return failure, latest_after_failure, t3_files
+
+
 def main(stage: str, out: str, report: str) -> None:
     quiet_deepspeed()
     root = Path(out)
@@ -70,21 +89,9 @@ def main(stage: str, out: str, report: str) -> None:
     latest_after_t2 = (root / "async" / "latest").read_text()
 
     saver.write = torch.save
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
-    if rank() == 1:  # one rank's disk "full": every rank must refuse to publish t3
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
-    trainer.step()
-    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
-    saver.idle.wait()
-    resource.setrlimit(resource.RLIMIT_FSIZE, old)
-    try:
-        trainer.step()
-        failure = None
-    except BackgroundSaveError as exc:
-        failure = str(exc)
-    latest_after_failure = (root / "async" / "latest").read_text()
-    t3_files = sorted(p.name for p in (root / "async" / "t3").rglob("*"))
+    failure, latest_after_failure, t3_files = None, None, None
+    if torch.distributed.get_world_size() > 1:  # (rank 0 copies DeepSpeed's scripts: a failing rank must be another)
+        failure, latest_after_failure, t3_files = fail_on_rank_1(trainer, runtime, saver, root)
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t4")
     saver.wait()
     latest_after_t4 = (root / "async" / "latest").read_text()
