@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job
+from conftest import JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job, skip_beyond_devices
 from dsckpt.api.consolidation import load_state_dict
 from dsckpt.runtime.snapshot import HostPool, Snapshot
 from dsckpt.zero.reader import open_checkpoint
@@ -125,3 +125,16 @@ def test_kill_during_persist_leaves_previous_tag(tmp_path):
     proc = run_cli("verify", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert load_state_dict(out).keys()
+
+
+@pytest.mark.runtime
+def test_load_at_another_world_size_without_a_copy(saved, tmp_path):
+    """A 2-rank save loaded at 3 ranks and ZeRO-3 through DeepSpeed's own load_checkpoint, each file it asks for
+    answered from the reshard plan: the same partitions, moments and client state as `dsckpt reshard` + stock load."""
+    skip_beyond_devices(3)
+    root, _ = saved
+    copy = tmp_path / "copy"
+    assert run_cli("reshard", root / "async", copy, "--tag", "t", "-w", "3", "--stage", "3").returncode == 0
+    run_job("planned_load.py", 3, 3, root / "async", "t", copy, tmp_path / "report.json")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["loaded"] and report["equal"] and report["client_equal"], report

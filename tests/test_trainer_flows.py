@@ -242,22 +242,24 @@ def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
 def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):
     """HFAsyncSave: a save every step with save_total_limit=1 leaves only published checkpoints (never a
     checkpoint-N without `latest` when the Trainer looks), the losses of the reference run, and
-    resume_from_checkpoint=True continues from the newest one with the reference's next steps."""
+    resume_from_checkpoint=True at 3 ranks and ZeRO-3 continues from the newest one (2 ranks, ZeRO-2) with the
+    reference's next steps: no copy, DeepSpeed's load answered from the reshard plan."""
+    skip_beyond_devices(3)
     ref, out = hf_reference(2, "32"), tmp_path / "out"
     env = {"DSCKPT_ASYNC_LIMIT": "1"}
     run_job("hf_resume.py", 2, out, 2, "32", MAX_STEPS, 1, env={**env, "DSCKPT_STOP_AT": str(SAVE_AT)})
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{SAVE_AT}"]
     first = json.loads((out / "log.json").read_text())
     assert first["unpublished_at_save"] == []
-    run_job("hf_resume.py", 2, out, 2, "32", MAX_STEPS, 1, "last", env=env)
+    run_job("hf_resume.py", 3, out, 3, "32", MAX_STEPS, 1, "last", env=env)
     second = json.loads((out / "log.json").read_text())
-    assert second["start_step"] == SAVE_AT and second["unpublished_at_save"] == []
+    assert second["start_step"] == SAVE_AT and second["unpublished_at_save"] == [] and second["world_size"] == 3
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{MAX_STEPS}"]
     steps = lambda log: {e["step"]: e for e in log["history"] if "loss" in e}
     reference = steps(json.loads((ref / "log.json").read_text()))
     for step, entry in {**steps(first), **steps(second)}.items():
         assert entry["learning_rate"] == reference[step]["learning_rate"], step
-        assert abs(entry["loss"] - reference[step]["loss"]) <= 1e-6 * abs(entry["loss"]), step
+        assert abs(entry["loss"] - reference[step]["loss"]) <= 1e-5 * abs(entry["loss"]), step
 
 
 def test_accelerate_background_save_state_loads(tmp_path):

@@ -6,7 +6,8 @@ Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``e
 Order of calls, every rank:
 1. ``enable_async_save(engine)`` once, on every rank, after ``deepspeed.initialize``: it makes a gloo group for the
    commit, installs ``AsyncCheckpointEngine`` as ``engine.checkpoint_engine`` and wraps the engine's
-   ``save_checkpoint``, ``step`` and ``destroy``.
+   ``save_checkpoint``, ``step``, ``destroy`` and ``load_checkpoint`` (a checkpoint of another data-parallel size
+   or ZeRO stage is then loaded through ``planned_load``, without a copy).
 2. ``engine.save_checkpoint(dir, tag, ...)`` first waits for the previous save's persist (logged when it waited)
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
@@ -135,6 +136,7 @@ class AsyncSave:
     # -- the training thread ---------------------------------------------------------------------
     def _wrap(self, engine: Any) -> None:
         save, step, destroy = engine.save_checkpoint, engine.step, getattr(engine, "destroy", None)
+        load = engine.load_checkpoint
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
 
         def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
@@ -165,7 +167,15 @@ class AsyncSave:
                 self._raise()
             return step(*args, **kwargs)
 
-        engine.save_checkpoint, engine.step = save_checkpoint, checked_step
+        def load_checkpoint(load_dir, tag=None, **kwargs):
+            from .planned_load import load_resharded, other_layout
+
+            self._wait_previous(say=False)  # a tag still being written is not loadable yet
+            if other_layout(engine, load_dir, tag):  # another world size or stage: answered from the reshard plan
+                return load_resharded(engine, load_dir, tag, load=load, **kwargs)
+            return load(load_dir, tag=tag, **kwargs)
+
+        engine.save_checkpoint, engine.step, engine.load_checkpoint = save_checkpoint, checked_step, load_checkpoint
         if destroy is not None:
             def destroy_after_persist(*args, **kwargs):
                 self.close()

@@ -269,6 +269,13 @@ class Runtime:
             note(f"{Path(save_dir) / tag} is a ZeRO-3 checkpoint sharded over {world_size()} ranks; "
                  f"`dsckpt consolidate {shlex.quote(str(save_dir))} model.safetensors` makes one file of it")
 
+    def loads_resharded(self, ckpt: Any, trust: bool) -> bool:
+        """Whether ``ckpt`` is at another data-parallel size or ZeRO stage that ``load_checkpoint`` answers from the
+        reshard plan (ZeRO 1-3 both sides, no tensor or pipeline parallelism, no foreign classes to keep)."""
+        other = (ckpt.world_size, ckpt.zero_stage) != (data_parallel(self.engine)[1], self.stage)
+        return (other and not trust and ckpt.zero_stage in (1, 2, 3) and self.stage in (1, 2, 3)
+                and ckpt.grid.tp == 1 and not ckpt.pp_slices)
+
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer: bool = True, trust: bool = False, ckpt=None) -> dict[str, Any]:
         """Restore module (+ optimizer when training continues) and return the client state.
@@ -283,15 +290,19 @@ class Runtime:
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)
         safe_load.install(self.engine, trust)
-        if ckpt.world_size * ckpt.grid.tp != world_size():
+        kwargs = dict(load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer)
+        if self.loads_resharded(ckpt, trust):
+            from .planned_load import load_resharded
+
+            path, client = load_resharded(self.engine, load_dir, ckpt.layout.tag, **kwargs)
+        elif ckpt.world_size * ckpt.grid.tp != world_size():
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at {ckpt.grid.describe()} ({ckpt.world_size * ckpt.grid.tp} ranks), "
                 f"but this run has world size {world_size()}; DeepSpeed cannot reshard it",
                 hint=f"run `dsckpt consolidate {shlex.quote(str(load_dir))} model.safetensors`, then "
                      "`dsckpt resume --full-weights model.safetensors` at any world size")
-        path, client = self.engine.load_checkpoint(
-            str(load_dir), tag=ckpt.layout.tag, load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=load_optimizer)
+        else:
+            path, client = self.engine.load_checkpoint(str(load_dir), tag=ckpt.layout.tag, **kwargs)
         if path is None or client is None:
             raise CheckpointNotFoundError(f"{load_dir}: not a DeepSpeed checkpoint DeepSpeed could load",
                                           hint="for a single weights file use --full-weights")

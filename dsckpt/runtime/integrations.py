@@ -7,7 +7,9 @@ when those follow-ups happen, so that no folder a trainer would resume from look
   published.  A Lightning DeepSpeed checkpoint folder holds nothing but DeepSpeed's files, `latest` last.
 * HF Trainer (``HFAsyncSave``): each ``checkpoint-N`` is written under ``output_dir/.dsckpt-pending/`` and moved into
   ``output_dir`` once every rank's DeepSpeed files are durable; ``save_total_limit``'s rotation runs after that move.
-  ``resume_from_checkpoint=True`` therefore never picks a checkpoint that is still being written.
+  ``resume_from_checkpoint=True`` therefore never picks a checkpoint that is still being written.  The engine is
+  taken over right after ``accelerator.prepare`` makes it, so that a resume at another world size or ZeRO stage
+  loads too (``planned_load``).
 * Accelerate and plain loops: ``enable_async_save(engine)`` directly (``accelerator.deepspeed_engine_wrapped.engine``).
 """
 from __future__ import annotations
@@ -53,10 +55,23 @@ def HFAsyncSave(trainer: Any) -> Any:
     class _HFAsyncSave(TrainerCallback):
         saver: AsyncSave | None = None
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.saver is None:
-                self.saver = enable_async_save(trainer.model_wrapped)
+        def __init__(self) -> None:
+            prepare = trainer.accelerator.prepare
+
+            def prepare_then_enable(*args: Any, **kwargs: Any) -> Any:
+                prepared = prepare(*args, **kwargs)
+                self.enable()  # before the Trainer resumes: a checkpoint of another world size loads too
+                return prepared
+            trainer.accelerator.prepare = prepare_then_enable
+
+        def enable(self) -> None:
+            wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
+            if self.saver is None and wrapped is not None:
+                self.saver = enable_async_save(wrapped.engine)
                 trainer._save_checkpoint = self._staged(trainer._save_checkpoint)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.enable()
 
         def _staged(self, save_checkpoint: Any) -> Any:
             def staged_save(model: Any, trial: Any) -> None:

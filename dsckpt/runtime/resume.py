@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import VerificationError
+from ..errors import WorldSizeMismatchError, VerificationError
 from . import console
 from . import engine as eng
 from .client_state import Position, describe, hf_trainer_state, read_client_state
@@ -54,7 +54,8 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     ckpt = open_checkpoint(ckpt_dir, tag=tag)  # read once: metadata for every step below
     if ckpt.world_size != trainer.data_ranks or (reshard and ckpt.zero_stage != trainer.runtime.stage):
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
-            trainer.runtime.load_checkpoint(ckpt_dir, tag=tag, trust=trust, ckpt=ckpt)
+            raise WorldSizeMismatchError(f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, "
+                                         f"but this run has {trainer.data_ranks}", hint="add --reshard")
         return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client, trust)
     return _load_sharded(trainer, ckpt_dir, tag, ckpt, skip_client, trust, shown_as=ckpt_dir)
 
@@ -75,11 +76,13 @@ def _load_sharded(trainer: Trainer, path: str, tag: str | None, ckpt, skip_clien
 
 def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, strict: bool,
                       skip_client: bool, trust: bool) -> Position | None:
-    """Another world size, through one temp folder beside the checkpoint that rank 0 writes.
+    """Another world size (or ZeRO stage).
 
-    ZeRO 1-3 to ZeRO 1-3: ``dsckpt reshard`` to this world size and stage, then DeepSpeed's own load -
-    weights, fp32 masters, optimizer moments, scheduler and client state carry over.  From (or to) ZeRO-0:
-    consolidated weights, the optimizer fresh.
+    ZeRO 1-3 to ZeRO 1-3: DeepSpeed's own load, each file answered from the reshard plan (``planned_load``: no
+    copy) - weights, fp32 masters, optimizer moments, scheduler and client state carry over.  Tensor- or pipeline-
+    parallel runs, or ``--trust-checkpoint`` (foreign classes kept): ``dsckpt reshard`` into one temp folder beside
+    the checkpoint that rank 0 writes, then the same load.  From (or to) ZeRO-0: consolidated weights, the
+    optimizer fresh.
     """
     import tempfile
 
@@ -88,6 +91,12 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     from ..zero.reader import open_checkpoint
 
     keep_optimizer = ckpt.zero_stage in (1, 2, 3) and trainer.runtime.stage in (1, 2, 3)  # reshard --stage: any
+    moved = f"ZeRO-{ckpt.zero_stage}" + (f" -> ZeRO-{trainer.runtime.stage}"
+                                         if trainer.runtime.stage != ckpt.zero_stage else "")
+    if keep_optimizer and trainer.runtime.loads_resharded(ckpt, trust):
+        console.note(f"resharded {moved} from {ckpt.world_size} to {trainer.data_ranks} ranks: weights, optimizer "
+                     "state and client state carried over (read from the original files, no copy written)")
+        return _load_sharded(trainer, ckpt_dir, tag, ckpt, skip_client, trust, shown_as=ckpt_dir)
     beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
     tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
     tmp = Path(broadcast_object(str(tmp) if tmp else None))
@@ -101,8 +110,6 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
         if eng.world_size() > 1:
             dist.barrier()
         if keep_optimizer:
-            moved = f"ZeRO-{ckpt.zero_stage}" + (f" -> ZeRO-{trainer.runtime.stage}"
-                                                 if trainer.runtime.stage != ckpt.zero_stage else "")
             console.note(f"resharded {moved} from {ckpt.world_size} to {trainer.data_ranks} ranks"
                          f"{f' (data parallel, x tp {ckpt.grid.tp})' if ckpt.grid.tp > 1 else ''}: weights, optimizer "
                          "state and client state carried over")

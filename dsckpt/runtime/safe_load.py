@@ -33,11 +33,13 @@ def check_checkpoint_classes(ckpt) -> None:
                 "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT)
 
 
-def safe_torch_load(path: str, map_location=None):
+def safe_torch_load(path, map_location=None, name: str | None = None):
+    """``torch.load(path, weights_only=True)`` allowing DeepSpeed's own classes; ``path`` may be a file object
+    (``name`` then names it in errors)."""
     import torch
     from torch.serialization import safe_globals
 
-    allowed = [_import(name) for name in DEEPSPEED_CLASSES]
+    allowed = [_import(cls) for cls in DEEPSPEED_CLASSES]
     try:
         with safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -45,7 +47,7 @@ def safe_torch_load(path: str, map_location=None):
         match = re.search(r"(?:Unsupported global|GLOBAL) ([\w.]+)", str(exc))
         if match is None:
             raise
-        raise UnsafeCheckpointError(f"{path}: names {match.group(1)}, beyond DeepSpeed's own classes; refused "
+        raise UnsafeCheckpointError(f"{name or path}: names {match.group(1)}, beyond DeepSpeed's own classes; refused "
                                     "(weights_only load)", hint=TRUST_HINT) from None
 
 

@@ -1,0 +1,112 @@
+"""Loading a checkpoint at another data-parallel world size or ZeRO stage without writing a copy of it.
+
+DeepSpeed's own ``load_checkpoint`` runs, and every file it asks its checkpoint engine for is answered from the
+reshard plan (``plan.reshard``: per file of the checkpoint at this world size and stage, the tree of the source
+file it derives from with its partitions as byte ranges of the original files).  Order, on every rank:
+
+1. ``load_resharded(engine, load_dir, tag)`` opens the checkpoint with dsckpt's reader (refusing pickles of foreign
+   classes) and builds the plan for the engine's data-parallel size and stage: pure, no tensor byte read.
+2. ``engine.load_checkpoint`` runs with two answers swapped in for its duration: the checkpoint engine's ``load``
+   (a planned file is rendered in memory, its byte ranges CRC-checked as read, then unpickled weights-only; any
+   other file is read from disk, weights-only) and the engine's list of model-states files (DeepSpeed globs the tag
+   folder for them, and the planned ones are not on disk).
+3. Each rank reads the ranges of the files it loads: its own optimizer partition and the model states, as a
+   stock load of a checkpoint of this world size would.
+"""
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+from typing import Any, Callable
+
+from ..errors import UnsupportedCheckpointError
+from .safe_load import check_checkpoint_classes, safe_torch_load
+
+
+def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
+                   load: Callable[..., Any] | None = None,
+                   **load_kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """``engine.load_checkpoint(load_dir, tag, **load_kwargs)`` at any data-parallel world size and ZeRO stage 1-3
+    of the checkpoint: its fp32 masters, optimizer moments, step, scheduler and client state as a checkpoint
+    written at this world size would give them.  ``load``: the engine's own ``load_checkpoint`` where it is
+    wrapped.  Returns DeepSpeed's ``(path, client_state)``."""
+    from ..api.resharding import carry_only_allowed
+    from ..plan.reshard import build_reshard_plan
+    from ..zero.reader import open_checkpoint
+    from .engine import data_parallel
+
+    ckpt = open_checkpoint(load_dir, tag=tag)
+    check_checkpoint_classes(ckpt)
+    ranks, stage = data_parallel(engine)[1], engine.zero_optimization_stage()
+    if ckpt.grid.tp > 1 or ckpt.pp_slices:
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a tensor- or pipeline-parallel checkpoint",
+                                         hint="`dsckpt reshard` it first, then load the copy")
+    load = load or engine.load_checkpoint
+    loader = engine.checkpoint_engine
+    stock_load = loader.load
+    if (ckpt.world_size, ckpt.zero_stage) == (ranks, stage):
+        loader.load = safe_torch_load
+        try:
+            return load(str(load_dir), tag=ckpt.layout.tag, **load_kwargs)
+        finally:
+            loader.load = stock_load
+    plan, _ = carry_only_allowed(build_reshard_plan(ckpt, ranks, stage))
+    tag_dir = os.path.abspath(ckpt.layout.tag_dir)
+    planned = {f.name: f for f in plan.files}
+    stand_ins: dict[str, Any] = {}  # an existing file's path handed to DeepSpeed, which asserts it exists
+
+    def answer(path: str, map_location: Any = None) -> Any:
+        path = os.path.abspath(path)
+        f = stand_ins.get(path) or (planned.get(os.path.basename(path)) if os.path.dirname(path) == tag_dir else None)
+        if f is None:
+            return safe_torch_load(path, map_location=map_location)
+        return safe_torch_load(_render(f), map_location=map_location, name=os.path.join(tag_dir, f.name))
+
+    def model_files(checkpoints_path: str, tag: str) -> list[str]:
+        pattern = os.path.basename(stock_names(checkpoints_path, tag, mp_placeholder="*"))
+        names = []
+        for name in sorted(n for n in planned if fnmatch.fnmatch(n, pattern)):
+            stand_in = os.path.abspath(planned[name].template)
+            stand_ins[stand_in] = planned[name]
+            names.append(stand_in)
+        return names
+
+    stock_names, stock_list = engine._get_ckpt_name, engine._get_all_ckpt_names
+    loader.load, engine._get_all_ckpt_names = answer, model_files
+    try:
+        return load(str(load_dir), tag=ckpt.layout.tag, **load_kwargs)
+    finally:
+        loader.load, engine._get_all_ckpt_names = stock_load, stock_list
+
+
+def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> bool:
+    """Whether the checkpoint is dsckpt-readable, ZeRO 1-3, and at another data-parallel size or stage than
+    ``engine`` (what ``load_resharded`` adds to a stock load); False for anything it cannot tell."""
+    from ..errors import DsckptError
+    from ..zero.reader import open_checkpoint
+    from .engine import data_parallel
+
+    try:
+        ckpt = open_checkpoint(load_dir, tag=tag)
+    except DsckptError:
+        return False
+    stage = engine.zero_optimization_stage()
+    return (ckpt.world_size, ckpt.zero_stage) != (data_parallel(engine)[1], stage) and \
+        ckpt.zero_stage in (1, 2, 3) and stage in (1, 2, 3) and ckpt.grid.tp == 1 and not ckpt.pp_slices
+
+
+def _render(f: Any) -> io.BytesIO:
+    """One planned file as the torch zip a copy on disk would hold, in memory (its source ranges CRC-checked)."""
+    from ..formats.pickle_writer import dumps
+    from ..io.integrity import check_sources
+    from ..io.read import Reader
+    from ..io.torch_writer import write_pickled
+    from ..plan.segments import tree_pieces
+
+    check_sources(tree_pieces(f.tree))
+    buf = io.BytesIO()
+    with Reader() as reader:
+        write_pickled(buf, dumps(f.tree), reader)
+    buf.seek(0)
+    return buf
