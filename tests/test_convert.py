@@ -11,13 +11,17 @@ and int buffers, sizes no world size divides), ZeRO-1/2/3 and ZeRO-3 cut into su
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ODD_STEPS, _capabilities, run_cli, run_job, skip_beyond_devices, tree_differences
+from conftest import (FIXTURES, ODD_STEPS, PYTHONPATH, _capabilities, run_cli, run_job, skip_beyond_devices,
+                      tree_differences)
 from dsckpt.formats.torchzip import TorchFile
 from dsckpt.plan.training_state import build_training_state
 from dsckpt.zero.reader import open_checkpoint
@@ -264,3 +268,25 @@ def test_foreign_client_classes_are_left_out_of_the_copied_model_states(tmp_path
     written = TorchFile(tmp_path / "u" / "step3" / "mp_rank_00_model_states.pt").obj
     assert "payload" not in written and "module" in written
     assert not marker.exists()
+
+
+def test_dcp_write_failure_is_a_typed_error(tmp_path):
+    """A write that fails inside torch.distributed.checkpoint (here a file-size limit: EFBIG) is the typed output
+    error with its JSON document, exit 2, nothing at OUT - not torch's wrapped traceback with exit 1."""
+    import resource
+    import signal
+
+    pytest.importorskip("torch")
+    out = tmp_path / "dcp"
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "dsckpt", "convert", str(FIXTURES / "z2_ws2_fp32"), str(out),
+                           "--to", "dcp", "--json"], capture_output=True, text=True, preexec_fn=limited,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["error"].startswith(f"{out}: writing failed (File too large)") and doc["exit"] == 2
+    assert "Traceback" not in proc.stderr and not out.exists() and list(tmp_path.iterdir()) == []

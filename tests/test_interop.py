@@ -204,3 +204,30 @@ def test_load_into_a_meta_model_keeps_ties_and_reports_keys(lightning_run, tmp_p
         dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors")
     lenient = dsckpt.load_into(torch.nn.Linear(3, 3), tmp_path / "m.safetensors", strict=False)
     assert lenient.missing_keys == ["weight", "bias"] and "gate" in lenient.unexpected_keys
+
+
+def test_load_into_warns_of_tensors_left_on_meta(tmp_path):
+    """A model with a non-persistent buffer (what HF's RoPE has: inv_freq) built on meta: load_into fills the
+    parameters, and warns naming the buffer the checkpoint cannot hold (its first forward would fail)."""
+    import warnings
+
+    import torch
+    from safetensors.torch import save_file
+
+    import dsckpt
+    from dsckpt.api.loading import StillMetaWarning
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+
+    save_file({k: v.contiguous() for k, v in Rope().state_dict().items()}, tmp_path / "w.safetensors")
+    with torch.device("meta"):
+        model = Rope()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = dsckpt.load_into(model, tmp_path / "w.safetensors")
+    assert report.still_meta == ["inv_freq"] and not model.proj.weight.is_meta
+    assert [str(w.message) for w in caught if issubclass(w.category, StillMetaWarning) and "inv_freq" in str(w.message)]

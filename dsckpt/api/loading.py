@@ -14,6 +14,7 @@ and loads it with ``strict=False``, reporting nothing.  Here:
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -114,7 +115,18 @@ def _load_into(model: nn.Module, src: _Source, source, strict: bool) -> LoadRepo
             source_name = next(o for o in groups.get(name, ()) if o in report.loaded)
             report.tied[name] = source_name
     report.still_meta = [n for n, (m, a, _) in _all_tensors(model).items() if getattr(m, a).is_meta]
+    if report.still_meta:  # a checkpoint never holds non-persistent buffers: the first forward would fail on them
+        shown = ", ".join(report.still_meta[:5]) + (f" and {len(report.still_meta) - 5} more"
+                                                     if len(report.still_meta) > 5 else "")
+        warnings.warn(f"load_into: {len(report.still_meta)} tensor(s) of the model are still on the meta device "
+                      f"(no checkpoint holds them: non-persistent buffers such as RoPE's inv_freq): {shown}; build "
+                      "the model with parameters alone on meta, e.g. accelerate.init_empty_weights() (buffers real)",
+                      StillMetaWarning, stacklevel=3)
     return report
+
+
+class StillMetaWarning(UserWarning):
+    """``load_into`` left tensors on the meta device: the checkpoint cannot fill them (non-persistent buffers)."""
 
 
 def _all_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:

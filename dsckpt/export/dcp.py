@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..dtypes import torch_dtype
-from ..errors import MissingExtraError, missing_modules
+from ..errors import DsckptError, MissingExtraError, OutputError, missing_modules
 from .targets import ConvertRequest, PreparedConversion, Target, register_target
 
 if TYPE_CHECKING:  # (the plans and writers load with the first conversion, not with --help)
@@ -180,9 +180,19 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
             done.set_result(results)
             return done
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(_state_dict(state, lazy), storage_writer=StreamingWriter(str(out), sync_files=fsync), no_dist=True)
+        try:
+            dcp.save(_state_dict(state, lazy), storage_writer=StreamingWriter(str(out), sync_files=fsync),
+                     no_dist=True)
+        except CheckpointException as exc:  # torch wraps the writer's own error: raise that one (a full disk...)
+            causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+            cause = next((c for c in causes if isinstance(c, BaseException)), None)
+            if isinstance(cause, (OSError, DsckptError)):
+                raise cause from None
+            raise OutputError(f"{out}: torch.distributed.checkpoint could not write it ({cause!r})") from None
 
 
 class DcpTarget(Target):

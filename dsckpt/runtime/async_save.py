@@ -17,12 +17,11 @@ Order of calls, every rank:
    flushes; after a second agreement rank 0 moves ``latest`` (temp, flush, rename). A crash at any moment leaves
    ``latest`` on the previous tag; a failure on any rank removes every rank's temps and is raised on every rank at
    its next save, step or ``wait()``.
-4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``
-   and at interpreter exit) waits and stops the thread.
+4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
+   ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
@@ -38,11 +37,10 @@ import torch
 from ..errors import BackgroundSaveError
 from ..zero.layout import LATEST_FILE
 from .snapshot import HostPool, Snapshot
+from .staged_files import fsync, publish_latest, remove_temps, temp_for
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
-TEMP_SUFFIX = ".dsckpt-tmp"
-TEMP_FOLDER = ".dsckpt-saving"  # beside the tag's files; a temp keeps the final name: torch.save names its zip's entries by it
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -131,7 +129,10 @@ class AsyncSave:
         self.closed = False
         self._wrap(engine)
         _OPEN.add(self)
-        atexit.register(self.close)
+        import concurrent.futures.thread  # noqa: F401  (its exit hook registered first, so it runs after ours)
+
+        # a script that ends right after a save: persist before the interpreter stops the readers' thread pools
+        threading._register_atexit(self.close)  # type: ignore[attr-defined]
 
     # -- the training thread ---------------------------------------------------------------------
     def _wrap(self, engine: Any) -> None:
@@ -140,6 +141,9 @@ class AsyncSave:
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
 
         def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+            if self.closed:  # the writer has stopped: DeepSpeed's own blocking save
+                return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                            exclude_frozen_parameters=exclude_frozen_parameters)
             waited = self._wait_previous()
             start = time.perf_counter()
             self.current, self.in_save = None, True
@@ -240,7 +244,8 @@ class AsyncSave:
         self._wait_previous(say=False)
 
     def close(self) -> None:
-        """Wait for the saves in flight, then stop the writer (idempotent; a failure is raised once)."""
+        """Wait for the saves in flight, then stop the writer (idempotent; a failure is raised once).  Saves after
+        it block, as DeepSpeed's own do."""
         if self.closed:
             return
         self.closed = True
@@ -270,7 +275,7 @@ class AsyncSave:
                 continue
             try:
                 if item.aborted:
-                    _remove_temps(item.files)
+                    remove_temps(item.files)
                 else:
                     self._commit(item, error, started)
             except BaseException as exc:  # the commit's own channel broke: the tag is not published
@@ -293,10 +298,10 @@ class AsyncSave:
 
         if item.ready is not None:
             item.ready.synchronize()
-        temp = _temp(item.path)
+        temp = temp_for(item.path)
         os.makedirs(os.path.dirname(temp), exist_ok=True)
         self.write(item.state, temp)
-        _fsync(temp)
+        fsync(temp)
         check_files([Path(temp)])  # what reached the file is what the zip's CRC-32s say
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
@@ -304,23 +309,23 @@ class AsyncSave:
         if not failed:
             try:
                 for path in tag.files:
-                    os.replace(_temp(path), path)
-                _remove_temps(tag.files)
+                    os.replace(temp_for(path), path)
+                remove_temps(tag.files)
                 for folder in sorted({os.path.dirname(p) for p in tag.files}):
-                    _fsync(folder)
+                    fsync(folder)
             except OSError as exc:
                 error = exc
             failed = self._agree(error is None)
         if not failed and self.rank == 0 and tag.save_latest:
             try:
-                _publish_latest(Path(tag.save_dir), tag.tag)
+                publish_latest(Path(tag.save_dir), tag.tag)
             except OSError as exc:
                 error = exc
         if not failed:
             failed = self._agree(error is None)
         tag.record.persist_s = time.perf_counter() - started
         if failed:
-            _remove_temps(tag.files)
+            remove_temps(tag.files)
             latest = Path(tag.save_dir) / LATEST_FILE
             kept = f"`latest` still names {latest.read_text().strip()!r}" if latest.exists() else "no `latest` written"
             here = f" ({type(error).__name__}: {error})" if error is not None else ""
@@ -362,6 +367,13 @@ def enable_async_save(engine: Any, report: Callable[[str], None] | None = None) 
     return saver
 
 
+def wait_all() -> None:
+    """Every background save of this process durable (a load of a folder this process saves into waits for it)."""
+    for saver in list(_OPEN):
+        if not saver.closed:
+            saver.wait()
+
+
 def close_all() -> None:
     """Wait for every background save of this process (``runtime.engine.shutdown`` calls it: a finished command
     ends with ``os._exit``, which runs no ``atexit``)."""
@@ -371,36 +383,3 @@ def close_all() -> None:
 
 def _torch_save(state: Any, path: str) -> None:
     torch.save(state, path)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp(path: str) -> str:
-    return os.path.join(os.path.dirname(path), TEMP_FOLDER, os.path.basename(path))
-
-
-def _remove_temps(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.remove(_temp(path))
-        except FileNotFoundError:
-            pass
-    for folder in {os.path.dirname(_temp(p)) for p in paths}:
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass  # another rank's temps are still in it; the last rank removes it
-
-
-def _publish_latest(save_dir: Path, tag: str) -> None:
-    temp = save_dir / f".{LATEST_FILE}{TEMP_SUFFIX}"
-    temp.write_text(tag)
-    _fsync(str(temp))
-    os.replace(temp, save_dir / LATEST_FILE)
-    _fsync(str(save_dir))

@@ -274,7 +274,7 @@ class Runtime:
         reshard plan (ZeRO 1-3 both sides, no tensor or pipeline parallelism, no foreign classes to keep)."""
         other = (ckpt.world_size, ckpt.zero_stage) != (data_parallel(self.engine)[1], self.stage)
         return (other and not trust and ckpt.zero_stage in (1, 2, 3) and self.stage in (1, 2, 3)
-                and ckpt.grid.tp == 1 and not ckpt.pp_slices)
+                and ckpt.grid.tp == 1 and not ckpt.pp_slices and not ckpt.universal)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer: bool = True, trust: bool = False, ckpt=None) -> dict[str, Any]:
@@ -286,6 +286,8 @@ class Runtime:
         from ..zero.reader import open_checkpoint
         from . import safe_load
 
+        if "dsckpt.runtime.async_save" in sys.modules:  # a tag this process is still writing is not loadable yet
+            sys.modules["dsckpt.runtime.async_save"].wait_all()
         ckpt = ckpt or open_checkpoint(load_dir, tag=tag)  # ``ckpt``: already opened by the caller
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)

@@ -42,7 +42,7 @@ def LightningAsyncSave() -> Any:
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if self.saver is not None:
-                self.saver.close()
+                self.saver.wait()  # (a trainer.save_checkpoint after fit still saves in the background)
 
     return _LightningAsyncSave()
 

@@ -34,11 +34,10 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
     from ..api.resharding import carry_only_allowed
     from ..plan.reshard import build_reshard_plan
     from ..zero.reader import open_checkpoint
-    from .engine import data_parallel
 
     ckpt = open_checkpoint(load_dir, tag=tag)
     check_checkpoint_classes(ckpt)
-    ranks, stage = data_parallel(engine)[1], engine.zero_optimization_stage()
+    ranks, stage = engine.dp_world_size, engine.zero_optimization_stage()  # (DeepSpeed names its files by these)
     if ckpt.grid.tp > 1 or ckpt.pp_slices:
         raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a tensor- or pipeline-parallel checkpoint",
                                          hint="`dsckpt reshard` it first, then load the copy")
@@ -85,15 +84,15 @@ def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> b
     ``engine`` (what ``load_resharded`` adds to a stock load); False for anything it cannot tell."""
     from ..errors import DsckptError
     from ..zero.reader import open_checkpoint
-    from .engine import data_parallel
 
     try:
         ckpt = open_checkpoint(load_dir, tag=tag)
     except DsckptError:
         return False
     stage = engine.zero_optimization_stage()
-    return (ckpt.world_size, ckpt.zero_stage) != (data_parallel(engine)[1], stage) and \
-        ckpt.zero_stage in (1, 2, 3) and stage in (1, 2, 3) and ckpt.grid.tp == 1 and not ckpt.pp_slices
+    return (ckpt.world_size, ckpt.zero_stage) != (engine.dp_world_size, stage) and \
+        ckpt.zero_stage in (1, 2, 3) and stage in (1, 2, 3) and ckpt.grid.tp == 1 and not ckpt.pp_slices and \
+        not ckpt.universal
 
 
 def _render(f: Any) -> io.BytesIO:

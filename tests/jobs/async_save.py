@@ -98,13 +98,15 @@ def main(stage: str, out: str, report: str) -> None:
 
     runtime.load_checkpoint(root / "async", tag="t")  # DeepSpeed's own load (weights-only unpickler)
     restored = same(capture(trainer.engine), before)
+    saver.close()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t5")  # after close: a blocking save
+    latest_after_close = (root / "async" / "latest").read_text()
     if rank() == 0:
         Path(report).write_text(json.dumps({
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
-            "latest_after_t4": latest_after_t4, "restored": restored,
+            "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
-    saver.close()
 
 
 if __name__ == "__main__":
