@@ -33,13 +33,13 @@ def main(native: str, other: str, stage: str, rounds: str, report: str) -> None:
     safe_load.install(engine)
     rows = []
     for r in range(int(rounds)):
-        for mode in (("stock", "planned") if r % 2 == 0 else ("planned", "stock")):
+        for mode in (("stock", "planned", "planned-no-crc") if r % 2 == 0 else ("planned-no-crc", "planned", "stock")):
             dist.barrier()
             t0, b0 = time.perf_counter(), rchar()
             if mode == "stock":
                 path, _ = engine.load_checkpoint(native)
             else:
-                path, _ = load_resharded(engine, other)
+                path, _ = load_resharded(engine, other, check_crc=mode == "planned")
             seconds, nbytes = time.perf_counter() - t0, rchar() - b0
             assert path is not None
             gathered = [None] * world_size()

@@ -7,8 +7,8 @@ file it derives from with its partitions as byte ranges of the original files). 
 1. ``load_resharded(engine, load_dir, tag)`` opens the checkpoint with dsckpt's reader (refusing pickles of foreign
    classes) and builds the plan for the engine's data-parallel size and stage: pure, no tensor byte read.
 2. ``engine.load_checkpoint`` runs with two answers swapped in for its duration: the checkpoint engine's ``load``
-   (a planned file is rendered in memory, its byte ranges CRC-checked as read, then unpickled weights-only; any
-   other file is read from disk, weights-only) and the engine's list of model-states files (DeepSpeed globs the tag
+   (a planned file is rendered into an anonymous in-memory file, its byte ranges CRC-checked, then unpickled
+   weights-only with its tensors mapped from it; any other file is read from disk, weights-only) and the engine's list of model-states files (DeepSpeed globs the tag
    folder for them, and the planned ones are not on disk).
 3. Each rank reads the ranges of the files it loads: its own optimizer partition and the model states, as a
    stock load of a checkpoint of this world size would.
@@ -16,7 +16,6 @@ file it derives from with its partitions as byte ranges of the original files). 
 from __future__ import annotations
 
 import fnmatch
-import io
 import os
 from typing import Any, Callable
 
@@ -25,12 +24,14 @@ from .safe_load import check_checkpoint_classes, safe_torch_load
 
 
 def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
-                   load: Callable[..., Any] | None = None,
+                   load: Callable[..., Any] | None = None, check_crc: bool = True,
                    **load_kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
     """``engine.load_checkpoint(load_dir, tag, **load_kwargs)`` at any data-parallel world size and ZeRO stage 1-3
     of the checkpoint: its fp32 masters, optimizer moments, step, scheduler and client state as a checkpoint
     written at this world size would give them.  ``load``: the engine's own ``load_checkpoint`` where it is
-    wrapped.  Returns DeepSpeed's ``(path, client_state)``."""
+    wrapped.  ``check_crc``: check every source storage a planned file reads against its CRC-32 (at ZeRO-1/2 a
+    partition's storage is read whole for it, beyond the ranges the file takes).  Returns DeepSpeed's
+    ``(path, client_state)``."""
     from ..api.resharding import carry_only_allowed
     from ..plan.reshard import build_reshard_plan
     from ..zero.reader import open_checkpoint
@@ -60,7 +61,12 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
         f = stand_ins.get(path) or (planned.get(os.path.basename(path)) if os.path.dirname(path) == tag_dir else None)
         if f is None:
             return safe_torch_load(path, map_location=map_location)
-        return safe_torch_load(_render(f), map_location=map_location, name=os.path.join(tag_dir, f.name))
+        fd = _render(f, check_crc)
+        try:  # the tensors map the rendered file's pages: nothing is copied a second time
+            return safe_torch_load(f"/proc/self/fd/{fd}", map_location=map_location, mmap=True,
+                                   name=os.path.join(tag_dir, f.name))
+        finally:
+            os.close(fd)
 
     def model_files(checkpoints_path: str, tag: str) -> list[str]:
         pattern = os.path.basename(stock_names(checkpoints_path, tag, mp_placeholder="*"))
@@ -95,17 +101,23 @@ def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> b
         not ckpt.universal
 
 
-def _render(f: Any) -> io.BytesIO:
-    """One planned file as the torch zip a copy on disk would hold, in memory (its source ranges CRC-checked)."""
+def _render(f: Any, check_crc: bool) -> int:
+    """One planned file as the torch zip a copy on disk would hold, in an anonymous in-memory file (``memfd``: no
+    path, gone with its last mapping); its source ranges CRC-checked.  Returns the descriptor."""
+    from pathlib import Path
+
     from ..formats.pickle_writer import dumps
     from ..io.integrity import check_sources
     from ..io.read import Reader
     from ..io.torch_writer import write_pickled
     from ..plan.segments import tree_pieces
 
-    check_sources(tree_pieces(f.tree))
-    buf = io.BytesIO()
-    with Reader() as reader:
-        write_pickled(buf, dumps(f.tree), reader)
-    buf.seek(0)
-    return buf
+    check_sources(tree_pieces(f.tree), skip=not check_crc)
+    fd = os.memfd_create(f.name)
+    try:
+        with Reader() as reader:
+            write_pickled(Path(f"/proc/self/fd/{fd}"), dumps(f.tree), reader)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

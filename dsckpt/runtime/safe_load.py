@@ -33,16 +33,16 @@ def check_checkpoint_classes(ckpt) -> None:
                 "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT)
 
 
-def safe_torch_load(path, map_location=None, name: str | None = None):
-    """``torch.load(path, weights_only=True)`` allowing DeepSpeed's own classes; ``path`` may be a file object
-    (``name`` then names it in errors)."""
+def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` allowing DeepSpeed's own classes (``name``: what errors call ``path``;
+    ``mmap``: tensors mapped from the file, not read)."""
     import torch
     from torch.serialization import safe_globals
 
     allowed = [_import(cls) for cls in DEEPSPEED_CLASSES]
     try:
         with safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises UnpicklingError (wrapped in various ways) for a foreign global
         match = re.search(r"(?:Unsupported global|GLOBAL) ([\w.]+)", str(exc))
         if match is None:
