@@ -6,6 +6,7 @@ Every output is compared byte for byte with the same command's output on the loc
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -507,3 +508,33 @@ def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_every_reading_command_takes_another_tag_than_latest_in_a_bucket(s3, tmp_path):
+    """Rolling back to an older tag in a bucket: --tag (and the API's tag=) of a tag `latest` does not name works
+    as it does on a local folder - consolidate, reshard, convert, diff, check-finite, verify, inspect, load_state_dict."""
+    import shutil
+
+    import torch
+
+    import dsckpt
+
+    local = tmp_path / "two_tags"
+    shutil.copytree(FIXTURES / "z3_ws2_fp32", local)
+    old = (local / "latest").read_text().strip()
+    shutil.copytree(local / old, local / "newer")
+    (local / "latest").write_text("newer")
+    url = f"s3://{BUCKET}/two-tags-{tmp_path.name}"
+    s3.put(f"{local}/", url[len("s3://"):] + "/", recursive=True)
+    ok("consolidate", url, tmp_path / "r.safetensors", "--tag", old, "--no-client-state")
+    ok("consolidate", local, tmp_path / "l.safetensors", "--tag", old, "--no-client-state")
+    assert (tmp_path / "r.safetensors").read_bytes() == (tmp_path / "l.safetensors").read_bytes()
+    ok("reshard", url, tmp_path / "rs", "-w", "3", "--tag", old)
+    ok("convert", url, tmp_path / "u", "--to", "universal", "--tag", old)
+    assert "IDENTICAL" in ok("diff", url, local, "--tag-a", old, "--tag-b", old).stdout
+    ok("check-finite", url, "--tag", old)
+    assert ok("verify", url, "--tag", old).stdout == ok("verify", local, "--tag", old).stdout
+    report = json.loads(ok("inspect", url, "--tag", old, "--json").stdout)
+    assert report["tag"] == old and set(report["tags"]) == {old, "newer"}, report
+    got, want = dsckpt.load_state_dict(url, tag=old), dsckpt.load_state_dict(local, tag=old)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

@@ -270,9 +270,14 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
     view = View(scratch / name, chosen, scratch, scratch / name, {rel: group.rank for rel in wanted}, set(),
                 group.rank, store)
+    others = [rel for rel in sizes if chosen is not None and "/" in rel and rel.split("/")[0] != chosen
+              and L.RANK_FILE_RE.match(rel.split("/")[1])]
     try:
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
         _write_skeletons(store, view, {rel: sizes[rel] for rel in wanted})
+        for rel in others:  # the other tags by name only (empty files): `latest` may name one, `inspect` lists them
+            view.path(rel).parent.mkdir(parents=True, exist_ok=True)
+            view.path(rel).touch()
     except OSError as exc:
         view.close()
         raise OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - the local view of {url}") from None
