@@ -415,15 +415,22 @@ def test_the_reading_api_and_commands_take_urls(s3, tmp_path):
 
 
 def test_resume_from_a_bucket_sharded_and_from_full_weights(s3, tmp_path):
-    """resume fetches what DeepSpeed's loader reads to a scratch folder; its messages name the URL."""
+    """resume fetches what DeepSpeed's loader reads to a scratch folder, removed when it ends (one process too: it
+    ends without interpreter teardown); its messages name the URL."""
+    from dsckpt.io.remote import SCRATCH_ENV
+
     model = "dsckpt.runtime.demo_model:build_small_model"
     env = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
     weights = f"{BUCKET}/full-{tmp_path.name}/model.safetensors"
     ok("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "model.safetensors")
     s3.put(f"{tmp_path}/", f"{BUCKET}/full-{tmp_path.name}/", recursive=True)  # with its client-state sidecars
-    check = run_cli("resume", "--full-weights", f"s3://{weights}", "--model", model, "--stage", "3", "--check", env=env)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    check = run_cli("resume", "--full-weights", f"s3://{weights}", "--model", model, "--stage", "3", "--check",
+                    env={**env, SCRATCH_ENV: str(scratch)})
     assert check.returncode == 0, check.stderr
     assert f"identical to s3://{weights}" in check.stdout + check.stderr and "step 3" in check.stderr
+    assert list(scratch.iterdir()) == []  # the local copy of the weights is gone with the command
     url = f"s3://{BUCKET}/z3_ws2_fp32"
     sharded = run_cli("resume", url, "--model", model, "--nproc", "2", "--steps", "1", "--save-dir", tmp_path / "run",
                       env=env)

@@ -61,4 +61,4 @@ def resume(nproc: int, **kwargs) -> None:
         with commands.interruptible(kwargs.get("save_dir")):
             if launch.should_launch(nproc):
                 sys.exit(launch.launch(nproc))
-            commands.run_resume(**kwargs)
+            commands.run_resume(**kwargs, before_exit=local_copies.close)  # (it ends the process itself)

@@ -12,7 +12,7 @@ import logging
 import shlex
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError, WorldSizeMismatchError
 from . import console
@@ -199,7 +199,7 @@ def _fmt(losses: list[float]) -> str:
 
 
 def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix, check, reshard, trust_checkpoint,
-               as_json, verbose: bool = False, **kwargs) -> None:
+               as_json, verbose: bool = False, before_exit: Callable[[], object] | None = None, **kwargs) -> None:
     from . import engine as eng
     from .resume import check_against_file, resume_full_weights, resume_sharded
     from .train import Trainer
@@ -225,7 +225,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
         trainer.runtime.wait_for_saves()
-        eng.shutdown(exit_process=True)
+        eng.shutdown(exit_process=True, before_exit=before_exit)
         return
     start = trainer.global_step
     losses = trainer.fit(trainer.opts.steps)
@@ -237,4 +237,4 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
                    f"resumed training: steps {start} -> {trainer.global_step} ({_steps(len(losses))}), loss {_fmt(losses)}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
     trainer.runtime.wait_for_saves()
-    eng.shutdown(exit_process=True)
+    eng.shutdown(exit_process=True, before_exit=before_exit)
