@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,3 +371,14 @@ def test_one_string_is_one_prefix(tmp_path):
     consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "b.safetensors", strip_prefixes=("blocks.",))
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
     assert sorted(a) == sorted(b) and any(k.startswith("0.") for k in a) and "embed.weight" in a
+
+
+def test_max_shard_size_takes_bytes_as_hugging_face_does(tmp_path):
+    """``max_shard_size=20000`` (an int, as HF's save_pretrained takes it) shards as ``"20KB"`` does."""
+    from dsckpt import consolidate
+
+    as_int = consolidate(FIXTURES / "z2_ws2_fp32", tmp_path / "a", max_shard_size=20000).files
+    as_text = consolidate(FIXTURES / "z2_ws2_fp32", tmp_path / "b", max_shard_size="20KB").files
+    assert [Path(f).name for f in as_int] == [Path(f).name for f in as_text] and len(as_int) > 2
+    assert all((tmp_path / "a" / Path(f).name).read_bytes() == (tmp_path / "b" / Path(f).name).read_bytes()
+               for f in as_int if f.endswith(".safetensors"))

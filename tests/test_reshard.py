@@ -264,8 +264,10 @@ def test_cli_json_and_inspect_report_the_new_world_size(tmp_path):
 def test_refusals_name_the_problem(tmp_path, fixture_copy):
     with pytest.raises(UnsupportedCheckpointError, match="ZeRO-0 checkpoint is not partitioned"):
         reshard(FIXTURES / "z0_ws1_fp32", tmp_path / "a", 2)
-    with pytest.raises(ConfigError, match="--world-size 0: a checkpoint is split over 1 to"):
+    with pytest.raises(ConfigError, match="world size 0: expected a whole number of data-parallel ranks, 1 to"):
         reshard(FIXTURES / "z2_ws2_fp32", tmp_path / "a", 0)
+    with pytest.raises(ConfigError, match="world size '2': expected a whole number"):  # API words, not the CLI's
+        reshard(FIXTURES / "z2_ws2_fp32", tmp_path / "a", "2")
     with pytest.raises(OutputError, match="inside the checkpoint"):
         reshard(FIXTURES / "z2_ws2_fp32", FIXTURES / "z2_ws2_fp32" / "ws3", 3)
     (tmp_path / "exists").mkdir()

@@ -64,7 +64,14 @@ class Result:
     notes: tuple[str, ...] = ()  # worth telling the user (an unmatched --strip-prefix, how to load tied weights)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MiB"``, or a number of bytes (as Hugging Face's ``max_shard_size`` takes it)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 1:
+            raise OutputError(f"max shard size {text!r}: expected a positive number of bytes")
+        return text
+    if not isinstance(text, str):
+        raise OutputError(f"max shard size {text!r}: expected a size like 5GB or 500MiB, or a number of bytes")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.I)
     if not m:
         raise OutputError(f"max shard size {text!r}: expected a size like 5GB or 500MiB")
@@ -75,7 +82,7 @@ def parse_size(text: str) -> int:
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
-                strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str = DEFAULT_SHARD,
+                strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str | int = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
                 form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
                 check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
@@ -95,7 +102,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
         rename: ``{pattern: replacement}`` (or ``"PATTERN=REPLACEMENT"`` strings): each name the first pattern
             matches in full becomes the replacement (``\\1`` groups expand) - a pipeline run's ``3.up`` onto an
             HF architecture's ``model.layers.2.mlp.up_proj.weight``; applied after ``strip_prefixes``.
-        max_shard_size: for folder outputs, e.g. ``"5GB"``, ``"500MiB"``.
+        max_shard_size: for folder outputs, e.g. ``"5GB"``, ``"500MiB"``, or a number of bytes.
         client_state: write the client state beside OUT (``OUT.client_state.json``) for formats that do not hold it.
         force: replace an existing OUT; in an existing folder only the files dsckpt writes are replaced.
         verify: re-read OUT and compare it byte for byte with the shards before publishing it.

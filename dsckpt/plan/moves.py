@@ -63,8 +63,8 @@ def check_reshardable(ckpt: Checkpoint, world_size: int, ep_size: int | None = N
     if ep_size is not None and not ckpt.experts:
         raise ConfigError(f"--ep-size {ep_size}: {where} is not a mixture-of-experts checkpoint")
     if type(world_size) is not int or not 1 <= world_size <= limit("MAX_WORLD_SIZE"):
-        raise ConfigError(f"--world-size {world_size!r}: a checkpoint is split over 1 to "
-                          f"{limit('MAX_WORLD_SIZE'):,} data-parallel ranks")
+        raise ConfigError(f"world size {world_size!r}: expected a whole number of data-parallel ranks, 1 to "
+                          f"{limit('MAX_WORLD_SIZE'):,}")
     if ckpt.universal:
         raise UnsupportedCheckpointError(f"{where}: a universal checkpoint (ds_to_universal's output) is not split by "
                                          "world size", hint="DeepSpeed loads it at any world size with "
