@@ -64,3 +64,22 @@ def test_every_tag_and_unreadable_input(tmp_path):
     assert code == 0 and [t["tag"] for t in doc["tags"]] == ["step3"]
     proc = run_cli("verify", tmp_path / "nowhere")
     assert proc.returncode == 2 and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_all_tags_with_a_rank_file_being_written(tmp_path):
+    """--all-tags where one tag's rank file is truncated (what a save in progress looks like): that tag's structure
+    problem, exit 1, and a verdict for every other tag - not exit 2 for the whole checkpoint."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+    latest = (root / "latest").read_text().strip()
+    shutil.copytree(root / latest, root / "older")
+    victim = sorted((root / "older").glob("*optim_states.pt"))[0]
+    with open(victim, "r+b") as fh:
+        fh.truncate(20000)
+    code, doc = verified(root, "--all-tags")
+    by_tag = {t["tag"]: t for t in doc["tags"]}
+    assert code == 1 and set(by_tag) == {"older", latest}
+    assert [p["check"] for p in by_tag["older"]["problems"]] == ["structure"]
+    assert victim.name in by_tag["older"]["problems"][0]["message"] and by_tag[latest]["problems"] == []

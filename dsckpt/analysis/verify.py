@@ -71,7 +71,12 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
     for problem in ckpt.problems:  # step 1
         report.add("structure", problem.message)
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
-    failures = crc_failures(files)  # step 3
+    try:
+        failures = crc_failures(files)  # step 3
+    except DsckptError as exc:  # a rank file that is no zip at all (one still being written): this tag's problem
+        if str(exc) not in (p["message"] for p in report.problems):
+            report.add("structure", str(exc))
+        return report
     parts = [t for s in (ckpt.pp_slices or (ckpt,)) for t in (s.tp_slices or (s,))]  # every TP rank's, every stage's
     parsed = [f for part in parts for f in part.model_files + part.optim_files]
     report.storages_checked = sum(len(ckpt_file.storages) for ckpt_file in parsed) + _layer_storages(ckpt)
