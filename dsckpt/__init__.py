@@ -12,8 +12,8 @@ __all__ = ["__version__", "consolidate", "convert", "load_state_dict", "iter_sta
 
 def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
     if name == "open_checkpoint":
-        from .zero.reader import open_checkpoint
-        return open_checkpoint
+        from .api.paths import open_local_checkpoint
+        return open_local_checkpoint
     if name == "enable_async_save":  # torch + DeepSpeed: the runtime extra
         from .runtime.async_save import enable_async_save
         return enable_async_save

@@ -545,3 +545,22 @@ def test_every_reading_command_takes_another_tag_than_latest_in_a_bucket(s3, tmp
     assert report["tag"] == old and set(report["tags"]) == {old, "newer"}, report
     got, want = dsckpt.load_state_dict(url, tag=old), dsckpt.load_state_dict(local, tag=old)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_urls_keep_their_spelling_in_the_api_and_the_catalog(s3, tmp_path):
+    """classify and verify read a bucket; open_checkpoint, list and prune refuse one in the URL's own spelling (not
+    `s3:/...`); an upper-case scheme is the same URL."""
+    import dsckpt
+
+    url, local = f"s3://{BUCKET}/z3_ws2_fp32", FIXTURES / "z3_ws2_fp32"
+    assert dsckpt.classify(url).kind == "deepspeed"
+    assert [(r.tag, r.problems) for r in dsckpt.verify(url, all_tags=True)] == \
+        [(r.tag, r.problems) for r in dsckpt.verify(local, all_tags=True)]
+    with pytest.raises(dsckpt.errors.CheckpointNotFoundError, match=f"^{url}: open_checkpoint reads a local folder"):
+        dsckpt.open_checkpoint(url)
+    for verb in (["list"], ["prune", "--keep", "1"]):
+        proc = run_cli(*verb, url)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"dsckpt: error: {url}: {verb[0]} works on a local"), \
+            proc.stderr
+    upper = "S3://" + url[len("s3://"):]
+    assert json.loads(ok("inspect", upper, "--json").stdout)["zero_stage"] == 3

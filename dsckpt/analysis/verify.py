@@ -53,6 +53,13 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False) -> 
     each described at the top of this module).  An empty ``problems`` list everywhere means the checkpoint is whole, undamaged,
     finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.
     """
+    from ..io.remote import is_url
+
+    if is_url(path):  # a bucket: a local view of it, every byte fetched (the checks read them all)
+        from ..parallel.view import readable
+
+        with readable(path, tag, whole=True, every_tag=all_tags, check=False) as (local, local_tag, *_):
+            return verify(local, local_tag, all_tags)
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
     return [_verify_tag(Path(path), t, first if t == first.layout.tag else None) for t in tags]

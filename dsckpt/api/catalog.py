@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, DsckptError
+from ..errors import CheckpointNotFoundError, DsckptError, OutputError
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
 
@@ -38,9 +38,19 @@ class Entry:
     problems: list[str] = field(default_factory=list)
 
 
+def _local(root: str | os.PathLike, verb: str) -> Path:
+    from ..io.remote import is_url
+
+    if is_url(root):
+        raise OutputError(f"{root}: {verb} works on a local folder of runs",
+                          hint="for a bucket's tags: `dsckpt inspect URL` lists them, `dsckpt verify URL --all-tags` "
+                               "checks each")
+    return Path(root)
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
     """Every checkpoint under ``root`` (a DeepSpeed save folder or an HF ``output_dir``), oldest first."""
-    root = Path(root)
+    root = _local(root, "list")
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: not a folder", hint="pass the folder a run saves into")
     hf = sorted((p for p in root.iterdir() if p.is_dir() and HF_CHECKPOINT.match(p.name) and L.list_tags(p)),
@@ -63,6 +73,7 @@ def prune(root: str | os.PathLike, keep: int, dry_run: bool = False) -> tuple[li
     """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept)."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"keep={keep!r}: at least 1")
+    _local(root, "prune")
     entries = list_checkpoints(root)
     resumed = next((i for i, e in enumerate(entries) if e.resumes_from), len(entries) - 1)
     candidates = [e for e in entries[:resumed] if e.complete]  # older than the one a resume picks

@@ -35,8 +35,16 @@ def classify(path: str | os.PathLike) -> PathKind:
     weights file or folder a registered format reads (``.safetensors``, ``.pt``/``.bin``, a sharded folder, a
     Lightning ``.ckpt``), ``PathKind("unknown")`` otherwise.  Reads names and headers only.
 
-    Raises ``CheckpointNotFoundError`` when nothing is at ``path``.
+    Raises ``CheckpointNotFoundError`` when nothing is at ``path``.  A URL (``s3://``...) is classified from its
+    objects' names and headers.
     """
+    from ..io.remote import is_url
+
+    if is_url(path):
+        from ..parallel.view import readable
+
+        with readable(path, None) as opened:
+            return classify(opened.path)
     p = Path(path)
     if not os.path.lexists(p):
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
@@ -50,6 +58,20 @@ def classify(path: str | os.PathLike) -> PathKind:
             pass  # unreadable: the reader that opens it names the problem
     fmt = for_input(p)
     return PathKind("weights", fmt) if fmt is not None else PathKind("unknown")
+
+
+def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None):
+    """``zero.reader.open_checkpoint`` (the public ``dsckpt.open_checkpoint``), a URL refused in its own spelling: the
+    model it returns points into the files, which a bucket's would not outlive."""
+    from ..errors import CheckpointNotFoundError
+    from ..io.remote import is_url
+    from ..zero.reader import open_checkpoint
+
+    if is_url(path):
+        raise CheckpointNotFoundError(f"{path}: open_checkpoint reads a local folder",
+                                      hint="for a bucket: `dsckpt inspect URL --json`, dsckpt.load_state_dict(URL), "
+                                           "dsckpt.verify(URL), or copy the checkpoint down first")
+    return open_checkpoint(path, tag)
 
 
 def require_checkpoint(path: str | os.PathLike) -> None:

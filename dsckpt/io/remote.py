@@ -59,12 +59,13 @@ def scratch_folder(prefix: str) -> Path:
 
 def filesystem(url: str):
     """fsspec's filesystem for ``url`` and the path inside it; a missing backend is a ``MissingExtraError``."""
-    scheme = url.split("://", 1)[0].lower()
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()  # S3:// is s3:// (the cloud tools take either; fsspec knows only the lower case)
     package, extra = EXTRAS[scheme]
     try:
         from fsspec.core import url_to_fs
 
-        return url_to_fs(url)
+        return url_to_fs(f"{scheme}://{rest}")
     except ImportError:
         raise MissingExtraError(f"{url}: reading {scheme}:// needs fsspec and {package}, not installed",
                                 hint=f"pip install 'dsckpt[{extra}]'") from None
