@@ -356,3 +356,26 @@ def test_a_folder_output_keeps_its_client_state_inside_and_no_file_loading_note(
     assert "tied weights are stored once" not in proc.stderr and "load_model" not in proc.stderr
     file_out = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "m.safetensors")
     assert "tied weights are stored once" in file_out.stderr  # where it applies
+
+
+def test_the_wrong_folder_gets_the_right_hint(tmp_path):
+    """An HF output_dir (checkpoint-N beside the final model.safetensors) is pointed at its checkpoint-N by
+    consolidate, reshard and convert too, not at `resume --full-weights`; dsckpt's own DCP folder is named as one,
+    its client-state sidecar never proposed as weights."""
+    import shutil
+
+    out = tmp_path / "output_dir"
+    out.mkdir()
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", out / "checkpoint-3")
+    assert run_cli("consolidate", FIXTURES / "z2_ws2_fp32", out / "model.safetensors", "-q").returncode == 0
+    for args in (["consolidate", out, tmp_path / "o.safetensors"], ["reshard", out, tmp_path / "o2", "-w", "3"],
+                 ["convert", out, tmp_path / "o3", "--to", "universal"], ["inspect", out]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and "it holds checkpoints in checkpoint-3" in proc.stderr, (args, proc.stderr)
+        assert "--full-weights" not in proc.stderr
+    dcp = tmp_path / "dcp"
+    assert run_cli("convert", FIXTURES / "z2_ws2_fp32", dcp, "--to", "dcp", "-q").returncode == 0
+    for args in (["consolidate", dcp, tmp_path / "d.safetensors"], ["inspect", dcp]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and "a torch.distributed.checkpoint (DCP) folder" in proc.stderr, proc.stderr
+        assert "client_state.safetensors" not in proc.stderr

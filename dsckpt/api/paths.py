@@ -16,7 +16,7 @@ from typing import Literal
 
 from ..errors import CheckpointNotFoundError
 from ..export.registry import Format, for_input
-from ..zero.layout import LATEST_FILE, RANK_FILE_RE, is_tag_dir, list_tags
+from ..zero.layout import DCP_METADATA, LATEST_FILE, RANK_FILE_RE, checkpoints_below, is_tag_dir, list_tags
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ def require_checkpoint(path: str | os.PathLike) -> None:
     if not os.path.lexists(p):
         return
     kind = classify(p)
+    if kind.kind != "deepspeed" and p.is_dir() and (checkpoints_below(p) or (p / DCP_METADATA).is_file()):
+        return  # an HF output_dir, a DCP folder: the reader says what it is (not a model file or sidecar inside it)
     if kind.kind == "unknown" and p.is_dir() and not (p / LATEST_FILE).exists():  # save_pretrained's: no index
         inside = sorted(c for c in p.iterdir() if c.is_file() and for_input(c) is not None)
         if inside:

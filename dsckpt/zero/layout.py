@@ -183,6 +183,9 @@ def is_tag_dir(path: Path) -> bool:
         return False
 
 
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder (a pickle: never read here)
+
+
 def checkpoints_below(folder: Path) -> list[str]:
     """Sub-folders that are checkpoint roots (HF Trainer's output_dir/checkpoint-500/global_step500/...), sorted
     naturally - for a hint when ``folder`` itself is none."""
@@ -298,6 +301,10 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         elif not tags:
             if latest is not None:
                 raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
+            if (root / DCP_METADATA).is_file():
+                raise CheckpointNotFoundError(
+                    f"{root}: a torch.distributed.checkpoint (DCP) folder ({DCP_METADATA}), not a DeepSpeed checkpoint",
+                    hint="FSDP2 loads it: dcp.load(state, checkpoint_id=...) then set_state_dict(model, optimizer, ...)")
             nested = checkpoints_below(root)
             raise CheckpointNotFoundError(
                 f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)"
