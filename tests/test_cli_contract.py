@@ -379,3 +379,33 @@ def test_the_wrong_folder_gets_the_right_hint(tmp_path):
         proc = run_cli(*args)
         assert proc.returncode == 2 and "a torch.distributed.checkpoint (DCP) folder" in proc.stderr, proc.stderr
         assert "client_state.safetensors" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["stale", "several", "huge"])
+def test_latest_is_refused_in_the_same_words_at_one_and_two_processes(tmp_path, case):
+    """One tag choice for one process and many: a `latest` naming a missing tag, several tags and no usable
+    `latest`, and a `latest` past the size bound get the same error at --nproc 1 and 2 (the huge one refused at
+    once, not read whole by a process and printed)."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+    if case == "several":
+        shutil.copytree(root / "step3", root / "step4")
+    (root / "latest").write_text("step99")
+    if case == "huge":
+        with open(root / "latest", "r+b") as fh:
+            fh.truncate(400 * 1024 * 1024)  # sparse: costs no disk
+    errors = []
+    for n in ("1", "2"):
+        started = time.monotonic()
+        proc = run_cli("consolidate", root, tmp_path / f"out{n}.safetensors", "--nproc", n, "--json")
+        assert proc.returncode == 2 and time.monotonic() - started < 30, proc.stderr[-2000:]
+        doc = json.loads(proc.stdout)
+        errors.append((doc["error"], doc["hint"]))
+        assert len(proc.stderr) < 2000
+    assert errors[0] == errors[1], errors
+    expected = {"stale": f"{root}/latest: names tag 'step99', which is not in {root}",
+                "several": f"{root}: several tags and no usable 'latest': step3, step4",
+                "huge": f"{root}/latest: longer than 4096 bytes; expected one tag name"}[case]
+    assert errors[0][0] == expected

@@ -564,3 +564,19 @@ def test_urls_keep_their_spelling_in_the_api_and_the_catalog(s3, tmp_path):
             proc.stderr
     upper = "S3://" + url[len("s3://"):]
     assert json.loads(ok("inspect", upper, "--json").stdout)["zero_stage"] == 3
+
+
+def test_a_stale_latest_in_a_bucket_is_the_same_error_at_one_and_two_processes(s3, tmp_path):
+    import shutil
+
+    local = tmp_path / "stale"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", local)
+    (local / "latest").write_text("step99")
+    url = f"s3://{BUCKET}/stale-{tmp_path.name}"
+    s3.put(f"{local}/", url[len("s3://"):] + "/", recursive=True)
+    errors = []
+    for n in ("1", "2"):
+        proc = run_cli("consolidate", url, tmp_path / f"o{n}.safetensors", "--nproc", n, "--json")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors.append(json.loads(proc.stdout)["error"])
+    assert errors == [f"{url}/latest: names tag 'step99', which is not in {url}"] * 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -143,17 +144,29 @@ def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> tuple[type
 
 
 def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path) -> str | None:
+    """The tag ``zero.layout.discover`` would choose over these files, refused in its words (one process or many)."""
     if any(L.RANK_FILE_RE.match(rel) for rel in files):  # rank files at the top: CKPT is a tag folder
         return None
-    tags = sorted({rel.split("/")[0] for rel in files if "/" in rel and L.RANK_FILE_RE.match(rel.split("/")[1])})
-    chosen = tag or (latest.strip() if latest else None) or (tags[0] if len(tags) == 1 else None)
-    if not tag and latest and chosen not in tags:
-        raise TagError(f"{ckpt / L.LATEST_FILE}: names tag {chosen!r}, which no process sees (tags: "
-                       f"{', '.join(tags) or 'none'})", hint="--tag TAG names one")
+    tags = sorted({rel.split("/")[0] for rel in files if "/" in rel and L.RANK_FILE_RE.match(rel.split("/")[1])},
+                  key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
+    latest = latest.strip() if latest else None
+    if not tag and latest and latest not in tags:
+        raise L.stale_latest(ckpt, latest) if len(tags) == 1 else L.several_tags(ckpt, tags)
+    chosen = tag or latest or (tags[0] if len(tags) == 1 else None)
+    if chosen is None and len(tags) > 1:
+        raise L.several_tags(ckpt, tags)
     if chosen is None or chosen not in tags:
-        raise TagError(f"{ckpt}: {'no tag named ' + repr(chosen) if chosen else 'which tag?'} among the tags any "
-                       f"process sees ({', '.join(tags) or 'none'})", hint="--tag TAG names one")
+        raise TagError(f"{ckpt}: {'tag ' + repr(chosen) + ' not found' if chosen else 'no tags'}; tags present: "
+                       f"{', '.join(tags) or 'none'}", hint="--tag TAG names one")
     return chosen
+
+
+def _read_latest(root: Path) -> str | tuple[str, str | None] | None:
+    """``latest`` read as one process reads it (bounded, checked), or its refusal as (message, hint)."""
+    try:
+        return L.read_latest(root)
+    except TagError as exc:
+        return (str(exc), exc.hint)
 
 
 def _skeleton(path: Path, size: int) -> list[tuple[int, bytes]]:
@@ -203,8 +216,9 @@ def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: 
         raise DistributedError(f"{ckpt}: no process sees any file there", hint="run the command with the "
                                "checkpoint's path as each host sees it")
     latest = owners.get(L.LATEST_FILE)
-    text = group.broadcast((ckpt / L.LATEST_FILE).read_text() if group.rank == latest else None, latest) \
-        if latest is not None else None
+    text = group.broadcast(_read_latest(ckpt) if group.rank == latest else None, latest) if latest is not None else None
+    if isinstance(text, tuple):  # the owner's read refused it (too long, a link out, not text): all say so
+        raise TagError(*text)
     chosen = _choose_tag(sizes, tag, text, ckpt)
     wanted = sorted(rel for rel in sizes if "/" not in rel or (chosen is not None and rel.split("/")[0] == chosen))
     local = set(surveyed[group.rank][0])

@@ -204,6 +204,16 @@ def list_tags(root: Path) -> list[str]:
     return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
 
 
+def stale_latest(root: Path, latest: str) -> InconsistentCheckpointError:
+    """`latest` names a tag that is not there: the one error for it, whoever finds it (a process, a view of many)."""
+    return InconsistentCheckpointError(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
+
+
+def several_tags(root: Path, tags: list[str]) -> TagError:
+    return TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
+                    hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
+
+
 def read_latest(root: Path) -> str | None:
     """The tag `latest` names: a short text file inside the root (a link may not lead elsewhere)."""
     latest = root / LATEST_FILE
@@ -292,7 +302,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         tags.append(p.name)  # e.g. a hidden in-progress save named explicitly
     latest = read_latest(root)
     if latest is not None and latest not in tags:
-        problems.append((InconsistentCheckpointError, f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}"))
+        problems.append((InconsistentCheckpointError, str(stale_latest(root, latest))))
     if tag is None:
         if latest in tags:
             tag = latest
@@ -311,8 +321,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
                 + (f"; it holds checkpoints in {', '.join(nested[:5])}{' ...' if len(nested) > 5 else ''}" if nested else ""),
                 hint=f"pass one of them, e.g. {shlex.quote(str(root / nested[-1]))} (the last in natural order)" if nested else None)
         else:
-            raise TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
-                           hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
+            raise several_tags(root, tags)
     elif tag not in tags:
         raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
     tag_dir = root / tag
