@@ -19,6 +19,7 @@ import shutil
 from typing import Any
 
 from .async_save import AsyncSave, enable_async_save
+from .staged_files import fsync
 
 PENDING = ".dsckpt-pending"  # HF checkpoints being written: the Trainer's resume looks for checkpoint-N only
 
@@ -93,7 +94,7 @@ def HFAsyncSave(trainer: Any) -> Any:
                     if os.path.isdir(final):
                         shutil.rmtree(final)  # a checkpoint of this step saved again
                     os.replace(os.path.join(pending, name), final)
-                    _fsync_dir(run_dir)
+                    fsync(run_dir)
                     try:
                         os.rmdir(pending)
                     except OSError:
@@ -111,10 +112,3 @@ def HFAsyncSave(trainer: Any) -> Any:
 
     return _HFAsyncSave()
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
