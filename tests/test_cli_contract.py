@@ -409,3 +409,22 @@ def test_latest_is_refused_in_the_same_words_at_one_and_two_processes(tmp_path, 
                 "several": f"{root}: several tags and no usable 'latest': step3, step4",
                 "huge": f"{root}/latest: longer than 4096 bytes; expected one tag name"}[case]
     assert errors[0][0] == expected
+
+
+def test_list_names_what_other_commands_take(tmp_path):
+    """`list` of an HF output_dir names its checkpoint-N (what the other commands take), of a folder of runs the
+    runs; OUT in a missing folder says how to make it."""
+    import shutil
+
+    out = tmp_path / "output_dir"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", out / "checkpoint-3")
+    proc = run_cli("list", out)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[1].startswith("checkpoint-3 "), proc.stdout
+    assert json.loads(run_cli("list", out, "--json").stdout)["checkpoints"][0]["name"] == "checkpoint-3"
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        shutil.copytree(FIXTURES / "z2_ws2_fp32", runs / name)
+    proc = run_cli("list", runs)
+    assert proc.returncode == 2 and "it holds the runs a, b" in proc.stderr and f"dsckpt list {runs / 'a'}" in proc.stderr
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "no" / "such" / "m.safetensors")
+    assert proc.returncode == 2 and f"mkdir -p {tmp_path / 'no' / 'such'}" in proc.stderr

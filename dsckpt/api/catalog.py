@@ -36,6 +36,7 @@ class Entry:
     complete: bool
     resumes_from: bool  # the one `latest` names (the newest checkpoint-N for an HF output_dir)
     problems: list[str] = field(default_factory=list)
+    name: str = ""  # what the other commands take: the tag, or an HF output_dir's checkpoint-N
 
 
 def _local(root: str | os.PathLike, verb: str) -> Path:
@@ -57,11 +58,17 @@ def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
                 key=lambda p: int(HF_CHECKPOINT.match(p.name).group(1)))
     if hf:
         entries = [_entry(p, _only_tag(p), p, int(HF_CHECKPOINT.match(p.name).group(1))) for p in hf]
+        for e, p in zip(entries, hf):
+            e.name = p.name
         entries[-1].resumes_from = True  # transformers' get_last_checkpoint: the highest N
     else:
         tags = L.list_tags(root)
         if not tags:
-            raise CheckpointNotFoundError(f"{root}: no DeepSpeed tag folders and no checkpoint-N folders")
+            runs = L.checkpoints_below(root)
+            raise CheckpointNotFoundError(
+                f"{root}: no DeepSpeed tag folders and no checkpoint-N folders"
+                + (f"; it holds the runs {', '.join(runs[:8])}{' ...' if len(runs) > 8 else ''}" if runs else ""),
+                hint=f"list one run at a time, e.g. `dsckpt list {root / runs[0]}`" if runs else None)
         latest = _latest(root)
         entries = [_entry(root, tag, root / tag, None) for tag in tags]
         for e in entries:
@@ -87,7 +94,7 @@ def prune(root: str | os.PathLike, keep: int, dry_run: bool = False) -> tuple[li
 
 def _entry(root: Path, tag: str, path: Path, hf_step: int | None) -> Entry:
     size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file() and not f.is_symlink())
-    entry = Entry(str(path), tag, hf_step, None, None, size, False, False)
+    entry = Entry(str(path), tag, hf_step, None, None, size, False, False, name=tag)
     try:
         ckpt = open_checkpoint(root, tag)
     except DsckptError as exc:

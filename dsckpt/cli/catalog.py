@@ -15,11 +15,12 @@ def _human(n: int) -> str:
 
 
 def _rows(entries) -> list[str]:
-    lines = [f"{'tag':<24}{'step':>8}  {'stage':>5}  {'world':>5}  {'size':>10}  state"]
+    first = "checkpoint" if entries and entries[0].name != entries[0].tag else "tag"  # an HF output_dir's
+    lines = [f"{first:<24}{'step':>8}  {'stage':>5}  {'world':>5}  {'size':>10}  state"]
     for e in entries:
         state = ("complete" if e.complete else "INCOMPLETE") + ("  <- latest" if e.resumes_from else "")
         step, stage = ("-" if v is None else v for v in (e.step, e.zero_stage))
-        lines.append(f"{e.tag:<24}{step:>8}  {stage:>5}  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
+        lines.append(f"{e.name:<24}{step:>8}  {stage:>5}  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
     return lines
 
 
@@ -47,7 +48,7 @@ def list_command(root: str, as_json: bool) -> None:
     click.echo("\n".join(_rows(entries)))
     for e in entries:
         for p in e.problems[:3]:
-            click.echo(f"  {e.tag}: {p}", err=True)
+            click.echo(f"  {e.name}: {p}", err=True)
 
 
 @cli.command()

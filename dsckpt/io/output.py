@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shlex
 import secrets
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -58,7 +59,9 @@ def check_parent(out: Path) -> None:
     """OUT's folder exists and is writable (checked before anything - a distributed run's view - goes there)."""
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise OutputError(f"{out}: folder {parent} does not exist")
+        raise OutputError(f"{out}: folder {parent} does not exist",
+                          hint=f"create it first (mkdir -p {shlex.quote(str(parent))}): a typo in OUT should not make "
+                               "folders")
     if not os.access(parent, os.W_OK):
         raise OutputError(f"{out}: folder {parent} is not writable")
 
