@@ -12,11 +12,12 @@ Order of calls, every rank:
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
    copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
-3. The writer thread writes each file to ``<path>.dsckpt-tmp`` with ``torch.save``, flushes it, checks its CRC-32s.
+3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` with ``torch.save`` (``staged_files``),
+   flushes it, checks its CRC-32s.
    At the tag's end all ranks agree (a gather over the commit group): every rank renames its temps into place and
    flushes; after a second agreement rank 0 moves ``latest`` (temp, flush, rename). A crash at any moment leaves
    ``latest`` on the previous tag; a failure on any rank removes every rank's temps and is raised on every rank at
-   its next save, step or ``wait()``.
+   its next save, step or ``wait()``.  Trainers' follow-ups registered with ``then()`` run after the commit.
 4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
    ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
@@ -102,7 +103,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
 
 class AsyncSave:
-    """The handle ``enable_async_save`` returns: ``wait()``, ``close()``, and ``records`` (one per save)."""
+    """The handle ``enable_async_save`` returns: ``wait()``, ``close()``, ``then(action)``, ``records`` (one a save)."""
 
     def __init__(self, engine: Any, write: Callable[[Any, str], None] | None = None,
                  report: Callable[[str], None] | None = None):
