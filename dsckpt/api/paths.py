@@ -12,7 +12,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import CheckpointNotFoundError
 from ..export.registry import Format, for_input
@@ -60,10 +60,16 @@ def classify(path: str | os.PathLike) -> PathKind:
     return PathKind("weights", fmt) if fmt is not None else PathKind("unknown")
 
 
-def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None):
-    """``zero.reader.open_checkpoint`` (the public ``dsckpt.open_checkpoint``), a URL refused in its own spelling: the
-    model it returns points into the files, which a bucket's would not outlive."""
-    from ..errors import CheckpointNotFoundError
+if TYPE_CHECKING:
+    from ..zero.reader import Checkpoint
+
+
+def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None) -> "Checkpoint":
+    """``dsckpt.open_checkpoint``: a local DeepSpeed checkpoint's metadata - no tensor data - as a typed ``Checkpoint``
+    (``zero.reader.open_checkpoint``: ``zero_stage``, ``world_size``, ``precision``, ``param_groups``, ``frozen``,
+    ``shared``, ``buffers``, ``client_state``, ``problems``).  ``path``: the checkpoint folder, a tag folder or a rank
+    file; ``tag``: default what ``latest`` names.  A URL is refused in its own spelling (``CheckpointNotFoundError``):
+    the model points into the files, which a bucket's local view would not outlive."""
     from ..io.remote import is_url
     from ..zero.reader import open_checkpoint
 
