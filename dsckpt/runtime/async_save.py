@@ -338,8 +338,9 @@ class AsyncSave:
         tag.record.ok = True
         if self.rank == 0:
             rec = tag.record
+            size = f"{rec.nbytes / 1e9:.2f} GB" if rec.nbytes >= 1e8 else f"{rec.nbytes / 1e6:.1f} MB"
             self.report(f"saved {os.path.join(tag.save_dir, tag.tag)}: training blocked {rec.blocked_s * 1e3:.0f} ms, "
-                        f"{rec.nbytes / 1e9:.2f} GB persisted in {rec.persist_s:.2f} s "
+                        f"{size} persisted in {rec.persist_s:.2f} s "
                         f"({rec.nbytes / 1e9 / max(rec.persist_s, 1e-9):.2f} GB/s)")
 
     def _agree(self, ok: bool) -> list[int]:

@@ -174,13 +174,13 @@ def run_train(as_json: bool = False, verbose: bool = False, **kwargs) -> None:
     quiet_deepspeed(verbose)
     trainer = Trainer(_options(kwargs))
     losses = trainer.fit(trainer.opts.steps)
+    trainer.runtime.wait_for_saves()  # "saved to" below means durable
     summary = {"steps": len(losses), "zero_stage": trainer.runtime.stage, "world_size": eng.world_size(),
                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                "save_dir": trainer.opts.save_dir}
     console.result(_json(summary) if as_json else
                    f"trained {_steps(len(losses))} (stage {summary['zero_stage']}, world size {summary['world_size']}): "
                    f"loss {_fmt(losses)}" + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
-    trainer.runtime.wait_for_saves()
     eng.shutdown(exit_process=True)
 
 
@@ -229,6 +229,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
         return
     start = trainer.global_step
     losses = trainer.fit(trainer.opts.steps)
+    trainer.runtime.wait_for_saves()  # "saved to" below means durable
     summary = {"start_step": start, "end_step": trainer.global_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "save_dir": trainer.opts.save_dir,
                "client_state_keys_restored": restored.restored if restored else [],
@@ -236,5 +237,4 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
     console.result(_json(summary) if as_json else
                    f"resumed training: steps {start} -> {trainer.global_step} ({_steps(len(losses))}), loss {_fmt(losses)}"
                    + (f", saved to {trainer.opts.save_dir}" if trainer.opts.save_dir else ""))
-    trainer.runtime.wait_for_saves()
     eng.shutdown(exit_process=True, before_exit=before_exit)
