@@ -469,3 +469,11 @@ def test_full_weights_resume_into_an_autotp_model(tmp_path):
     proc = run_cli("resume", run, *common, "--steps", "1")
     assert proc.returncode == 0, proc.stderr
     assert "resumed" in proc.stderr + proc.stdout and "at step 2" in proc.stderr + proc.stdout
+
+
+def test_reshard_of_a_tp_run_says_how_many_processes_resume_it(tmp_path):
+    """`reshard -w M` of a tp 2 run means M data-parallel ranks: its output says the job runs on tp x M processes."""
+    proc = run_cli("reshard", FIXTURES / "tp2_dp2_z1_fp32", tmp_path / "out", "-w", "3")
+    assert proc.returncode == 0 and "data-parallel world size 2 -> 3; the job runs on 6 processes" in proc.stdout
+    doc = json.loads(run_cli("reshard", FIXTURES / "tp2_dp2_z1_fp32", tmp_path / "j", "-w", "3", "--json").stdout)
+    assert (doc["world_size"], doc["processes"]) == (3, 6)

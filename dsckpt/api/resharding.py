@@ -67,6 +67,7 @@ class ReshardResult:
     files: tuple[str, ...]  # final paths (of this host's files, in a distributed run)
     bytes: int  # of tensor data
     notes: tuple[str, ...] = ()
+    processes: int = 0  # the resumed job's ranks: world_size x tensor parallel x pipeline stages
 
 
 def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
@@ -119,7 +120,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     here = [name for name, _ in items if staged.leader in place.destinations(name)]
     return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
                          tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total,
-                         prepared.notes + tuple(crc_notes))
+                         prepared.notes + tuple(crc_notes), plan.world_size * ckpt.grid.tp * ckpt.grid.pp)
 
 
 def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, trust: bool):

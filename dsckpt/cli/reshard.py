@@ -13,7 +13,8 @@ from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out_dir", type=click.Path())
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(min=1), required=True,
-              help="Data-parallel ranks the resumed job will run on.")
+              help="Data-parallel ranks the resumed job will run on (a tensor- or pipeline-parallel run's processes: "
+                   "tp x pp x this).")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of OUT_DIR (default: the checkpoint's); any of 1, 2, 3 from any of them.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=None,
@@ -46,7 +47,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
       dsckpt reshard runs/demo runs/demo_ws4 --world-size 4
       dsckpt reshard s3://bucket/runs/demo s3://bucket/runs/demo_ws8 -w 8 --nproc 4
       dsckpt reshard runs/demo runs/demo_ws1 -w 1 --tag step30 --json
-      dsckpt reshard out/checkpoint-500 out/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
+      dsckpt reshard out/checkpoint-500 resharded/checkpoint-500-z3 -w 8 --stage 3   (ZeRO-2 -> ZeRO-3)
       dsckpt reshard runs/moe runs/moe_ws8 -w 8 --ep-size 4     (DeepSpeed-MoE: experts over 4 ranks)
       dsckpt resume runs/demo --nproc 3 --reshard --steps 5     (the same, then training on)
       dsckpt reshard runs/demo runs/demo_ws8 -w 8 --nproc 4     (4 processes share the work)
@@ -78,6 +79,7 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
     else:
         moved = f"ZeRO-{result.source_zero_stage} -> ZeRO-{result.zero_stage}" \
             if result.source_zero_stage != result.zero_stage else f"ZeRO-{result.zero_stage}"
-        click.echo(f"wrote {result.out} ({moved}, tag {result.tag}, world size "
-                   f"{result.source_world_size} -> {result.world_size}, {len(result.files)} files, "
+        ranks = f"; the job runs on {result.processes} processes" if result.processes != result.world_size else ""
+        click.echo(f"wrote {result.out} ({moved}, tag {result.tag}, data-parallel world size "
+                   f"{result.source_world_size} -> {result.world_size}{ranks}, {len(result.files)} files, "
                    f"{result.bytes:,} bytes)")
