@@ -580,3 +580,11 @@ def test_a_stale_latest_in_a_bucket_is_the_same_error_at_one_and_two_processes(s
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors.append(json.loads(proc.stdout)["error"])
     assert errors == [f"{url}/latest: names tag 'step99', which is not in {url}"] * 2
+
+
+def test_inspect_of_a_tag_folder_url_names_the_bucket(s3):
+    url = f"s3://{BUCKET}/z3_ws2_fp32"
+    tag = (FIXTURES / "z3_ws2_fp32" / "latest").read_text().strip()
+    doc = json.loads(ok("inspect", f"{url}/{tag}", "--json").stdout)
+    assert (doc["input"], doc["root"], doc["tag"]) == (f"{url}/{tag}", url, tag)
+    assert "dsckpt-read" not in ok("inspect", f"{url}/{tag}").stdout

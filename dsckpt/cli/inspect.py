@@ -1,6 +1,7 @@
 """`dsckpt inspect`: a summary of a checkpoint or a consolidated file, from metadata alone."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -40,8 +41,11 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     from ..parallel.view import readable
 
     with readable(path, tag) as (local, local_tag, fetch, _):
-        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du,
-                 shown({local: path}), fetch)
+        names = {local: path}
+        if local != path:  # a URL of a tag folder: its checkpoint root is the URL's parent, not the scratch folder
+            names[os.path.dirname(local)] = path.rstrip("/").rsplit("/", 1)[0]
+        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du, shown(names),
+                 fetch)
 
 
 def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int | None,
