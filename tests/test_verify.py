@@ -83,3 +83,20 @@ def test_all_tags_with_a_rank_file_being_written(tmp_path):
     assert code == 1 and set(by_tag) == {"older", latest}
     assert [p["check"] for p in by_tag["older"]["problems"]] == ["structure"]
     assert victim.name in by_tag["older"]["problems"][0]["message"] and by_tag[latest]["problems"] == []
+
+
+def test_verify_notes_a_tag_folder_linked_from_elsewhere(tmp_path):
+    """The note inspect gives for a tag folder that is a link out of the checkpoint, verify gives too (stderr and
+    the JSON's per-tag notes)."""
+    import shutil
+
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    tag = (FIXTURES / "z2_ws2_fp32" / "latest").read_text().strip()
+    shutil.copytree(FIXTURES / "z2_ws2_fp32" / tag, elsewhere)
+    root.mkdir()
+    shutil.copy(FIXTURES / "z2_ws2_fp32" / "latest", root / "latest")
+    (root / tag).symlink_to(elsewhere)
+    proc = run_cli("verify", root)
+    assert proc.returncode == 0 and f"note: {root / tag}: a symlink to {elsewhere}" in proc.stderr
+    code, doc = verified(root)
+    assert code == 0 and any(str(elsewhere) in n for n in doc["tags"][0]["notes"])

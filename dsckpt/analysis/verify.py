@@ -42,6 +42,7 @@ class TagReport:
     storages_checked: int = 0
     tensors_checked: int = 0
     problems: list[dict[str, str]] = field(default_factory=list)  # {"check", "message"}
+    notes: list[str] = field(default_factory=list)  # worth telling, not wrong (a tag folder linked from elsewhere)
 
     def add(self, check: str, message: str) -> None:
         self.problems.append({"check": check, "message": message})
@@ -73,6 +74,7 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
         report.add("structure", str(exc))
         return report
     report.zero_stage, report.world_size = ckpt.zero_stage, ckpt.world_size
+    report.notes = list(ckpt.layout.notes)
     files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files) + list(ckpt.layout.pipeline_files)
     report.files = len(files)
     for problem in ckpt.problems:  # step 1

@@ -44,6 +44,8 @@ def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, ech
 
     reports = run(checkpoint, tag, all_tags)
     ok = not any(r.problems for r in reports)
+    for note in dict.fromkeys(n for r in reports for n in r.notes):
+        click.echo(f"note: {note}", err=True)
     if as_json:
         echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
     else:
