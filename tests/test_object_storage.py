@@ -588,3 +588,13 @@ def test_inspect_of_a_tag_folder_url_names_the_bucket(s3):
     doc = json.loads(ok("inspect", f"{url}/{tag}", "--json").stdout)
     assert (doc["input"], doc["root"], doc["tag"]) == (f"{url}/{tag}", url, tag)
     assert "dsckpt-read" not in ok("inspect", f"{url}/{tag}").stdout
+
+
+def test_an_unreachable_store_is_one_clean_line(tmp_path):
+    """gs:// whose endpoint does not answer (a closed local port stands in for missing credentials or network): the
+    typed error, without the client's logged retry tracebacks before it."""
+    pytest.importorskip("gcsfs")
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_free_port()}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    proc = run_cli("inspect", "gs://nobucket/run", env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("dsckpt: error: gs://nobucket/run"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 3, proc.stderr[-3000:]

@@ -178,11 +178,25 @@ def main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
+STORAGE_LOGGERS = ("gcsfs", "s3fs", "adlfs", "fsspec", "aiohttp", "google", "azure")
+
+
+def _quiet_storage_clients() -> None:
+    """The cloud clients log their retries' tracebacks before they raise; dsckpt raises the typed error for it, once
+    (``DSCKPT_DEBUG=1`` keeps their output)."""
+    if os.environ.get("DSCKPT_DEBUG") != "1":
+        import logging
+
+        for name in STORAGE_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
 def run(args: list[str]) -> int:
     """Run one command line in this process and return its exit code (errors printed, as ``main`` prints
     them); a command that ends the process itself (``--nproc``'s launcher, exit codes 1 and 3) raises
     ``SystemExit``."""
     as_json = "--json" in args and "--" not in args[:args.index("--json")]
+    _quiet_storage_clients()
     args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)
