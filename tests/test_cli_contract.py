@@ -428,3 +428,15 @@ def test_list_names_what_other_commands_take(tmp_path):
     assert proc.returncode == 2 and "it holds the runs a, b" in proc.stderr and f"dsckpt list {runs / 'a'}" in proc.stderr
     proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "no" / "such" / "m.safetensors")
     assert proc.returncode == 2 and f"mkdir -p {tmp_path / 'no' / 'such'}" in proc.stderr
+
+
+def test_every_reading_command_has_notes_in_its_json(tmp_path):
+    """check-finite, diff, verify and inspect --stats carry `notes` as the writing commands do: what they print as
+    `note:` lines (here --skip-crc-check's), an empty list otherwise."""
+    ckpt = FIXTURES / "z2_ws2_fp32"
+    for args in (["check-finite", ckpt], ["diff", ckpt, ckpt], ["inspect", ckpt, "--stats"], ["verify", ckpt]):
+        doc = json.loads(run_cli(*args, "--json").stdout)
+        assert doc["notes"] == [], args
+        if args[0] != "verify":
+            skipped = json.loads(run_cli(*args, "--json", "--skip-crc-check").stdout)
+            assert len(skipped["notes"]) == 1 and "CRC" in skipped["notes"][0], args

@@ -39,11 +39,11 @@ def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: b
     from ..analysis.stats import compute_stats
 
     stats = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check, fetch=fetch))
-    crc_skipped_note(skip_crc_check)
+    notes = crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
         echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
-                                 offending=bad))
+                                 offending=bad, notes=notes))
     elif bad:
         echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
         for b in bad:

@@ -48,7 +48,7 @@ def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: boo
     check = not skip_crc_check
     report = compare(sources(a, tag_a, optimizer, check, fetch[0]), sources(b, tag_b, optimizer, check, fetch[1]),
                      atol, rtol)
-    crc_skipped_note(skip_crc_check)
+    notes = crc_skipped_note(skip_crc_check)
     if plot:
         from pathlib import Path
 
@@ -56,6 +56,6 @@ def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: boo
 
         bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
                  title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
-    echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record()) if as_json else render_diff(report))
+    echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record(), notes=notes) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

@@ -70,7 +70,7 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
         from ..analysis.stats import compute_stats
 
         records = compute_stats(sources(path, tag, optimizer, check_crc=not skip_crc_check, fetch=fetch))
-        crc_skipped_note(skip_crc_check)
+        notes = crc_skipped_note(skip_crc_check)
         if plot:
             from pathlib import Path
 
@@ -79,7 +79,7 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
             bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
                      title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
         echo(json_document(input=str(path), tag=resolved_tag(path, tag), tensors=len(records),
-                                 stats=[s.record() for s in records]) if as_json
+                                 stats=[s.record() for s in records], notes=notes) if as_json
                    else render_stats(records, top or 20))
         return
 

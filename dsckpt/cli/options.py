@@ -130,12 +130,14 @@ def parallel_group(nproc: int, needs: tuple[str, ...] = ()):
     return init_group() if launched() else None  # (left without teardown at exit: cli.app._exit)
 
 
-def crc_skipped_note(skipped: bool) -> None:
-    """The loud word a command says when it read without CRC checks."""
-    if skipped:
-        from ..io.integrity import SKIPPED_NOTE
+def crc_skipped_note(skipped: bool) -> list[str]:
+    """The loud word a command says when it read without CRC checks; the notes for its ``--json`` document."""
+    if not skipped:
+        return []
+    from ..io.integrity import SKIPPED_NOTE
 
-        click.echo(f"note: {SKIPPED_NOTE}", err=True)
+    click.echo(f"note: {SKIPPED_NOTE}", err=True)
+    return [SKIPPED_NOTE]
 
 
 def shown(locals_to_given: dict[str, str]):

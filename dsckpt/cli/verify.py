@@ -44,10 +44,11 @@ def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, ech
 
     reports = run(checkpoint, tag, all_tags)
     ok = not any(r.problems for r in reports)
-    for note in dict.fromkeys(n for r in reports for n in r.notes):
+    notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+    for note in notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports]))
+        echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports], notes=notes))
     else:
         for r in reports:
             head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {r.files} rank files, " \
