@@ -440,3 +440,18 @@ def test_every_reading_command_has_notes_in_its_json(tmp_path):
         if args[0] != "verify":
             skipped = json.loads(run_cli(*args, "--json", "--skip-crc-check").stdout)
             assert len(skipped["notes"]) == 1 and "CRC" in skipped["notes"][0], args
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_temps_of_dead_processes_are_cleaned_at_any_process_count(tmp_path, nproc):
+    """A temp left beside OUT by a process that died (kill -9) is removed by the next run, at 1 and 2 processes."""
+    from dsckpt.io.output import TEMP_MARK
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    out = tmp_path / "model.safetensors"
+    stale = tmp_path / f".{out.name}{TEMP_MARK}{gone.pid}-deadbeef"
+    stale.write_bytes(b"half written")
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", out, "--nproc", nproc)
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists() and out.is_file()

@@ -70,13 +70,13 @@ def _temp_name(out: Path) -> Path:
     return out.parent / f".{out.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def clean_stale_temps(out: Path) -> list[Path]:
-    """Remove temp files for ``out`` left by processes that are gone (kill -9, power loss)."""
+def clean_stale_temps(out: Path, keep: Path | None = None) -> list[Path]:
+    """Remove temp files for ``out`` left by processes that are gone (kill -9, power loss); ``keep``: this run's."""
     removed = []
     prefix = f".{out.name}{TEMP_MARK}"
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(out.parent if str(out.parent) else "."):
-            if not entry.name.startswith(prefix):
+            if not entry.name.startswith(prefix) or (keep is not None and entry.name == keep.name):
                 continue
             pid = entry.name[len(prefix):].split("-")[0]
             if pid.isdigit() and not _alive(int(pid)):
@@ -134,11 +134,10 @@ class Staging:
         self._stale: list[Path] = []
 
     def temp_for(self, final: Path, directory: bool = False, tmp: Path | None = None) -> Path:
-        """A temp path for ``final`` (a folder made for ``directory``); ``tmp``: the name, chosen by the
-        caller (a distributed run's, the same on every process), else a fresh one after the temps of dead
-        processes are removed."""
+        """A temp path for ``final`` (a folder made for ``directory``), after the temps of dead processes are
+        removed; ``tmp``: the name, chosen by the caller (a distributed run's, the same on every process)."""
+        clean_stale_temps(final, keep=tmp)  # at any number of processes (a distributed run names its temp itself)
         if tmp is None:
-            clean_stale_temps(final)
             tmp = _temp_name(final)
         if directory:
             tmp.mkdir()
