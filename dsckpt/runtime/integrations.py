@@ -84,6 +84,10 @@ def HFAsyncSave(trainer: Any) -> Any:
                     save_checkpoint(model, trial)
                 finally:
                     args.output_dir, args.save_total_limit = run_dir, limit
+                import torch.distributed as dist
+
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.barrier()  # every rank's own files (rng_state_{rank}.pth) are in the folder before it moves
                 if not args.should_save:
                     return
                 name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
