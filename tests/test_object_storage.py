@@ -590,6 +590,7 @@ def test_inspect_of_a_tag_folder_url_names_the_bucket(s3):
     assert "dsckpt-read" not in ok("inspect", f"{url}/{tag}").stdout
 
 
+@pytest.mark.slow  # gcsfs retries with back-off for ~35 s before it gives up: make test-all
 def test_an_unreachable_store_is_one_clean_line(tmp_path):
     """gs:// whose endpoint does not answer (a closed local port stands in for missing credentials or network): the
     typed error, without the client's logged retry tracebacks before it."""
