@@ -128,7 +128,9 @@ def test_kill_during_persist_leaves_previous_tag(tmp_path):
 
 
 @pytest.mark.runtime
-def test_load_at_another_world_size_without_a_copy(saved, tmp_path):
+def test_load_at_another_world_size_without_a_copy(saved, tmp_path, request):
+    if saved[0].name.startswith("async3") and "slow or" not in request.config.getoption("markexpr"):
+        pytest.skip("ZeRO-3 -> 3 at 2 -> 3 ranks is make test-all's; the default suite keeps ZeRO-2 -> 3")
     """A 2-rank save loaded at 3 ranks and ZeRO-3 through DeepSpeed's own load_checkpoint, each file it asks for
     answered from the reshard plan: the same partitions, moments and client state as `dsckpt reshard` + stock load."""
     skip_beyond_devices(3)

@@ -261,7 +261,7 @@ class Runtime:
     def wait_for_saves(self) -> None:
         """Every save so far durable, `latest` moved (a background failure raised here)."""
         if self.saver is not None:
-            self.saver.close()
+            self.saver.wait()
 
     def _note_sharded(self, save_dir: str | os.PathLike, tag: str) -> None:
         if self.stage == 3 and world_size() > 1 and rank() == 0 and not self._warned_sharded:

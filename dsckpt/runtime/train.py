@@ -118,6 +118,7 @@ class Trainer:
                 self.save()
         if self.opts.save_dir and (not self.opts.save_every or self.global_step % self.opts.save_every):
             self.save()
+        self.runtime.wait_for_saves()  # saves during the run overlap training; after fit() every one is on disk
         return losses
 
 
