@@ -38,7 +38,8 @@ import torch
 from ..errors import BackgroundSaveError
 from ..zero.layout import LATEST_FILE
 from .snapshot import HostPool, Snapshot
-from .staged_files import fsync, publish_latest, remove_temps, temp_for
+from ..io.output import fsync_path
+from .staged_files import publish_latest, remove_temps, temp_for
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
@@ -302,7 +303,7 @@ class AsyncSave:
         temp = temp_for(item.path)
         os.makedirs(os.path.dirname(temp), exist_ok=True)
         self.write(item.state, temp)
-        fsync(temp)
+        fsync_path(Path(temp))
         check_files([Path(temp)])  # what reached the file is what the zip's CRC-32s say
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
@@ -313,7 +314,7 @@ class AsyncSave:
                     os.replace(temp_for(path), path)
                 remove_temps(tag.files)
                 for folder in sorted({os.path.dirname(p) for p in tag.files}):
-                    fsync(folder)
+                    fsync_path(Path(folder), files=False)
             except OSError as exc:
                 error = exc
             failed = self._agree(error is None)

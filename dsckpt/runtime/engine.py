@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedPrecisionError, WorldSizeMismatchError
-from ..zero.layout import DEEPSPEED_KEYS, LATEST_FILE
+from ..zero.layout import DEEPSPEED_KEYS
 from .config import precision_of
 
 log = logging.getLogger("dsckpt")
@@ -123,6 +123,7 @@ def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
     import shutil
 
     from ..io.output import fsync_path
+    from .staged_files import publish_latest
 
     final, staged = save_dir / tag, save_dir / partial
     fsync_path(staged)  # every rank file's data, then the tag folder's entries, before publishing
@@ -132,12 +133,8 @@ def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
         os.replace(final, old)
     os.replace(staged, final)
     shutil.rmtree(old, ignore_errors=True)
-    tmp = save_dir / f".{LATEST_FILE}.dsckpt-tmp"
-    tmp.write_text(tag)
-    fsync_path(tmp)
     fsync_path(save_dir, files=False)  # the renamed tag folder is durable before `latest` names it
-    os.replace(tmp, save_dir / LATEST_FILE)
-    fsync_path(save_dir, files=False)
+    publish_latest(save_dir, tag)
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

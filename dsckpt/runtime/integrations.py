@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from .async_save import AsyncSave, enable_async_save
-from .staged_files import fsync
+from ..io.output import fsync_path
 
 PENDING = ".dsckpt-pending"  # HF checkpoints being written: the Trainer's resume looks for checkpoint-N only
 
@@ -98,7 +99,7 @@ def HFAsyncSave(trainer: Any) -> Any:
                     if os.path.isdir(final):
                         shutil.rmtree(final)  # a checkpoint of this step saved again
                     os.replace(os.path.join(pending, name), final)
-                    fsync(run_dir)
+                    fsync_path(Path(run_dir), files=False)
                     try:
                         os.rmdir(pending)
                     except OSError:

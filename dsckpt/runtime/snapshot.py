@@ -15,8 +15,8 @@ import torch
 
 
 class HostPool:
-    """Host buffers by size, kept from one save to the next: a fresh buffer's first touch costs a page fault per
-    page (a copy into one runs at a third of the speed), so the rank keeps one copy of its state after the first save."""
+    """Host buffers by size, kept from one save to the next: a fresh buffer faults on every page it is first written
+    (docs/dev/performance-log.md 28), so the rank keeps one copy of its state after the first save."""
 
     def __init__(self):
         self.free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}

@@ -8,18 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..io.output import fsync_path
 from ..zero.layout import LATEST_FILE
 
 TEMP_FOLDER = ".dsckpt-saving"
 TEMP_SUFFIX = ".dsckpt-tmp"
-
-
-def fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def temp_for(path: str) -> str:
@@ -40,8 +33,9 @@ def remove_temps(paths: list[str]) -> None:
 
 
 def publish_latest(save_dir: Path, tag: str) -> None:
+    """`latest` replaced in one step, flushed with its folder: what makes a tag the one a resume picks."""
     temp = save_dir / f".{LATEST_FILE}{TEMP_SUFFIX}"
     temp.write_text(tag)
-    fsync(str(temp))
+    fsync_path(temp)
     os.replace(temp, save_dir / LATEST_FILE)
-    fsync(str(save_dir))
+    fsync_path(save_dir, files=False)
