@@ -95,10 +95,16 @@ def HFAsyncSave(trainer: Any) -> Any:
                 best = trainer.state.best_model_checkpoint
 
                 def publish() -> None:
-                    final = os.path.join(run_dir, name)
-                    if os.path.isdir(final):
-                        shutil.rmtree(final)  # a checkpoint of this step saved again
-                    os.replace(os.path.join(pending, name), final)
+                    final, staged = os.path.join(run_dir, name), os.path.join(pending, name)
+                    if os.path.isdir(final):  # this step saved again: what was written replaces its namesakes only
+                        for entry in os.listdir(staged):
+                            target = os.path.join(final, entry)
+                            if os.path.isdir(target) and not os.path.islink(target):
+                                shutil.rmtree(target)
+                            os.replace(os.path.join(staged, entry), target)
+                        os.rmdir(staged)
+                    else:
+                        os.replace(staged, final)
                     fsync_path(Path(run_dir), files=False)
                     try:
                         os.rmdir(pending)
