@@ -41,12 +41,19 @@ class StorageIndex:
     (checked as the directory is read: entries inside the file, disjoint, stored).  The pickle is not read: what
     the CRC check and the storage maps need costs a tenth of ``TorchFile``'s parse."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, span: tuple[int, int] | None = None):
+        """``span``: (offset, length) of an archive inside a larger file (a DCP ``.distcp`` item); offsets
+        reported stay absolute in ``path``."""
         self.path = Path(path)
         storage = storage_for(self.path)
         try:
-            self.size = storage.size(self.path)
-            with storage.open(self.path) as fh:
+            whole = storage.size(self.path)
+            self.base, self.size = span if span is not None else (0, whole)
+            if self.base < 0 or self.size < 0 or self.base + self.size > whole:
+                raise ByteRangeError(f"{self.path}: an archive at bytes [{self.base}, {self.base + self.size}) "
+                                     f"of a {whole}-byte file (truncated?)")
+            with storage.open(self.path) as raw:
+                fh = _Slice(raw, self.base, self.size) if span is not None else raw
                 if fh.read(4) != _LOCAL_MAGIC:
                     raise CorruptFileError(f"{self.path}: not a torch zip checkpoint (legacy or foreign format, or empty)")
                 with zipfile.ZipFile(fh) as zf:
@@ -81,7 +88,7 @@ class StorageIndex:
                 raise CorruptFileError(f"{self.path}: storage {info.filename} appears twice in the archive")
             start, end = self._entry_span(fh, info)
             spans.append((start, end, info.filename))
-            self.storages[key] = StorageLocation(start, info.file_size, info.CRC)
+            self.storages[key] = StorageLocation(self.base + start, info.file_size, info.CRC)
         _check_disjoint(spans, self.path)
 
     def _entry_span(self, fh, info: zipfile.ZipInfo) -> tuple[int, int]:
@@ -105,6 +112,30 @@ class StorageIndex:
             raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
                                    f"needs {storage.numel * storage.itemsize}")
         return loc
+
+
+class _Slice:
+    """Bytes ``[base, base + size)`` of an open file, seen as a file of their own (for ``zipfile``)."""
+
+    def __init__(self, fh, base: int, size: int):
+        self.fh, self.base, self.size, self.pos = fh, base, size, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.size, offset + (0, self.pos, self.size)[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
+        self.fh.seek(self.base + self.pos)
+        data = self.fh.read(n)
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True
 
 
 class TorchFile(StorageIndex):

@@ -1,0 +1,102 @@
+"""Into DeepSpeed: ``into_deepspeed(src, out, world_size, stage=)`` writes another system's training state as a
+DeepSpeed ZeRO checkpoint that stock ``engine.load_checkpoint(out)`` restores at ``world_size`` ranks - the
+fp32 masters, Adam's moments and step, each param group's settings - so the job carries on under DeepSpeed.
+
+Sources: a torch.distributed.checkpoint folder written by FSDP2 (``dcp.save({"model": msd, "optim": osd})``
+with ``get_state_dict``) or by torchtitan (``formats.dcp`` reads it, ``plan.from_dcp`` makes the training
+state).  The files are ``plan.into_deepspeed``'s trees, written as reshard writes its rank files (each storage
+streamed from the source's byte ranges, ``io.torch_writer``), re-read with dsckpt's reader, then published
+(``io.output``: a temp folder beside OUT, renamed when complete).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..dtypes import BY_LABEL, DTYPES
+from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
+from ..formats.dcp import METADATA_FILE, read_contents, read_index
+from ..formats.pickle_writer import dumps
+from ..io.output import Staging, check_output, write_errors
+from ..io.remote import is_url
+from ..parallel.group import ONE_PROCESS
+from ..plan.from_dcp import ModelNames, build_dcp_state
+from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
+from ..zero import layout as L
+from .frame import uploading
+from .resharding import check_written, write_files
+
+
+@dataclass(frozen=True)
+class IntoDeepSpeedResult:
+    """What ``into_deepspeed`` wrote; the names of ``dsckpt convert --to deepspeed --json``."""
+    out: Path
+    source_layout: str  # "fsdp2" | "torchtitan"
+    tag: str
+    zero_stage: int
+    world_size: int
+    dtype: str
+    step: int
+    tensors: int
+    bytes: int
+    files: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size: int, *, stage: int = 3,
+                   dtype: str = "fp32", model: ModelNames | None = None, tag: str | None = None,
+                   force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
+                   progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
+    """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
+    (1, 2 or 3), its module in ``dtype`` ("fp32" or "bf16"; masters and moments stay fp32).
+
+    ``model``: the names only the model knows (frozen parameters, buffers, tied names: ``ModelNames``), needed
+    when the folder holds floating-point entries no optimizer does.  ``tag``: the tag folder's name (default
+    ``global_step<step>``).  ``force``: write into an existing OUT (``latest`` and the tag replaced).
+    """
+    if is_url(out):
+        arguments = {k: v for k, v in locals().items() if k != "out"}
+        return uploading(ONE_PROCESS, str(out), force, lambda local: into_deepspeed(out=local, **arguments))
+    if is_url(source):
+        raise UnsupportedCheckpointError(f"{source}: convert --to deepspeed reads a local folder",
+                                         hint="copy the DCP folder here first (e.g. aws s3 cp --recursive)")
+    module_dtype = BY_LABEL.get(str(dtype))
+    if module_dtype is None:
+        raise ConfigError(f"--dtype {dtype!r}: expected fp32 or bf16")
+    folder, out = Path(source), Path(out)
+    if not (folder / METADATA_FILE).is_file():
+        raise CheckpointNotFoundError(f"{folder}: no {METADATA_FILE}; convert --to deepspeed reads a "
+                                      "torch.distributed.checkpoint folder (FSDP2 or torchtitan)")
+    check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
+    index = read_index(folder)
+    found = build_dcp_state(index, read_contents(index), model)
+    target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step)
+    if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
+        raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")
+    plan = build_deepspeed_plan(found.state, target, folder)
+    pickled = {f.name: dumps(f.tree) for f in plan.files}
+    total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
+    inputs = [folder / METADATA_FILE, *sorted({c.file for t in index.tensors.values() for c in t.chunks})]
+    check_output(out, inputs, force, directory=True, tree=folder)
+    if progress_total:
+        progress_total(total)
+    staging = Staging(fsync)
+    try:
+        with write_errors(out):
+            tmp = staging.temp_for(out, directory=True)
+            write_files(plan, tmp, plan.files, [], pickled, progress)
+            (tmp / L.LATEST_FILE).write_text(plan.tag)
+            check_written(tmp, plan)
+            staging.flush()
+            staging.publish()
+    except BaseException:
+        staging.abort()
+        raise
+    names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
+    tensors = sum(len(storages) for _, storages in pickled.values())
+    notes = found.notes + ("no learning-rate scheduler state is written: load with "
+                           "load_lr_scheduler_states=False when the engine has a scheduler",)
+    return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
+                               tensors, total, tuple(str(out / n) for n in names), notes)

@@ -1,0 +1,204 @@
+"""A torch.distributed.checkpoint folder's training state (``plan.training_state``'s model), the source of
+``convert --to deepspeed``.  Pure: the index and the small values ``formats.dcp`` read in, the plan out.
+
+Two layouts, told apart by the saved paths (``planner_data``; measured, torch 2.13):
+* FSDP2's ``dcp.save({"model": msd, "optim": osd})`` with ``get_state_dict(model, optimizer)``: ``("model",
+  fqn)``, ``("optim", "state", fqn, key)``, ``("optim", "param_groups", i, key)`` - the groups list their
+  parameters by name, in the optimizer's order;
+* torchtitan's: ``(fqn,)`` at the top level, ``("optimizer", "state.<fqn>.<key>")`` and
+  ``("optimizer", "param_groups.<fqn>.<key>")`` (``flatten_optimizer_state_dict``: settings per parameter, no
+  group list), ``("train_state", "step")``, the scheduler's and data loader's own entries.  Groups are rebuilt
+  from parameters with equal settings, each in model order.
+
+What DCP cannot say - which model entries that no optimizer holds are frozen parameters, buffers or a tied
+parameter's second name - comes from the model (``ModelNames``); without it only integer entries are taken as
+buffers and anything else is refused by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import FLOATING
+from ..errors import ConfigError, CorruptFileError, StateDictMismatchError, UnsupportedCheckpointError
+from ..formats.dcp import DcpContents, DcpIndex
+from .consolidate import Plan, TensorPlan
+from .segments import Segment
+from .training_state import ParamGroup, ParamState, TrainingState
+
+FSDP2, TORCHTITAN = "fsdp2", "torchtitan"
+TORCHTITAN_EXTRAS = ("lr_scheduler", "dataloader", "train_state")  # torchtitan's own entries beside the model
+PER_ELEMENT = ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta", "ax")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The model's own names (built on the meta device): its parameters in order, its persistent buffers, and
+    each tied parameter's second name -> the first (``named_parameters(remove_duplicate=False)``)."""
+    parameters: tuple[str, ...]
+    buffers: frozenset[str] = frozenset()
+    ties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DcpState:
+    layout: str  # FSDP2 | TORCHTITAN
+    state: TrainingState
+    step: int  # the training step the source reached (the optimizer's, or torchtitan's train_state)
+    notes: tuple[str, ...]
+
+
+def _split(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, str]], dict[Any, dict[str, str]],
+                                     list[str]]:
+    """Layout, then model entries (fqn -> key), optimizer state (fqn -> state key -> key), group entries
+    (group -> setting -> key) and the keys neither holds."""
+    paths = {key: index.paths.get(key) for key in [*index.tensors, *index.values]}
+    if any(p is None for p in paths.values()):
+        missing = next(k for k, p in paths.items() if p is None)
+        raise CorruptFileError(f"{index.metadata_file}: no saved path for {missing!r} (planner_data); a DCP folder "
+                               "written by torch >= 2.4 records one for every key")
+    layout = TORCHTITAN if any(p[0] == "optimizer" for p in paths.values()) else FSDP2
+    model: dict[str, str] = {}
+    state: dict[str, dict[str, str]] = {}
+    groups: dict[Any, dict[str, str]] = {}
+    other = []
+    for key, path in paths.items():
+        if layout == FSDP2 and path[0] == "model" and len(path) == 2:
+            model[str(path[1])] = key
+        elif layout == FSDP2 and path[:2] == ("optim", "state") and len(path) == 4:
+            state.setdefault(str(path[2]), {})[str(path[3])] = key
+        elif layout == FSDP2 and path[:2] == ("optim", "param_groups") and len(path) == 4:
+            groups.setdefault(path[2], {})[str(path[3])] = key
+        elif layout == TORCHTITAN and len(path) == 1:
+            model[str(path[0])] = key
+        elif layout == TORCHTITAN and path[0] == "optimizer" and len(path) == 2 and "." in str(path[1]):
+            kind, _, rest = str(path[1]).partition(".")
+            fqn, _, name = rest.rpartition(".")
+            if kind == "state" and fqn:
+                state.setdefault(fqn, {})[name] = key
+            elif kind == "param_groups" and fqn:
+                groups.setdefault(fqn, {})[name] = key
+            else:
+                other.append(key)
+        else:
+            other.append(key)
+    return layout, model, state, groups, other
+
+
+def _tensor_plan(index: DcpIndex, contents: DcpContents, key: str, name: str, kind: str,
+                 dtype: str | None = None) -> TensorPlan:
+    t = index.tensors.get(key)
+    if t is None:
+        raise CorruptFileError(f"{index.metadata_file}: {key!r} is a value, expected a tensor")
+    pieces = tuple(Segment(path, offset, n) for path, offset, n in contents.ranges[key])
+    return TensorPlan(name, t.shape, t.dtype, dtype or t.dtype, kind, pieces)
+
+
+def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | None = None) -> DcpState:
+    where = index.metadata_file
+    layout, entries, state, group_entries, other = _split(index)
+    if not entries:
+        raise UnsupportedCheckpointError(f"{where}: no model entries (neither {FSDP2}'s \"model.<fqn>\" nor "
+                                         f"{TORCHTITAN}'s top-level <fqn>)")
+    notes = []
+    if layout == FSDP2:
+        groups = []
+        for i in sorted(group_entries, key=lambda g: int(g) if str(g).isdigit() else str(g)):
+            settings = {k: contents.values.get(v, contents.scalars.get(v)) for k, v in group_entries[i].items()}
+            names = settings.pop("params", None)
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise CorruptFileError(f"{where}: param group {i} lists no parameter names")
+            groups.append(ParamGroup(settings, tuple(names)))
+    else:
+        by_settings: dict[str, tuple[dict, list[str]]] = {}
+        for fqn in entries:  # model order
+            if fqn in group_entries:
+                settings = {k: contents.values.get(v, contents.scalars.get(v)) for k, v in group_entries[fqn].items()}
+                by_settings.setdefault(repr(sorted(settings.items())), (settings, []))[1].append(fqn)
+        groups = [ParamGroup(settings, tuple(names)) for settings, names in by_settings.values()]
+        if len(groups) > 1:
+            notes.append(f"{len(groups)} param groups rebuilt from parameters with equal settings (torchtitan keeps "
+                         "settings per parameter); the DeepSpeed job's optimizer must list the same groups")
+    trainable = [n for g in groups for n in g.params]
+    unknown = [n for n in trainable if n not in entries]
+    if unknown:
+        raise StateDictMismatchError(f"{where}: the optimizer's param groups name {unknown[:5]} "
+                                     f"{'...' if len(unknown) > 5 else ''} which the model entries lack")
+    if len(set(trainable)) != len(trainable):
+        raise CorruptFileError(f"{where}: a parameter is listed in two param groups")
+    kinds = _kinds(index, entries, set(trainable), model)
+    aliases = {n: target for n, (kind, target) in kinds.items() if kind == "tied"}
+    tensors = [_tensor_plan(index, contents, entries[n], n, kinds[n][0]) for n in entries if kinds[n][0] != "tied"]
+    params, steps = [], set()
+    for g, group in enumerate(groups):
+        group_steps = set()
+        for name in group.params:
+            found = state.get(name, {})
+            moments = {k: _tensor_plan(index, contents, v, name, "param", "F32") for k, v in found.items()
+                       if v in index.tensors and index.tensors[v].shape != ()}
+            for k, plan in moments.items():
+                if plan.shape != index.tensors[entries[name]].shape:
+                    raise CorruptFileError(f"{where}: {k} of {name!r} has shape {list(plan.shape)}, the parameter "
+                                           f"{list(index.tensors[entries[name]].shape)}")
+            step_key = found.get("step")
+            if step_key is not None and step_key not in contents.scalars:
+                raise UnsupportedCheckpointError(f"{where}: the step of {name!r} is not a stored 0-d tensor")
+            group_steps.add(contents.scalars.get(step_key) if step_key else None)
+            step = _tensor_plan(index, contents, step_key, "step", "step") if step_key else None
+            params.append(ParamState(name, _tensor_plan(index, contents, entries[name], name, "param", "F32"),
+                                     moments, step, g))
+        if len(group_steps) > 1:
+            raise UnsupportedCheckpointError(f"{where}: param group {g} holds parameters at different optimizer steps "
+                                             f"{sorted(map(str, group_steps))}; ZeRO keeps one step per group")
+        steps |= group_steps
+    kept = {k for k in other if index.paths[k][0] in TORCHTITAN_EXTRAS}
+    if set(other) - kept:
+        notes.append(f"left out {len(set(other) - kept)} entries that are neither model nor optimizer state "
+                     f"(first: {sorted(set(other) - kept)[0]!r})")
+    step = _training_step(index, contents, other, steps)
+    return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), step,
+                    tuple(notes))
+
+
+def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
+           model: ModelNames | None) -> dict[str, tuple[str, str | None]]:
+    """Per model entry: ("param" | "frozen" | "buffer" | "tied", the tied parameter's first name)."""
+    where = index.metadata_file
+    if model is not None:
+        known = set(model.parameters) | set(model.buffers) | set(model.ties)
+        missing, extra = sorted(known - set(entries)), sorted(set(entries) - known)
+        if missing or extra:
+            raise StateDictMismatchError(f"{where}: the model and the checkpoint disagree - missing from the "
+                                         f"checkpoint: {missing[:5]}; not in the model: {extra[:5]}")
+        out: dict[str, tuple[str, str | None]] = {}
+        for name in entries:
+            if name in model.ties:
+                out[name] = ("tied", model.ties[name])
+            elif name in model.buffers:
+                out[name] = ("buffer", None)
+            else:
+                out[name] = ("param" if name in trainable else "frozen", None)
+        frozen_in_groups = [n for n in trainable if out[n][0] != "param"]
+        if frozen_in_groups:
+            raise StateDictMismatchError(f"{where}: the optimizer holds {frozen_in_groups[:3]}, which the model "
+                                         "names as buffers or tied copies")
+        return out
+    unclear = [n for n in entries if n not in trainable and index.tensors[entries[n]].dtype in FLOATING]
+    if unclear:
+        raise ConfigError(f"{where}: {len(unclear)} floating-point model entries no optimizer holds "
+                          f"({', '.join(unclear[:4])}{', ...' if len(unclear) > 4 else ''}): frozen parameters, "
+                          "buffers and a tied parameter's second name look the same in DCP",
+                          hint="pass --model MODULE:FACTORY (the model is built on the meta device to read its "
+                               "names; no weights are computed)")
+    return {n: ("param" if n in trainable else "buffer", None) for n in entries}
+
+
+def _training_step(index: DcpIndex, contents: DcpContents, other: list[str], steps: set) -> int:
+    """torchtitan's ``train_state.step`` when saved, else the optimizer's step (0 when it never stepped)."""
+    for key in other:
+        if index.paths[key] == ("train_state", "step"):
+            value = contents.scalars.get(key, contents.values.get(key))
+            if isinstance(value, (int, float)):
+                return int(value)
+    numbers = [s for s in steps if isinstance(s, (int, float))]
+    return int(max(numbers)) if numbers else 0

@@ -1,0 +1,233 @@
+"""A DeepSpeed ZeRO-1/2/3 checkpoint at M ranks from any training state (``plan.training_state``): the files
+``convert --to deepspeed`` writes, as the trees DeepSpeed 0.19.8's ``save_checkpoint`` pickles.  Pure: each
+partition is segments of the source's full tensors (``plan.segments``), cut where ``zero.partitioning`` says
+rank r holds them.
+
+* flat groups: one per torch param group, its parameters in the group's order (ZeRO's flat order);
+  stage 1/2 laid back to back and cut in M equal slices, stage 3 each parameter split on its own;
+* per rank, an optimizer file: the fp32 partition per group, Adam's moments in the same layout (zeros in the
+  padding), the group's step, the torch optimizer's ``param_groups`` (settings kept; ``params`` the group's
+  index), DeepSpeed's records (partition counts, paddings, ``param_slice_mappings``; a static loss scaler of 1,
+  what bf16 and fp32 runs save);
+* the model file(s): stage 1/2 one ``module`` with every entry in full (trainable parameters as their masters
+  cast to the module dtype, both tied names one tensor), stage 3 one per rank with buffers in full, every
+  parameter an empty placeholder and frozen parameters as that rank's part; ``param_shapes``,
+  ``frozen_param_*``, ``shared_params``, ``buffer_names``, ``global_steps`` as DeepSpeed records them.
+No scheduler state is written (``lr_scheduler`` None): load with ``load_lr_scheduler_states=False`` when the
+engine has one, or let the scheduler start from the step.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..dtypes import FLOATING, ITEMSIZE
+from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..formats.pickle_policy import TorchSize, opaque_type
+from ..formats.pickle_writer import NewTensor
+from ..zero import layout as L
+from ..zero.grid import Coord, rank_file_name
+from ..zero.partitioning import GroupLayout, stage3_group, stage12_group, stage12_trimmed
+from .consolidate import TensorPlan
+from .moves import DEFAULT_SUB_GROUP_SIZE, FRAGMENT_ADDRESS, GroupMove, OutputFile, ReshardPlan, slice_mappings_at
+from .segments import Piece, TensorSource, Window, Zeros, merged
+from .training_state import TrainingState
+
+DS_VERSION = "0.19.8"  # the DeepSpeed whose files these are (its loader checks the recorded version is >= 0.3.17)
+LOSS_SCALER = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+ZERO_STAGE_ENUM = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+MODULE_DTYPES = ("F32", "BF16")  # fp16 runs keep a dynamic loss scaler whose state no source has
+
+
+@dataclass(frozen=True)
+class DeepSpeedLayout:
+    world_size: int
+    stage: int
+    dtype: str  # the module's floating dtype: "F32" or "BF16"
+    tag: str
+    global_steps: int = 0
+
+
+def check_layout(target: DeepSpeedLayout) -> None:
+    if target.stage not in (1, 2, 3):
+        raise ConfigError(f"--stage {target.stage}: convert --to deepspeed writes ZeRO stage 1, 2 or 3")
+    if type(target.world_size) is not int or target.world_size < 1:
+        raise ConfigError(f"--world-size {target.world_size!r}: expected a whole number of ranks, 1 or more")
+    if target.dtype not in MODULE_DTYPES:
+        raise ConfigError(f"--dtype {target.dtype}: convert --to deepspeed writes fp32 or bf16 engines (an fp16 "
+                          "engine's dynamic loss scaler has no source)")
+
+
+def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: Path) -> ReshardPlan:
+    """Every file of ``target``'s tag folder; ``source`` names the input in messages and records."""
+    check_layout(target)
+    by_name = {p.name: p for p in state.params}
+    layouts: list[GroupLayout] = []
+    for g, group in enumerate(state.groups):
+        numels = [math.prod(by_name[n].master.shape) for n in group.params]
+        layout = stage3_group(numels, target.world_size) if target.stage == 3 else stage12_group(numels, target.world_size)
+        if target.stage == 3 and layout.partition_numel > DEFAULT_SUB_GROUP_SIZE:
+            raise UnsupportedCheckpointError(f"{source}: param group {g} would hold {layout.partition_numel:,} elements "
+                                             f"per rank, more than one ZeRO-3 sub-group; not supported yet")
+        layouts.append(layout)
+    moves = tuple(GroupMove(g.params, layout, layout, i) for i, (g, layout) in enumerate(zip(state.groups, layouts)))
+    files = [_optim_file(state, target, moves, r, source) for r in range(target.world_size)]
+    if target.stage == 3:
+        files = [_model_file(state, target, r, source) for r in range(target.world_size)] + files
+    else:
+        files = [_model_file(state, target, None, source)] + files
+    return ReshardPlan(target.stage, 1, target.world_size, target.tag, moves, tuple(files))
+
+
+def _partition(layout: GroupLayout, rank: int, tensors: list[TensorPlan], length: int, where: str) -> TensorSource:
+    """Rank ``rank``'s first ``length`` elements of a flat group, as fp32 from ``tensors`` (one per parameter)."""
+    dtypes = {t.src_dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise UnsupportedCheckpointError(f"{where}: a param group mixes {sorted(dtypes)} tensors; one flat "
+                                         "partition is read in one dtype")
+    src = dtypes.pop() if dtypes else "F32"
+    size = ITEMSIZE[src]
+    out: list[Piece] = []
+    pos = 0
+    for tensor, spans in zip(tensors, layout.params):
+        window = Window(tensor.pieces)
+        for span in spans:
+            if span.rank != rank:
+                continue
+            if span.rank_start > pos:
+                out.append(Zeros((span.rank_start - pos) * size))
+            out += window.cut(span.param_start * size, span.count * size)
+            pos = span.rank_start + span.count
+    if pos > length:
+        raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
+    if length > pos:
+        out.append(Zeros((length - pos) * size))
+    return TensorSource(src, "F32", merged(out))
+
+
+def _flat(source: TensorSource, requires_grad: bool) -> NewTensor:
+    numel = sum(p.nbytes for p in source.pieces) // ITEMSIZE[source.src_dtype]
+    return NewTensor("F32", (numel,), source, requires_grad)
+
+
+def _step_tensor(step: object, where: str) -> NewTensor | None:
+    """Adam's step as torch keeps it: a 0-d float32 tensor, read from the source's own step tensor."""
+    if step is None:
+        return None
+    if not isinstance(step, TensorPlan) or step.shape != ():
+        raise UnsupportedCheckpointError(f"{where}: the optimizer step is {step!r:.60}, not a stored 0-d tensor")
+    return NewTensor("F32", (), TensorSource(step.src_dtype, "F32", step.pieces))
+
+
+def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[GroupMove, ...], rank: int,
+                source: Path) -> OutputFile:
+    by_name = {p.name: p for p in state.params}
+    flats, torch_state, param_groups = [], {}, []
+    for g, (group, move) in enumerate(zip(state.groups, moves)):
+        where = f"{source}: param group {g}"
+        params = [by_name[n] for n in group.params]
+        length = move.target.partition_numel
+        trimmed = stage12_trimmed(move.target, rank) if target.stage != 3 else 0
+        flats.append(_flat(_partition(move.target, rank, [p.master for p in params], length - trimmed, where), True))
+        keys = [k for k in (params[0].moments if params else {})]
+        if any(list(p.moments) != keys for p in params):
+            raise UnsupportedCheckpointError(f"{where}: its parameters hold different optimizer state keys")
+        entry: dict = {}
+        step = _step_tensor(params[0].step, where) if params else None
+        if step is not None and keys:
+            entry["step"] = step
+        for key in keys:
+            entry[key] = _flat(_partition(move.target, rank, [p.moments[key] for p in params], length, f"{where} {key}"),
+                               False)
+        if entry:
+            torch_state[g] = entry
+        param_groups.append({**group.settings, "params": [g]})
+    stage_enum = opaque_type(*ZERO_STAGE_ENUM)(target.stage)
+    scaler = opaque_type(*LOSS_SCALER).__new__(opaque_type(*LOSS_SCALER))
+    scaler.state = {"cur_scale": 1.0, "dynamic": False}
+    if target.stage == 3:
+        osd: dict = {L.ZERO_STAGE: stage_enum, L.LOSS_SCALER: scaler, "dynamic_loss_scale": False, "overflow": False,
+                     L.PARTITION_COUNT: target.world_size,
+                     L.OPTIMIZER_STATE_DICT: {"state": torch_state, "param_groups": param_groups},
+                     L.FP32_FLAT_GROUPS: flats}
+    else:
+        osd = {L.LOSS_SCALER: scaler, "dynamic_loss_scale": False, "overflow": False,
+               L.BASE_OPTIMIZER_STATE: {"state": torch_state, "param_groups": param_groups},
+               L.SINGLE_PARTITION_OF_FP32_GROUPS: flats, L.ZERO_STAGE: stage_enum,
+               L.GROUP_PADDINGS: [stage12_trimmed(m.target, rank) for m in moves],
+               L.PARAM_ALIGNMENT_PADDINGS: [[0] * len(m.names) for m in moves],
+               L.PARTITION_COUNT: [target.world_size] * len(moves), L.DS_VERSION: DS_VERSION,
+               L.PARAM_SLICE_MAPPINGS: [OrderedDict(slice_mappings_at(m, rank, [])) for m in moves]}
+    tree = {L.OPTIMIZER_STATE_DICT: osd, L.DS_CONFIG: _config(target), L.DS_VERSION: DS_VERSION}
+    name = rank_file_name("optim", Coord(dp=rank), bf16=target.dtype == "BF16")
+    return OutputFile(name, source, tree)
+
+
+def _config(target: DeepSpeedLayout) -> dict:
+    config: dict = {"zero_optimization": {"stage": target.stage}}
+    if target.dtype == "BF16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _module_value(plan: TensorPlan, dtype: str) -> NewTensor:
+    out = dtype if plan.kind != "buffer" and plan.src_dtype in FLOATING else plan.src_dtype
+    return NewTensor(out, plan.shape, TensorSource(plan.src_dtype, out, plan.pieces))
+
+
+def _model_file(state: TrainingState, target: DeepSpeedLayout, rank: int | None, source: Path) -> OutputFile:
+    """Stage 1/2 (``rank`` None): the one model file; stage 3: rank ``rank``'s."""
+    masters = {p.name: p.master for p in state.params}
+    module: OrderedDict = OrderedDict()
+    frozen = [t for t in state.model.tensors if t.kind == "frozen"]
+    for t in state.model.tensors:
+        if rank is not None and t.kind != "buffer":  # ZeRO-3: parameters live in the partitions
+            dtype = target.dtype if t.src_dtype in FLOATING else t.src_dtype
+            module[t.name] = NewTensor(dtype, (0,), TensorSource(dtype, dtype, ()))
+        else:
+            module[t.name] = _module_value(masters.get(t.name, t), target.dtype)
+    for alias, owner in state.model.aliases.items():
+        module[alias] = module[owner]  # one tensor under both names, as the module's state_dict holds it
+    by_name = {p.name: p for p in state.params}
+    tree: dict = {
+        L.MODULE: module,
+        L.BUFFER_NAMES: [t.name for t in state.model.tensors if t.kind == "buffer"],
+        "optimizer": None,
+        L.PARAM_SHAPES: [OrderedDict((n, TorchSize(by_name[n].master.shape)) for n in g.params) for g in state.groups],
+        L.FROZEN_PARAM_SHAPES: None,
+        L.SHARED_PARAMS: dict(state.model.aliases) if not rank else {},
+        L.FROZEN_PARAM_FRAGMENTS: None,
+        "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
+        "skipped_steps": 0, "global_steps": target.global_steps,
+        L.DP_WORLD_SIZE: target.world_size, "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        L.DS_CONFIG: _config(target), L.DS_VERSION: DS_VERSION,
+    }
+    if frozen and target.stage >= 2:
+        tree[L.FROZEN_PARAM_SHAPES] = OrderedDict((t.name, TorchSize(t.shape)) for t in frozen)
+        tree[L.FROZEN_PARAM_FRAGMENTS] = OrderedDict(
+            (t.name, module[t.name] if rank is None else _frozen_part(t, target, rank)) for t in frozen)
+    if rank is None:
+        return OutputFile(rank_file_name("model", Coord(), per_dp_rank=False), source, tree)
+    return OutputFile(rank_file_name("model", Coord(dp=rank)), source, tree)
+
+
+def _frozen_part(t: TensorPlan, target: DeepSpeedLayout, rank: int) -> NewTensor:
+    """Rank ``rank``'s ZeRO-3 part of a frozen parameter (padded), in the module dtype."""
+    layout = stage3_group([math.prod(t.shape)], target.world_size)
+    dtype = target.dtype if t.src_dtype in FLOATING else t.src_dtype
+    size = ITEMSIZE[t.src_dtype]
+    out: list[Piece] = []
+    for span in layout.params[0]:
+        if span.rank == rank:
+            out += Window(t.pieces).cut(span.param_start * size, span.count * size)
+            if span.count < layout.partition_numel:
+                out.append(Zeros((layout.partition_numel - span.count) * size))
+    if not out:
+        out = [Zeros(layout.partition_numel * size)]
+    return NewTensor(dtype, (layout.partition_numel,), TensorSource(t.src_dtype, dtype, merged(out)))
+
+
+__all__ = ["DeepSpeedLayout", "build_deepspeed_plan", "check_layout", "FRAGMENT_ADDRESS"]
