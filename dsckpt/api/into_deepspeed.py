@@ -46,7 +46,8 @@ class IntoDeepSpeedResult:
 
 
 def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size: int, *, stage: int = 3,
-                   dtype: str = "fp32", model: ModelNames | None = None, tag: str | None = None,
+                   dtype: str = "fp32", model: ModelNames | None = None,
+                   group_order: tuple[str, ...] | None = None, tag: str | None = None,
                    force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
                    progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
     """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
@@ -54,7 +55,9 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
 
     ``model``: the names only the model knows (frozen parameters, buffers, tied names: ``ModelNames``), needed
     when the folder holds floating-point entries no optimizer does.  ``tag``: the tag folder's name (default
-    ``global_step<step>``).  ``force``: write into an existing OUT (``latest`` and the tag replaced).
+    ``global_step<step>``).  ``group_order``: torchtitan's layout only, when its parameters have several
+    settings: one parameter of each group, in the order the DeepSpeed job's optimizer takes the groups.
+    ``force``: write into an existing OUT (``latest`` and the tag replaced).
     """
     if is_url(out):
         arguments = {k: v for k, v in locals().items() if k != "out"}
@@ -71,7 +74,7 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
                                       "torch.distributed.checkpoint folder (FSDP2 or torchtitan)")
     check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
     index = read_index(folder)
-    found = build_dcp_state(index, read_contents(index), model)
+    found = build_dcp_state(index, read_contents(index), model, group_order)
     target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step)
     if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
         raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")

@@ -5,8 +5,12 @@ import sys
 
 import click
 
+from ..errors import ConfigError
 from .app import cli, result_document
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, parallel_group
+
+
+INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.into_deepspeed)
 
 
 def _targets():
@@ -19,8 +23,20 @@ def _targets():
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--to", "to", type=Registered(lambda: list(_targets())), required=True, cls=LazyHelp,
-              help_text=lambda: "; ".join(f"{name}: {t.summary}" for name, t in _targets().items()) + ".")
+@click.option("--to", "to", type=Registered(lambda: [*_targets(), INTO_DEEPSPEED]), required=True, cls=LazyHelp,
+              help_text=lambda: "; ".join(f"{name}: {t.summary}" for name, t in _targets().items())
+              + f"; {INTO_DEEPSPEED}: a DCP folder (FSDP2, torchtitan) as a ZeRO checkpoint.")
+@click.option("--world-size", "-w", type=click.IntRange(min=1), default=None,
+              help="deepspeed: the ranks the DeepSpeed job will run on.")
+@click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None, help="deepspeed: the ZeRO stage.")
+@click.option("--dtype", default="fp32", show_default=True,
+              help="deepspeed: the engine's module dtype (fp32 or bf16; masters and moments stay fp32).")
+@click.option("--model", "model_spec", default=None, metavar="MODULE:FACTORY",
+              help="deepspeed: the model, built on the meta device for the names DCP cannot tell apart (frozen "
+                   "parameters, buffers, tied names).")
+@click.option("--group-order", default=None, metavar="NAME,NAME,...",
+              help="deepspeed, torchtitan layout with several settings: one parameter of each param group, in the "
+                   "order the DeepSpeed job's optimizer takes the groups.")
 @click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
 @click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
@@ -31,9 +47,10 @@ def _targets():
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, force, trust_checkpoint, skip_crc_check,
-            no_fsync, nproc, quiet, as_json) -> None:
-    """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint.
+def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, model_spec, group_order,
+            weights_only: bool, tag, force, trust_checkpoint, skip_crc_check, no_fsync, nproc, quiet, as_json) -> None:
+    """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint - or,
+    with --to deepspeed, an FSDP2 / torchtitan DCP folder as a ZeRO checkpoint.
 
     \b
     --to dcp: the layout get_state_dict(model, optimizer) gives for the same model and its torch
@@ -52,7 +69,22 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
       dsckpt convert runs/demo runs/demo_dcp --to dcp
       dsckpt convert runs/demo runs/demo_weights_dcp --to dcp --weights-only
       dsckpt convert runs/demo runs/demo_universal --to universal --json
+      dsckpt convert fsdp2_ckpt/step-300 ds_ckpt --to deepspeed -w 8 --stage 3 --model mymodel:build
+
+    \b
+    --to deepspeed: CHECKPOINT is a DCP folder - FSDP2's dcp.save({"model": msd, "optim": osd}) with
+      get_state_dict, or torchtitan's (model keys at the top level, the optimizer flattened) - and
+      OUT_DIR a DeepSpeed checkpoint (tag folder + latest) that stock engine.load_checkpoint(OUT_DIR)
+      restores at --world-size ranks and --stage: every fp32 master, Adam moment, step and group
+      setting as saved.  The job's optimizer lists the same param groups (FSDP2: as saved; torchtitan:
+      --group-order).  --tag names the tag written (default global_step<step>).  No scheduler state
+      is written (load_lr_scheduler_states=False when the engine has one).  Needs torch for --model.
     """
+    if to == INTO_DEEPSPEED:
+        return _into_deepspeed(checkpoint, out_dir, world_size, stage, dtype, model_spec, group_order, weights_only,
+                               tag, force, no_fsync, nproc, quiet, as_json)
+    if world_size is not None or stage is not None or model_spec or group_order:
+        raise ConfigError(f"--world-size, --stage, --model and --group-order are for --to {INTO_DEEPSPEED}")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.conversion"))
     from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
 
@@ -75,3 +107,38 @@ def convert(checkpoint: str, out_dir: str, to: str, weights_only: bool, tag, for
     else:
         click.echo(f"wrote {result.out} ({result.to}, from ZeRO-{result.zero_stage} tag {result.tag}, "
                    f"{result.tensors} tensors, {result.bytes:,} bytes)")
+
+
+def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_spec, group_order, weights_only,
+                    tag, force, no_fsync, nproc, quiet, as_json) -> None:
+    if world_size is None or stage is None:
+        raise ConfigError(f"--to {INTO_DEEPSPEED} needs --world-size and --stage (the DeepSpeed job's)")
+    if weights_only or nproc > 1:
+        raise ConfigError(f"--to {INTO_DEEPSPEED} writes the whole training state, on one process "
+                          "(--weights-only and --nproc are for the other targets)")
+    from tqdm import tqdm
+
+    from ..api.into_deepspeed import into_deepspeed
+
+    model = None
+    if model_spec:
+        from ..runtime.model_names import model_names
+
+        model = model_names(model_spec)
+    order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {INTO_DEEPSPEED}", leave=False,
+              disable=quiet or as_json or not sys.stderr.isatty(), delay=0.5, file=sys.stderr) as bar:
+        def announce(total: int) -> None:
+            bar.total = total
+
+        result = into_deepspeed(source, out_dir, world_size, stage=int(stage), dtype=dtype, model=model,
+                                group_order=order, tag=tag, force=force, fsync=not no_fsync, progress=bar.update,
+                                progress_total=announce)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        click.echo(result_document(result, input=source))
+    else:
+        click.echo(f"wrote {result.out} (DeepSpeed ZeRO-{result.zero_stage} at {result.world_size} ranks, tag "
+                   f"{result.tag}, from {result.source_layout} DCP at step {result.step}, {result.tensors} tensors, "
+                   f"{result.bytes:,} bytes)")

@@ -17,6 +17,7 @@ buffers and anything else is refused by name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..dtypes import FLOATING
@@ -94,7 +95,10 @@ def _tensor_plan(index: DcpIndex, contents: DcpContents, key: str, name: str, ki
     return TensorPlan(name, t.shape, t.dtype, dtype or t.dtype, kind, pieces)
 
 
-def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | None = None) -> DcpState:
+def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | None = None,
+                    group_order: tuple[str, ...] | None = None) -> DcpState:
+    """``group_order``: torchtitan's layout with parameters of several settings - one parameter of each
+    rebuilt group, in the order the DeepSpeed job's optimizer lists its groups."""
     where = index.metadata_file
     layout, entries, state, group_entries, other = _split(index)
     if not entries:
@@ -115,10 +119,11 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
             if fqn in group_entries:
                 settings = {k: contents.values.get(v, contents.scalars.get(v)) for k, v in group_entries[fqn].items()}
                 by_settings.setdefault(repr(sorted(settings.items())), (settings, []))[1].append(fqn)
-        groups = [ParamGroup(settings, tuple(names)) for settings, names in by_settings.values()]
-        if len(groups) > 1:
-            notes.append(f"{len(groups)} param groups rebuilt from parameters with equal settings (torchtitan keeps "
-                         "settings per parameter); the DeepSpeed job's optimizer must list the same groups")
+        groups = _ordered([ParamGroup(settings, tuple(names)) for settings, names in by_settings.values()],
+                          group_order, where)
+    if layout == FSDP2 and group_order is not None:
+        raise ConfigError(f"{where}: FSDP2's DCP lists its param groups in order; --group-order is for torchtitan's "
+                          "layout, which keeps settings per parameter")
     trainable = [n for g in groups for n in g.params]
     unknown = [n for n in trainable if n not in entries]
     if unknown:
@@ -152,12 +157,39 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
                                              f"{sorted(map(str, group_steps))}; ZeRO keeps one step per group")
         steps |= group_steps
     kept = {k for k in other if index.paths[k][0] in TORCHTITAN_EXTRAS}
+    carried_elsewhere = sorted({str(index.paths[k][0]) for k in kept} - {"train_state"})
+    if carried_elsewhere:
+        notes.append(f"torchtitan's {' and '.join(carried_elsewhere)} state is not carried (DeepSpeed keeps its own)")
     if set(other) - kept:
         notes.append(f"left out {len(set(other) - kept)} entries that are neither model nor optimizer state "
                      f"(first: {sorted(set(other) - kept)[0]!r})")
     step = _training_step(index, contents, other, steps)
     return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), step,
                     tuple(notes))
+
+
+def _ordered(groups: list[ParamGroup], order: tuple[str, ...] | None, where: Path) -> list[ParamGroup]:
+    """torchtitan's groups (parameters of equal settings) in the order ``order`` names them by one parameter each."""
+    if order is None:
+        if len(groups) > 1:
+            described = "; ".join(f"{g.params[0]} and {len(g.params) - 1} more" for g in groups)
+            raise ConfigError(f"{where}: the parameters fall into {len(groups)} param groups by their settings "
+                              f"({described}); their order in the DeepSpeed job's optimizer is not recorded",
+                              hint="--group-order NAME,NAME,...: one parameter of each group, in the order the "
+                                   "DeepSpeed job passes the groups to its optimizer")
+        return groups
+    picked = []
+    for name in order:
+        owner = [g for g in groups if name in g.params]
+        if not owner:
+            raise ConfigError(f"--group-order: {name!r} is not a trainable parameter of {where.parent}")
+        if owner[0] in picked:
+            raise ConfigError(f"--group-order: {name!r} names a group already named")
+        picked.append(owner[0])
+    if len(picked) != len(groups):
+        missing = [g.params[0] for g in groups if g not in picked]
+        raise ConfigError(f"--group-order names {len(picked)} of {len(groups)} param groups (none for {missing})")
+    return picked
 
 
 def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],

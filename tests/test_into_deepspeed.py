@@ -1,0 +1,190 @@
+"""`dsckpt convert SRC OUT --to deepspeed` (issue 55): another system's training state as a ZeRO checkpoint.
+
+The oracles are the programs themselves (tests/jobs/into_deepspeed.py): an FSDP2 job (the odd model: two
+AdamW param groups with their own settings, a frozen layer, a tied weight, float and int buffers, sizes no
+world size divides) trains and saves DCP in FSDP2's layout and torchtitan's; stock DeepSpeed loads the
+converted folders at 1, 2 and 3 ranks, ZeRO-1/2/3, and its masters, moments, steps and group settings must
+equal FSDP2's bit for bit, its next loss and next step FSDP2's.  The round trip `--to dcp` then `--to
+deepspeed` is checked against `--to universal` of both, file for file.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, run_cli, run_job
+
+torch = pytest.importorskip("torch")
+
+WORLD_SIZES = (1, 2, 3)
+STAGES = (1, 2, 3)
+NEXT_LOSS_TOLERANCE = 1e-6  # the same fp32 weights; the forward's reductions run in another order at M ranks
+STEP_TOLERANCE = 1e-6  # one AdamW step on gradients reduced in another order
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("into_deepspeed")
+    run_job("into_deepspeed.py", 2, "fsdp2", root, timeout=400)
+    for m in WORLD_SIZES:
+        for s in STAGES:
+            proc = run_cli("convert", root / "dcp", root / f"fsdp2_s{s}_w{m}", "--to", "deepspeed", "-w", m,
+                           "--stage", s, "--model", "odd_model:build", "-q", "--no-fsync")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("convert", root / "titan", root / "titan_s3_w3", "--to", "deepspeed", "-w", 3, "--stage", 3,
+                   "--model", "odd_model:build", "--group-order", "up.weight,gate", "-q", "--no-fsync")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for m in WORLD_SIZES:
+        folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES] + (["titan_s3_w3:3"] if m == 3 else [])
+        run_job("into_deepspeed.py", m, "deepspeed", root, ",".join(folders), timeout=400)
+    return root
+
+
+def _records(root: Path, name: str, m: int):
+    load = lambda p: torch.load(p, weights_only=False)  # noqa: E731  (written by this test's own jobs)
+    return load(root / "fsdp2.pt"), load(root / name / f"loaded_ws{m}.pt")
+
+
+def _differ(want: dict, got: dict) -> list[str]:
+    return [k for k in want if not (k in got and want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]))]
+
+
+CASES = [(f"fsdp2_s{s}_w{m}", m) for m in WORLD_SIZES for s in STAGES] + [("titan_s3_w3", 3)]
+
+
+@pytest.mark.parametrize("name,m", CASES)
+def test_stock_deepspeed_restores_the_fsdp2_state_bit_for_bit(converted, name, m):
+    source, loaded = _records(converted, name, m)
+    trainable = {n for n in source["params"] if n in loaded["params"]}
+    assert trainable == {"embed.weight", "up.weight", "up.bias", "norm.weight", "norm.bias", "gate"}
+    assert _differ({n: source["params"][n] for n in trainable}, loaded["params"]) == []  # fp32 masters
+    assert _differ(source["moments"], loaded["moments"]) == [] and len(loaded["moments"]) == 2 * len(trainable)
+    assert set(loaded["steps"]) == set(source["steps"]) == {3.0} and loaded["global_steps"] == 3
+    assert loaded["hyperparams"] == source["hyperparams"]  # two groups, their own settings (the job asked lr=1.0)
+    assert [g["weight_decay"] for g in loaded["hyperparams"]] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("name,m", CASES)
+def test_the_next_step_under_deepspeed_is_the_fsdp2_jobs_next_step(converted, name, m):
+    source, loaded = _records(converted, name, m)
+    assert abs(loaded["next_loss"] - source["next_loss"]) <= NEXT_LOSS_TOLERANCE * source["next_loss"]
+    for n, want in source["params_after"].items():
+        assert torch.allclose(loaded["params_after"][n], want, rtol=0, atol=STEP_TOLERANCE), n
+
+
+def test_the_module_file_holds_every_key_a_strict_load_needs(converted):
+    from dsckpt.zero.reader import open_checkpoint
+
+    for stage in STAGES:
+        ckpt = open_checkpoint(converted / f"fsdp2_s{stage}_w3")
+        module = ckpt.model_files[0].obj["module"]
+        assert set(module) == {"gate", "scale", "seen", "embed.weight", "up.weight", "up.bias", "frozen.weight",
+                               "frozen.bias", "norm.weight", "norm.bias", "head.weight"}
+        assert ckpt.model_files[0].obj["shared_params"] == {"head.weight": "embed.weight"}
+        assert ckpt.model_files[0].obj["buffer_names"] == ["scale", "seen"] or \
+            set(ckpt.model_files[0].obj["buffer_names"]) == {"scale", "seen"}
+        assert ckpt.world_size == 3 and ckpt.zero_stage == stage
+
+
+def test_round_trip_through_dcp_keeps_every_master_and_moment(tmp_path):
+    """A ZeRO-2 fixture -> `--to dcp` -> `--to deepspeed` at 3 ranks ZeRO-3: `--to universal` of the original
+    and of the round trip hold the same fp32 master, exp_avg and exp_avg_sq for every parameter (the step is
+    checked by the FSDP2 tests: ds_to_universal writes step.pt for ZeRO-1/2 sources only)."""
+    source = FIXTURES / "z2_ws2_fp32"
+    assert run_cli("convert", source, tmp_path / "dcp", "--to", "dcp", "-q", "--no-fsync").returncode == 0
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "deepspeed", "-w", 3, "--stage", 3,
+                   "--model", "dsckpt.runtime.demo_model:build_small_model", "-q", "--no-fsync")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("dcp", "back"):
+        ckpt = source if name == "dcp" else tmp_path / "back"
+        proc = run_cli("convert", ckpt, tmp_path / f"{name}_universal", "--to", "universal", "-q", "--no-fsync")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    def trained(root: Path) -> dict[str, Path]:  # zero/<param>/<state>.pt of every parameter Adam holds
+        return {str(p.relative_to(p.parents[2])): p for p in root.glob("*/zero/*/*.pt")
+                if (p.parent / "exp_avg.pt").exists() and p.stem in ("fp32", "exp_avg", "exp_avg_sq")}
+    want, got = trained(tmp_path / "dcp_universal"), trained(tmp_path / "back_universal")
+    assert sorted(want) == sorted(got) and len(want) >= 3 * 16  # fp32, exp_avg, exp_avg_sq of 16 parameters
+    for key in want:
+        a, b = (torch.load(p[key], weights_only=True) for p in (want, got))
+        a, b = (t["param"] if isinstance(t, dict) else t for t in (a, b))  # by stage: wrapped, or flat
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a.reshape(-1), b.reshape(-1)), key
+
+
+# --- bad input: typed errors naming the file, exit 2, nothing at OUT ---------------------------------------------
+def _tiny_dcp(folder: Path, names: tuple[str, ...] = ("w", "b")) -> None:
+    """A one-process DCP in FSDP2's layout: two trainable parameters, an int buffer."""
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(5, generator=gen), "seen": torch.arange(3)}
+    state = {n: {"step": torch.tensor(2.0), "exp_avg": torch.randn(model[n].shape, generator=gen),
+                 "exp_avg_sq": torch.rand(model[n].shape, generator=gen)} for n in ("w", "b")}
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "params": list(names)}]
+    dcp.save({"model": model, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=str(folder),
+             no_dist=True)
+
+
+def _refused(tmp_path, src: Path, *extra) -> str:
+    out = tmp_path / "out"
+    proc = run_cli("convert", src, out, "--to", "deepspeed", "-w", 2, "--stage", 3, "-q", *extra)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "dsckpt-tmp" in p.name]
+    return proc.stderr
+
+
+def test_a_small_dcp_converts_without_a_model_when_nothing_is_ambiguous(tmp_path):
+    _tiny_dcp(tmp_path / "dcp")
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "out", "--to", "deepspeed", "-w", 2, "--stage", 2, "-q")
+    assert proc.returncode == 0, proc.stderr
+    from dsckpt.zero.reader import open_checkpoint
+
+    ckpt = open_checkpoint(tmp_path / "out")
+    assert ckpt.model_files[0].obj["buffer_names"] == ["seen"] and ckpt.world_size == 2
+
+
+def test_a_truncated_data_file_is_named(tmp_path):
+    _tiny_dcp(tmp_path / "dcp")
+    data = max((tmp_path / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(data, data.stat().st_size // 2)
+    assert data.name in _refused(tmp_path, tmp_path / "dcp")
+
+
+def test_metadata_describing_a_missing_file_is_named(tmp_path):
+    _tiny_dcp(tmp_path / "dcp")
+    for data in (tmp_path / "dcp").glob("*.distcp"):
+        data.unlink()
+    assert "missing" in _refused(tmp_path, tmp_path / "dcp")
+
+
+def test_groups_naming_a_parameter_the_weights_lack_are_refused(tmp_path):
+    _tiny_dcp(tmp_path / "dcp", names=("w", "b", "ghost"))
+    err = _refused(tmp_path, tmp_path / "dcp")
+    assert "ghost" in err and ".metadata" in err
+
+
+def test_a_metadata_pickle_runs_no_code(tmp_path):
+    _tiny_dcp(tmp_path / "dcp")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload(), protocol=2))
+    assert ".metadata" in _refused(tmp_path, tmp_path / "dcp")
+    assert not marker.exists()
+
+
+def test_torchtitan_groups_need_their_order(converted, tmp_path):
+    err = _refused(tmp_path, converted / "titan", "--model", "odd_model:build")
+    assert "--group-order" in err
+    err = _refused(tmp_path, converted / "titan", "--model", "odd_model:build", "--group-order", "up.weight,scale")
+    assert "scale" in err
+
+
+def test_floating_entries_no_optimizer_holds_need_the_model(converted, tmp_path):
+    err = _refused(tmp_path, converted / "dcp")
+    assert "--model" in err and "frozen.weight" in err
