@@ -3,7 +3,7 @@
 The oracles are the programs themselves (tests/jobs/into_deepspeed.py): an FSDP2 job (the odd model: two
 AdamW param groups with their own settings, a frozen layer, a tied weight, float and int buffers, sizes no
 world size divides) trains and saves DCP in FSDP2's layout and torchtitan's; stock DeepSpeed loads the
-converted folders at 1, 2 and 3 ranks, ZeRO-1/2/3, and its masters, moments, steps and group settings must
+converted folders at 1, 2 and 3 ranks, ZeRO-1/2/3 (and universal checkpoints made of them, at another stage), and its masters, moments, steps and group settings must
 equal FSDP2's bit for bit, its next loss and next step FSDP2's.  The round trip `--to dcp` then `--to
 deepspeed` is checked against `--to universal` of both, file for file.
 """
@@ -37,8 +37,15 @@ def converted(tmp_path_factory):
     proc = run_cli("convert", root / "titan", root / "titan_s3_w3", "--to", "deepspeed", "-w", 3, "--stage", 3,
                    "--model", "odd_model:build", "--group-order", "up.weight,gate", "-q", "--no-fsync")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for source, stage in ((2, 3), (3, 1)):  # a universal folder of a ZeRO-2 and of a ZeRO-3 run, to the other stage
+        for args in (("fsdp2_s%d_w2" % source, "universal_s%d" % source, "--to", "universal"),
+                     ("universal_s%d" % source, "universal_s%d_s%d_w3" % (source, stage), "--to", "deepspeed", "-w", 3,
+                      "--stage", stage)):
+            proc = run_cli("convert", root / args[0], root / args[1], *args[2:], "-q", "--no-fsync")
+            assert proc.returncode == 0, proc.stderr[-3000:]
     for m in WORLD_SIZES:
-        folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES] + (["titan_s3_w3:3"] if m == 3 else [])
+        folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES]
+        folders += ["titan_s3_w3:3", "universal_s2_s3_w3:3", "universal_s3_s1_w3:1"] if m == 3 else []
         run_job("into_deepspeed.py", m, "deepspeed", root, ",".join(folders), timeout=400)
     return root
 
@@ -52,7 +59,8 @@ def _differ(want: dict, got: dict) -> list[str]:
     return [k for k in want if not (k in got and want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]))]
 
 
-CASES = [(f"fsdp2_s{s}_w{m}", m) for m in WORLD_SIZES for s in STAGES] + [("titan_s3_w3", 3)]
+CASES = [(f"fsdp2_s{s}_w{m}", m) for m in WORLD_SIZES for s in STAGES] + \
+    [("titan_s3_w3", 3), ("universal_s2_s3_w3", 3), ("universal_s3_s1_w3", 3)]
 
 
 @pytest.mark.parametrize("name,m", CASES)

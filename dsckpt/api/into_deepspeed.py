@@ -22,18 +22,22 @@ from ..formats.pickle_writer import dumps
 from ..io.output import Staging, check_output, write_errors
 from ..io.remote import is_url
 from ..parallel.group import ONE_PROCESS
-from ..plan.from_dcp import ModelNames, build_dcp_state
+from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state
+from ..plan.from_universal import build_universal_state
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
+from ..zero.reader import open_checkpoint
 from .frame import uploading
 from .resharding import check_written, write_files
+
+UNIVERSAL = "universal"  # a source layout beside plan.from_dcp's
 
 
 @dataclass(frozen=True)
 class IntoDeepSpeedResult:
     """What ``into_deepspeed`` wrote; the names of ``dsckpt convert --to deepspeed --json``."""
     out: Path
-    source_layout: str  # "fsdp2" | "torchtitan"
+    source_layout: str  # "fsdp2" | "torchtitan" | "universal"
     tag: str
     zero_stage: int
     world_size: int
@@ -69,20 +73,15 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
     if module_dtype is None:
         raise ConfigError(f"--dtype {dtype!r}: expected fp32 or bf16")
     folder, out = Path(source), Path(out)
-    if not (folder / METADATA_FILE).is_file():
-        raise CheckpointNotFoundError(f"{folder}: no {METADATA_FILE}; convert --to deepspeed reads a "
-                                      "torch.distributed.checkpoint folder (FSDP2 or torchtitan)")
     check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
-    index = read_index(folder)
-    found = build_dcp_state(index, read_contents(index), model, group_order)
+    found, inputs, root = _source_state(folder, model, group_order)
     target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step)
     if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
         raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")
-    plan = build_deepspeed_plan(found.state, target, folder)
+    plan = build_deepspeed_plan(found.state, target, root)
     pickled = {f.name: dumps(f.tree) for f in plan.files}
     total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
-    inputs = [folder / METADATA_FILE, *sorted({c.file for t in index.tensors.values() for c in t.chunks})]
-    check_output(out, inputs, force, directory=True, tree=folder)
+    check_output(out, inputs, force, directory=True, tree=root)
     if progress_total:
         progress_total(total)
     staging = Staging(fsync)
@@ -103,3 +102,25 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
                            "load_lr_scheduler_states=False when the engine has a scheduler",)
     return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
                                tensors, total, tuple(str(out / n) for n in names), notes)
+
+
+def _source_state(folder: Path, model: ModelNames | None,
+                  group_order: tuple[str, ...] | None) -> tuple[DcpState, list[Path], Path]:
+    """The source's training state, the files it reads, and its root folder: a DCP folder, or a universal one."""
+    if (folder / METADATA_FILE).is_file():
+        index = read_index(folder)
+        inputs = [folder / METADATA_FILE, *sorted({c.file for t in index.tensors.values() for c in t.chunks})]
+        return build_dcp_state(index, read_contents(index), model, group_order), inputs, folder
+    try:
+        ckpt = open_checkpoint(folder)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{folder}: neither a torch.distributed.checkpoint folder (no {METADATA_FILE}) "
+                                      "nor a DeepSpeed universal checkpoint") from None
+    if not ckpt.universal:
+        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: already a DeepSpeed ZeRO checkpoint",
+                                         hint="dsckpt reshard writes it for another world size or ZeRO stage")
+    if group_order is not None:
+        raise ConfigError("--group-order is for torchtitan's layout; a universal checkpoint records its groups")
+    ckpt.require_complete()
+    state, step = build_universal_state(ckpt)
+    return DcpState(UNIVERSAL, state, step, ()), [f.path for f in ckpt.layout.all_files], ckpt.layout.root

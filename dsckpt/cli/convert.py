@@ -139,6 +139,7 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
     if as_json:
         click.echo(result_document(result, input=source))
     else:
+        source = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP"}.get(result.source_layout,
+                                                                                 f"a {result.source_layout} checkpoint")
         click.echo(f"wrote {result.out} (DeepSpeed ZeRO-{result.zero_stage} at {result.world_size} ranks, tag "
-                   f"{result.tag}, from {result.source_layout} DCP at step {result.step}, {result.tensors} tensors, "
-                   f"{result.bytes:,} bytes)")
+                   f"{result.tag}, from {source} at step {result.step}, {result.tensors} tensors, {result.bytes:,} bytes)")
