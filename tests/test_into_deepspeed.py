@@ -196,3 +196,41 @@ def test_torchtitan_groups_need_their_order(converted, tmp_path):
 def test_floating_entries_no_optimizer_holds_need_the_model(converted, tmp_path):
     err = _refused(tmp_path, converted / "dcp")
     assert "--model" in err and "frozen.weight" in err
+
+
+# --- a Hugging Face folder: weights, a fresh optimizer, the HF Trainer's resume ----------------------------------
+def test_an_hf_folder_resumes_in_the_hf_trainer_as_a_run_started_from_it(tmp_path):
+    """save_pretrained weights -> a 2-rank ZeRO-3 checkpoint-like folder -> Transformers' Trainer (its model built
+    with other weights) resumes from it; its losses and learning rates equal a Trainer run that started from the
+    same weights with from_pretrained (warmup: the first step's lr is 0, the peak the scheduler's base)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import PYTHONPATH, ROOT
+
+    script = ("import torch, sys; sys.path.insert(0, 'tests/jobs'); from hf_trainer import model_config; "
+              "from transformers import LlamaForCausalLM; torch.manual_seed(5); "
+              f"LlamaForCausalLM(model_config()).save_pretrained({str(tmp_path / 'w5')!r})")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+                   capture_output=True)
+    proc = run_cli("convert", tmp_path / "w5", tmp_path / "converted", "--to", "deepspeed", "-w", 2, "--stage", 3,
+                   "--group-settings", '{"lr": 0.0, "initial_lr": 3e-3}',
+                   "--trainer-state", '{"logging_steps": 1, "save_steps": 100, "train_batch_size": 3}', "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Adam's moments zero, step 0" in proc.stderr
+    run_job("hf_resume.py", 2, tmp_path / "resumed", 3, "32", 3, 100, tmp_path / "converted")
+    run_job("hf_resume.py", 2, tmp_path / "reference", 3, "32", 3, 100, env={"DSCKPT_INIT_FROM": str(tmp_path / "w5")})
+    logs = [json.loads((tmp_path / run / "log.json").read_text())["history"] for run in ("resumed", "reference")]
+    steps = [[(h["loss"], h["learning_rate"]) for h in log if "loss" in h] for log in logs]
+    assert len(steps[0]) == 3 and [lr for _, lr in steps[0]] == [0.0, 3e-3, 1.5e-3]
+    for (got, got_lr), (want, want_lr) in zip(*steps):
+        assert got_lr == want_lr and abs(got - want) <= 1e-6 * want, steps
+
+
+def test_a_weights_file_needs_the_groups(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3, 2)}, tmp_path / "model.safetensors")
+    err = _refused(tmp_path, tmp_path / "model.safetensors")
+    assert "--group-settings" in err and "model.safetensors" in err

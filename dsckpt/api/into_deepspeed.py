@@ -10,6 +10,7 @@ streamed from the source's byte ranges, ``io.torch_writer``), re-read with dsckp
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,32 @@ from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
 from ..formats.dcp import METADATA_FILE, read_contents, read_index
 from ..formats.pickle_writer import dumps
+from ..io.read import Reader
+from ..io.torch_writer import write_pickled
 from ..io.output import Staging, check_output, write_errors
 from ..io.remote import is_url
 from ..parallel.group import ONE_PROCESS
 from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state
+from ..plan.consolidate import TensorPlan
 from ..plan.from_universal import build_universal_state
+from ..plan.from_weights import build_weights_state
+from ..plan.segments import Segment
+from ..plan.training_state import ParamGroup
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
 from .frame import uploading
+from .paths import classify, weights_in
 from .resharding import check_written, write_files
 
-UNIVERSAL = "universal"  # a source layout beside plan.from_dcp's
+UNIVERSAL, WEIGHTS = "universal", "weights"  # source layouts beside plan.from_dcp's
+TRAINER_STATE, TRAINER_SCHEDULER = "trainer_state.json", "scheduler.pt"  # the HF Trainer's files in a checkpoint-N
+# TrainerState at step 0 with the intervals a default TrainingArguments records (a resumed Trainer runs with them)
+TRAINER_STATE_AT_START = {"global_step": 0, "epoch": 0.0, "log_history": [], "logging_steps": 500,
+                          "eval_steps": 500, "save_steps": 500, "train_batch_size": 8,
+                          "stateful_callbacks": {"TrainerControl": {"args": {
+                              "should_training_stop": False, "should_epoch_stop": False, "should_save": False,
+                              "should_evaluate": False, "should_log": False}, "attributes": {}}}}
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,9 @@ class IntoDeepSpeedResult:
 
 def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size: int, *, stage: int = 3,
                    dtype: str = "fp32", model: ModelNames | None = None,
-                   group_order: tuple[str, ...] | None = None, tag: str | None = None,
+                   group_order: tuple[str, ...] | None = None, param_groups: tuple[ParamGroup, ...] | None = None,
+                   trainer_files: bool = False, trainer_state: dict | None = None,
+                   tag: str | None = None,
                    force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
                    progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
     """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
@@ -61,6 +78,12 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
     when the folder holds floating-point entries no optimizer does.  ``tag``: the tag folder's name (default
     ``global_step<step>``).  ``group_order``: torchtitan's layout only, when its parameters have several
     settings: one parameter of each group, in the order the DeepSpeed job's optimizer takes the groups.
+    ``param_groups``: a weights source (safetensors, ``.pt``, a Hugging Face folder) only - the optimizer's
+    groups, settings and members (the optimizer state starts fresh: moments zero, step 0); with ``trainer_files``
+    OUT is also what the HF Trainer's ``resume_from_checkpoint`` reads: ``trainer_state.json`` at step 0 and
+    ``scheduler.pt``, the state of its ``LambdaLR`` schedules at their start; ``trainer_state``: fields of that
+    ``trainer_state.json`` (the Trainer resumes with the intervals it records: ``logging_steps``, ``eval_steps``,
+    ``save_steps``, ``train_batch_size``; default ``TrainingArguments``' defaults).
     ``force``: write into an existing OUT (``latest`` and the tag replaced).
     """
     if is_url(out):
@@ -74,8 +97,12 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
         raise ConfigError(f"--dtype {dtype!r}: expected fp32 or bf16")
     folder, out = Path(source), Path(out)
     check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
-    found, inputs, root = _source_state(folder, model, group_order)
-    target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step)
+    found, inputs, root = _source_state(folder, model, group_order, param_groups)
+    if trainer_files and found.layout != WEIGHTS:
+        raise ConfigError("trainer files (trainer_state.json, the scheduler at step 0) are written for a weights "
+                          "source only; an HF Trainer run's own checkpoint-N already has its files")
+    scheduler = _lambda_lr_at_start(found.state) if trainer_files else None
+    target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step, scheduler)
     if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
         raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")
     plan = build_deepspeed_plan(found.state, target, root)
@@ -90,6 +117,10 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
             tmp = staging.temp_for(out, directory=True)
             write_files(plan, tmp, plan.files, [], pickled, progress)
             (tmp / L.LATEST_FILE).write_text(plan.tag)
+            if trainer_files:
+                (tmp / TRAINER_STATE).write_text(json.dumps({**TRAINER_STATE_AT_START, **(trainer_state or {})}))
+                with Reader() as reader:  # the Trainer loads its own scheduler's state (weights_only)
+                    write_pickled(tmp / TRAINER_SCHEDULER, dumps(scheduler), reader)
             check_written(tmp, plan)
             staging.flush()
             staging.publish()
@@ -97,20 +128,27 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
         staging.abort()
         raise
     names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
+    names += [TRAINER_STATE, TRAINER_SCHEDULER] if trainer_files else []
     tensors = sum(len(storages) for _, storages in pickled.values())
-    notes = found.notes + ("no learning-rate scheduler state is written: load with "
-                           "load_lr_scheduler_states=False when the engine has a scheduler",)
+    notes = found.notes + (() if scheduler else ("no learning-rate scheduler state is written: load with "
+                                                  "load_lr_scheduler_states=False when the engine has a scheduler",))
     return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
                                tensors, total, tuple(str(out / n) for n in names), notes)
 
 
-def _source_state(folder: Path, model: ModelNames | None,
-                  group_order: tuple[str, ...] | None) -> tuple[DcpState, list[Path], Path]:
-    """The source's training state, the files it reads, and its root folder: a DCP folder, or a universal one."""
+def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str, ...] | None,
+                  param_groups: tuple[ParamGroup, ...] | None) -> tuple[DcpState, list[Path], Path]:
+    """The source's training state, the files it reads, and its root folder: a DCP folder, a universal one, or
+    weights (a file or a Hugging Face folder)."""
     if (folder / METADATA_FILE).is_file():
         index = read_index(folder)
         inputs = [folder / METADATA_FILE, *sorted({c.file for t in index.tensors.values() for c in t.chunks})]
         return build_dcp_state(index, read_contents(index), model, group_order), inputs, folder
+    weights = weights_in(folder) if folder.exists() else None
+    if weights is not None:
+        return _weights_state(weights, model, param_groups)
+    if param_groups is not None:
+        raise ConfigError("param groups are given for a weights source only; a checkpoint records its own")
     try:
         ckpt = open_checkpoint(folder)
     except CheckpointNotFoundError:
@@ -124,3 +162,30 @@ def _source_state(folder: Path, model: ModelNames | None,
     ckpt.require_complete()
     state, step = build_universal_state(ckpt)
     return DcpState(UNIVERSAL, state, step, ()), [f.path for f in ckpt.layout.all_files], ckpt.layout.root
+
+
+def _weights_state(path: Path, model: ModelNames | None,
+                   param_groups: tuple[ParamGroup, ...] | None) -> tuple[DcpState, list[Path], Path]:
+    if model is None or param_groups is None:
+        raise ConfigError(f"{path}: a weights file holds no optimizer: the model's names and the optimizer's param "
+                          "groups must be given", hint="dsckpt convert ... --to deepspeed --group-settings "
+                          "'{\"lr\": 3e-4}' (and --model MODULE:FACTORY for a file without config.json)")
+    listing = classify(path).format.read(path)
+    tensors = []
+    for s in listing.tensors:
+        if s.stride is not None:
+            raise UnsupportedCheckpointError(f"{s.path}: {s.name!r} is stored as a strided view; not supported")
+        pieces = (Segment(s.path, s.offset, s.span_bytes),) if s.span_bytes else ()
+        tensors.append(TensorPlan(s.name, s.shape, s.dtype, s.dtype, "param", pieces))
+    state = build_weights_state(tensors, model, param_groups, path)
+    note = "the optimizer state starts fresh (Adam's moments zero, step 0): a weights file holds none"
+    return DcpState(WEIGHTS, state, 0, (note,)), sorted({s.path for s in listing.tensors}), \
+        path if path.is_dir() else path.parent
+
+
+def _lambda_lr_at_start(state) -> dict:
+    """What a ``torch.optim.lr_scheduler.LambdaLR`` (every schedule the HF Trainer makes by name) saves at its start:
+    its base rates are the groups' ``initial_lr`` (else ``lr``); the groups' ``lr`` is what the first step uses."""
+    base = [float(g.settings.get("initial_lr", g.settings["lr"])) for g in state.groups]
+    return {"base_lrs": base, "last_epoch": 0, "_step_count": 1, "_get_lr_called_within_step": False,
+            "_last_lr": [float(g.settings["lr"]) for g in state.groups], "lr_lambdas": [None] * len(base)}

@@ -80,6 +80,18 @@ def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None) -> "C
     return open_checkpoint(path, tag)
 
 
+def weights_in(path: Path) -> Path | None:
+    """The weights ``path`` is (a file or sharded folder a format reads), or holds (a ``save_pretrained`` folder
+    without an index: the first weights file in it); None for anything else."""
+    kind = classify(path)
+    if kind.kind == "weights":
+        return path
+    if kind.kind == "unknown" and path.is_dir() and not (path / LATEST_FILE).exists():
+        inside = sorted(c for c in path.iterdir() if c.is_file() and for_input(c) is not None)
+        return inside[0] if inside else None
+    return None
+
+
 def require_checkpoint(path: str | os.PathLike) -> None:
     """A weights file or folder where a DeepSpeed checkpoint is needed (``consolidate``, ``reshard``, ``convert``):
     say what it is and what takes it.  A path absent here (a host without that folder) is left to the reader."""
@@ -89,10 +101,9 @@ def require_checkpoint(path: str | os.PathLike) -> None:
     kind = classify(p)
     if kind.kind != "deepspeed" and p.is_dir() and (checkpoints_below(p) or (p / DCP_METADATA).is_file()):
         return  # an HF output_dir, a DCP folder: the reader says what it is (not a model file or sidecar inside it)
-    if kind.kind == "unknown" and p.is_dir() and not (p / LATEST_FILE).exists():  # save_pretrained's: no index
-        inside = sorted(c for c in p.iterdir() if c.is_file() and for_input(c) is not None)
-        if inside:
-            kind, p = classify(inside[0]), inside[0]
+    found = weights_in(p)
+    if found is not None:
+        kind, p = classify(found), found
     if kind.kind != "weights":
         return
     what = "folder" if p.is_dir() else "file"

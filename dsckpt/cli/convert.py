@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -34,6 +35,17 @@ def _targets():
 @click.option("--model", "model_spec", default=None, metavar="MODULE:FACTORY",
               help="deepspeed: the model, built on the meta device for the names DCP cannot tell apart (frozen "
                    "parameters, buffers, tied names).")
+@click.option("--group-settings", default=None, metavar="JSON",
+              help="deepspeed, weights source (safetensors, .pt, an HF folder): the optimizer's settings, at least "
+                   "the learning rate of the first step ('{\"lr\": 3e-4}'; under a warmup schedule '{\"lr\": 0.0, "
+                   "\"initial_lr\": 3e-4}'; AdamW's and the HF Trainer's defaults for the rest).")
+@click.option("--groups", "group_mode", type=click.Choice(["one", "hf-trainer"]), default="hf-trainer",
+              show_default=True, help="deepspeed, weights source: one param group, or the HF Trainer's two (no weight "
+              "decay on biases and norms), then OUT_DIR is also a checkpoint-N the Trainer resumes from.")
+@click.option("--trainer-state", "trainer_state", default=None, metavar="JSON",
+              help="deepspeed, --groups hf-trainer: trainer_state.json's fields, which a resumed Trainer runs with "
+                   "('{\"logging_steps\": 10, \"save_steps\": 500, \"train_batch_size\": 4}'; default: "
+                   "TrainingArguments' defaults).")
 @click.option("--group-order", default=None, metavar="NAME,NAME,...",
               help="deepspeed, torchtitan layout with several settings: one parameter of each param group, in the "
                    "order the DeepSpeed job's optimizer takes the groups.")
@@ -47,8 +59,8 @@ def _targets():
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, model_spec, group_order,
-            weights_only: bool, tag, force, trust_checkpoint, skip_crc_check, no_fsync, nproc, quiet, as_json) -> None:
+def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, model_spec, group_settings, group_mode,
+            trainer_state, group_order, weights_only: bool, tag, force, trust_checkpoint, skip_crc_check, no_fsync, nproc, quiet, as_json) -> None:
     """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint - or,
     with --to deepspeed, an FSDP2 / torchtitan DCP folder as a ZeRO checkpoint.
 
@@ -81,10 +93,11 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
       is written (load_lr_scheduler_states=False when the engine has one).  Needs torch for --model.
     """
     if to == INTO_DEEPSPEED:
-        return _into_deepspeed(checkpoint, out_dir, world_size, stage, dtype, model_spec, group_order, weights_only,
-                               tag, force, no_fsync, nproc, quiet, as_json)
-    if world_size is not None or stage is not None or model_spec or group_order:
-        raise ConfigError(f"--world-size, --stage, --model and --group-order are for --to {INTO_DEEPSPEED}")
+        return _into_deepspeed(checkpoint, out_dir, world_size, stage, dtype, model_spec, group_settings, group_mode,
+                               trainer_state, group_order, weights_only, tag, force, no_fsync, nproc, quiet, as_json)
+    if world_size is not None or stage is not None or model_spec or group_order or group_settings:
+        raise ConfigError(f"--world-size, --stage, --model, --group-settings and --group-order are for "
+                          f"--to {INTO_DEEPSPEED}")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.conversion"))
     from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
 
@@ -109,8 +122,8 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
                    f"{result.tensors} tensors, {result.bytes:,} bytes)")
 
 
-def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_spec, group_order, weights_only,
-                    tag, force, no_fsync, nproc, quiet, as_json) -> None:
+def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_spec, group_settings, group_mode,
+                    trainer_state, group_order, weights_only, tag, force, no_fsync, nproc, quiet, as_json) -> None:
     if world_size is None or stage is None:
         raise ConfigError(f"--to {INTO_DEEPSPEED} needs --world-size and --stage (the DeepSpeed job's)")
     if weights_only or nproc > 1:
@@ -120,11 +133,18 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
 
     from ..api.into_deepspeed import into_deepspeed
 
-    model = None
-    if model_spec:
-        from ..runtime.model_names import model_names
+    model, param_groups = None, None
+    hf_folder = Path(source, "config.json").is_file()
+    if model_spec or hf_folder or group_settings:
+        from ..runtime.model_names import meta_model, names_of, weight_groups
 
-        model = model_names(model_spec)
+        module = meta_model(model_spec or source) if (model_spec or hf_folder) else None
+        model = names_of(module) if module is not None else None
+        if group_settings is not None:
+            if module is None:
+                raise ConfigError(f"{source}: --group-settings needs the model: --model MODULE:FACTORY (an HF folder's "
+                                  "config.json is read by itself)")
+            param_groups = weight_groups(module, _json_object(group_settings, "--group-settings"), group_mode)
     order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {INTO_DEEPSPEED}", leave=False,
               disable=quiet or as_json or not sys.stderr.isatty(), delay=0.5, file=sys.stderr) as bar:
@@ -132,14 +152,29 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
             bar.total = total
 
         result = into_deepspeed(source, out_dir, world_size, stage=int(stage), dtype=dtype, model=model,
-                                group_order=order, tag=tag, force=force, fsync=not no_fsync, progress=bar.update,
-                                progress_total=announce)
+                                group_order=order, param_groups=param_groups,
+                                trainer_files=param_groups is not None and group_mode == "hf-trainer",
+                                trainer_state=_json_object(trainer_state, "--trainer-state") if trainer_state else None,
+                                tag=tag,
+                                force=force, fsync=not no_fsync, progress=bar.update, progress_total=announce)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(result_document(result, input=source))
     else:
-        source = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP"}.get(result.source_layout,
-                                                                                 f"a {result.source_layout} checkpoint")
+        source = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP", "universal": "a universal checkpoint",
+                  "weights": "weights"}.get(result.source_layout, result.source_layout)
         click.echo(f"wrote {result.out} (DeepSpeed ZeRO-{result.zero_stage} at {result.world_size} ranks, tag "
                    f"{result.tag}, from {source} at step {result.step}, {result.tensors} tensors, {result.bytes:,} bytes)")
+
+
+def _json_object(text: str, option: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{option} {text!r}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} {text!r}: expected a JSON object, e.g. '{{\"lr\": 3e-4}}'")
+    return value

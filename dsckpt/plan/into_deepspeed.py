@@ -13,8 +13,8 @@ rank r holds them.
   cast to the module dtype, both tied names one tensor), stage 3 one per rank with buffers in full, every
   parameter an empty placeholder and frozen parameters as that rank's part; ``param_shapes``,
   ``frozen_param_*``, ``shared_params``, ``buffer_names``, ``global_steps`` as DeepSpeed records them.
-No scheduler state is written (``lr_scheduler`` None): load with ``load_lr_scheduler_states=False`` when the
-engine has one, or let the scheduler start from the step.
+No scheduler state is written unless the caller gives one (``lr_scheduler`` None): load with
+``load_lr_scheduler_states=False`` when the engine has a scheduler.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class DeepSpeedLayout:
     dtype: str  # the module's floating dtype: "F32" or "BF16"
     tag: str
     global_steps: int = 0
+    lr_scheduler: dict | None = None  # the state the engine's scheduler loads (None: none written)
 
 
 def check_layout(target: DeepSpeedLayout) -> None:
@@ -199,7 +200,7 @@ def _model_file(state: TrainingState, target: DeepSpeedLayout, rank: int | None,
         L.FROZEN_PARAM_SHAPES: None,
         L.SHARED_PARAMS: dict(state.model.aliases) if not rank else {},
         L.FROZEN_PARAM_FRAGMENTS: None,
-        "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
+        "lr_scheduler": target.lr_scheduler, "data_sampler": None, "random_ltd": None,
         "skipped_steps": 0, "global_steps": target.global_steps,
         L.DP_WORLD_SIZE: target.world_size, "mp_world_size": 1,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},

@@ -13,7 +13,8 @@ original through ``ds_to_universal``).  Rank 0 writes ``OUTPUT_DIR/log.json``: t
 With ``DSCKPT_ASYNC_LIMIT=K`` in the environment the saves go through dsckpt's background engine
 (``HFAsyncSave``) with ``save_total_limit=K``; at every ``on_save`` the log notes each ``checkpoint-N`` of
 OUTPUT_DIR that has no ``latest`` yet (one the Trainer's ``resume_from_checkpoint=True`` could pick half-written).
-RESUME_FROM ``last`` is ``resume_from_checkpoint=True``.  ``DSCKPT_STOP_AT=N`` stops the run after step N (a job
+RESUME_FROM ``last`` is ``resume_from_checkpoint=True``.  ``DSCKPT_INIT_FROM=FOLDER`` starts the model from a
+``save_pretrained`` folder (``from_pretrained``) instead of the seeded initialization.  ``DSCKPT_STOP_AT=N`` stops the run after step N (a job
 ended early: the schedule is still MAX_STEPS long).
 """
 import json
@@ -46,7 +47,8 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
                              save_steps=int(save_steps), save_strategy="steps", report_to=[], seed=11,
                              dataloader_num_workers=0)
     torch.manual_seed(11)
-    model = LlamaForCausalLM(model_config())
+    init = os.environ.get("DSCKPT_INIT_FROM")
+    model = LlamaForCausalLM.from_pretrained(init) if init else LlamaForCausalLM(model_config())
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), processing_class=tokenizer())
     started = {}
 
