@@ -1,4 +1,4 @@
-"""The public operations, over the layers: consolidate, convert, reshard, load_into, classify (and reading a
+"""The public operations, over the layers: consolidate, convert, into_deepspeed, reshard, load_into, classify (and reading a
 checkpoint's state dict into memory).  Imported lazily: ``consolidate``, ``reshard`` and ``convert(to="universal")`` need neither
 torch nor DeepSpeed; ``load_into`` and the state-dict readers need torch."""
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 _WHERE = {
     "consolidate": "consolidation", "convert": "conversion", "load_state_dict": "consolidation", "iter_state_dict": "consolidation",
     "verify_output": "consolidation", "reshard": "resharding", "load_into": "loading", "classify": "paths",
+    "into_deepspeed": "into_deepspeed",
 }
 
 __all__ = sorted(_WHERE)
