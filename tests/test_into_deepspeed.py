@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, run_cli, run_job
+from conftest import FIXTURES, _capabilities, run_cli, run_job
 
 torch = pytest.importorskip("torch")
 
@@ -43,8 +43,13 @@ def converted(tmp_path_factory):
                       "--stage", stage)):
             proc = run_cli("convert", root / args[0], root / args[1], *args[2:], "-q", "--no-fsync")
             assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16 = "bf16" in _capabilities()  # (a CPU whose DeepSpeed refuses bf16 skips that case)
+    if bf16:
+        proc = run_cli("convert", root / "dcp", root / "bf16_s3_w2", "--to", "deepspeed", "-w", 2, "--stage", 3,
+                       "--dtype", "bf16", "--model", "odd_model:build", "-q", "--no-fsync")
+        assert proc.returncode == 0, proc.stderr[-3000:]
     for m in WORLD_SIZES:
-        folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES]
+        folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES] + (["bf16_s3_w2:3:bf16"] if bf16 and m == 2 else [])
         folders += ["titan_s3_w3:3", "universal_s2_s3_w3:3", "universal_s3_s1_w3:1"] if m == 3 else []
         run_job("into_deepspeed.py", m, "deepspeed", root, ",".join(folders), timeout=400)
     return root
@@ -81,6 +86,19 @@ def test_the_next_step_under_deepspeed_is_the_fsdp2_jobs_next_step(converted, na
     assert abs(loaded["next_loss"] - source["next_loss"]) <= NEXT_LOSS_TOLERANCE * source["next_loss"]
     for n, want in source["params_after"].items():
         assert torch.allclose(loaded["params_after"][n], want, rtol=0, atol=STEP_TOLERANCE), n
+
+
+def test_a_bf16_engine_gets_the_fp32_state_and_a_bf16_module(converted):
+    if "bf16" not in _capabilities():
+        pytest.skip(f"DeepSpeed refuses bf16 on this CPU (supported: {', '.join(_capabilities())})")
+    source, loaded = _records(converted, "bf16_s3_w2", 2)
+    assert _differ({n: source["params"][n] for n in loaded["params"]}, loaded["params"]) == []  # fp32 masters exact
+    assert _differ(source["moments"], loaded["moments"]) == []
+    assert abs(loaded["next_loss"] - source["next_loss"]) <= 5e-3 * source["next_loss"]  # a bf16 forward
+    from dsckpt.zero.reader import open_checkpoint
+
+    ckpt = open_checkpoint(converted / "bf16_s3_w2")
+    assert ckpt.precision == "bf16" and all(f.path.name.startswith("bf16_") for f in ckpt.optim_files)
 
 
 def test_the_module_file_holds_every_key_a_strict_load_needs(converted):
@@ -234,3 +252,14 @@ def test_a_weights_file_needs_the_groups(tmp_path):
     save_file({"w": torch.ones(3, 2)}, tmp_path / "model.safetensors")
     err = _refused(tmp_path, tmp_path / "model.safetensors")
     assert "--group-settings" in err and "model.safetensors" in err
+
+
+def test_two_processes_write_the_bytes_one_does(converted, tmp_path):
+    for nproc in (1, 2):
+        proc = run_cli("convert", converted / "dcp", tmp_path / f"n{nproc}", "--to", "deepspeed", "-w", 3, "--stage",
+                       2, "--model", "odd_model:build", "--nproc", nproc, "-q", "--no-fsync")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    files = lambda root: sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())  # noqa: E731
+    assert files(tmp_path / "n1") == files(tmp_path / "n2") and len(files(tmp_path / "n1")) == 5
+    for rel in files(tmp_path / "n1"):
+        assert (tmp_path / "n1" / rel).read_bytes() == (tmp_path / "n2" / rel).read_bytes(), rel

@@ -599,3 +599,19 @@ def test_an_unreachable_store_is_one_clean_line(tmp_path):
     proc = run_cli("inspect", "gs://nobucket/run", env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("dsckpt: error: gs://nobucket/run"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 3, proc.stderr[-3000:]
+
+
+def test_convert_to_deepspeed_reads_and_writes_buckets_as_it_does_folders(s3, tmp_path):
+    """A DCP folder in a bucket -> a ZeRO checkpoint in the bucket: the bytes of a local conversion."""
+    from test_into_deepspeed import _tiny_dcp
+
+    _tiny_dcp(tmp_path / "dcp")
+    s3.put(f"{tmp_path / 'dcp'}/", f"{BUCKET}/dcp-{tmp_path.name}/", recursive=True)
+    url, out = f"s3://{BUCKET}/dcp-{tmp_path.name}", f"s3://{BUCKET}/ds-{tmp_path.name}"
+    ok("convert", url, out, "--to", "deepspeed", "-w", "3", "--stage", "3")
+    ok("convert", tmp_path / "dcp", tmp_path / "local", "--to", "deepspeed", "-w", "3", "--stage", "3")
+    s3.get(f"{out.removeprefix('s3://')}/", f"{tmp_path / 'got'}/", recursive=True)
+    same_tree(tmp_path / "got", tmp_path / "local")
+    missing = run_cli("convert", f"s3://{BUCKET}/no-such-{tmp_path.name}", tmp_path / "x", "--to", "deepspeed",
+                      "-w", "2", "--stage", "2")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and not (tmp_path / "x").exists()

@@ -10,11 +10,13 @@ streamed from the source's byte ranges, ``io.torch_writer``), re-read with dsckp
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
@@ -22,9 +24,10 @@ from ..formats.dcp import METADATA_FILE, read_contents, read_index
 from ..formats.pickle_writer import dumps
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
-from ..io.output import Staging, check_output, write_errors
-from ..io.remote import is_url
-from ..parallel.group import ONE_PROCESS
+from ..io.output import check_output, write_errors
+from ..io.remote import filesystem, is_url, scratch_folder, typed_error
+from ..parallel.group import ONE_PROCESS, Group
+from ..parallel.outputs import Staged, storage_groups
 from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state
 from ..plan.consolidate import TensorPlan
 from ..plan.from_universal import build_universal_state
@@ -68,8 +71,8 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
                    dtype: str = "fp32", model: ModelNames | None = None,
                    group_order: tuple[str, ...] | None = None, param_groups: tuple[ParamGroup, ...] | None = None,
                    trainer_files: bool = False, trainer_state: dict | None = None,
-                   tag: str | None = None,
-                   force: bool = False, fsync: bool = True, progress: Callable[[int], None] | None = None,
+                   tag: str | None = None, force: bool = False, fsync: bool = True, group: Group | None = None,
+                   progress: Callable[[int], None] | None = None,
                    progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
     """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
     (1, 2 or 3), its module in ``dtype`` ("fp32" or "bf16"; masters and moments stay fp32).
@@ -84,19 +87,81 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
     ``scheduler.pt``, the state of its ``LambdaLR`` schedules at their start; ``trainer_state``: fields of that
     ``trainer_state.json`` (the Trainer resumes with the intervals it records: ``logging_steps``, ``eval_steps``,
     ``save_steps``, ``train_batch_size``; default ``TrainingArguments``' defaults).
-    ``force``: write into an existing OUT (``latest`` and the tag replaced).
+    ``force``: write into an existing OUT (``latest`` and the tag replaced).  ``group``: the processes of a
+    torchrun run sharing the rank files (None: one process); OUT must be on storage they all see.
     """
     if is_url(out):
         arguments = {k: v for k, v in locals().items() if k != "out"}
-        return uploading(ONE_PROCESS, str(out), force, lambda local: into_deepspeed(out=local, **arguments))
-    if is_url(source):
-        raise UnsupportedCheckpointError(f"{source}: convert --to deepspeed reads a local folder",
-                                         hint="copy the DCP folder here first (e.g. aws s3 cp --recursive)")
+        return uploading(group or ONE_PROCESS, str(out), force, lambda local: into_deepspeed(out=local, **arguments))
+    group = group or ONE_PROCESS
+    if is_url(source):  # fetched whole into a scratch folder (disk, not memory), removed after
+        arguments = {k: v for k, v in locals().items() if k != "source"}
+        with fetched(str(source), group or ONE_PROCESS) as local:
+            return into_deepspeed(source=local, **arguments)
     module_dtype = BY_LABEL.get(str(dtype))
     if module_dtype is None:
         raise ConfigError(f"--dtype {dtype!r}: expected fp32 or bf16")
     folder, out = Path(source), Path(out)
     check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
+    found, plan, pickled, inputs, root = group.step(lambda: _prepare(folder, world_size, stage, module_dtype, model,
+                                                                      group_order, param_groups, trainer_files, tag))
+    total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
+    group.step(lambda: check_output(out, inputs, force, directory=True, tree=root) if group.rank == 0 else None)
+    if progress_total:
+        progress_total(total)
+    groups = storage_groups(group, out)
+    if len(groups.leaders) > 1:
+        raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems there; "
+                                         "convert --to deepspeed writes on storage every process shares")
+    staged = Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
+    biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
+    mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
+    try:
+        with write_errors(out):
+            staged.create()
+            group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, progress))
+            group.step(lambda: _finish(staged.tmp, plan, trainer_state) if staged.leads else None)
+            staged.publish()
+    except BaseException:
+        staged.abort()
+        raise
+    names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
+    scheduler = plan.files[0].tree.get("lr_scheduler")
+    names += [TRAINER_STATE, TRAINER_SCHEDULER] if scheduler is not None else []
+    tensors = sum(len(storages) for _, storages in pickled.values())
+    notes = found.notes + (() if scheduler else ("no learning-rate scheduler state is written: load with "
+                                                  "load_lr_scheduler_states=False when the engine has a scheduler",))
+    return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
+                               tensors, total, tuple(str(out / n) for n in names), notes)
+
+
+@contextlib.contextmanager
+def fetched(url: str, group: Group) -> Iterator[Path]:
+    """``url``'s objects (a DCP or universal folder, a weights file or folder) in a scratch folder of this host,
+    which rank 0 of each host fills; removed afterwards, also on failure."""
+    scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
+    local = Path(scratch) / url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        def get() -> None:
+            Path(scratch).mkdir(parents=True, exist_ok=True)
+            if not local.exists():
+                fs, path = filesystem(url)
+                try:
+                    fs.get(path.rstrip("/") + ("/" if fs.isdir(path) else ""), str(local) + ("/" if fs.isdir(path)
+                                                                                            else ""), recursive=True)
+                except Exception as exc:  # the store's own errors, named by the URL the user typed
+                    raise typed_error(url, exc, "fetching the source") from None
+        group.step(get)
+        yield local
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model: ModelNames | None,
+             group_order: tuple[str, ...] | None, param_groups: tuple[ParamGroup, ...] | None, trainer_files: bool,
+             tag: str | None):
+    """Everything decided before a byte is written, the same on every process: the source's state, the plan and
+    its pickles, the files read and the source's root."""
     found, inputs, root = _source_state(folder, model, group_order, param_groups)
     if trainer_files and found.layout != WEIGHTS:
         raise ConfigError("trainer files (trainer_state.json, the scheduler at step 0) are written for a weights "
@@ -106,34 +171,18 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
     if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
         raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")
     plan = build_deepspeed_plan(found.state, target, root)
-    pickled = {f.name: dumps(f.tree) for f in plan.files}
-    total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
-    check_output(out, inputs, force, directory=True, tree=root)
-    if progress_total:
-        progress_total(total)
-    staging = Staging(fsync)
-    try:
-        with write_errors(out):
-            tmp = staging.temp_for(out, directory=True)
-            write_files(plan, tmp, plan.files, [], pickled, progress)
-            (tmp / L.LATEST_FILE).write_text(plan.tag)
-            if trainer_files:
-                (tmp / TRAINER_STATE).write_text(json.dumps({**TRAINER_STATE_AT_START, **(trainer_state or {})}))
-                with Reader() as reader:  # the Trainer loads its own scheduler's state (weights_only)
-                    write_pickled(tmp / TRAINER_SCHEDULER, dumps(scheduler), reader)
-            check_written(tmp, plan)
-            staging.flush()
-            staging.publish()
-    except BaseException:
-        staging.abort()
-        raise
-    names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
-    names += [TRAINER_STATE, TRAINER_SCHEDULER] if trainer_files else []
-    tensors = sum(len(storages) for _, storages in pickled.values())
-    notes = found.notes + (() if scheduler else ("no learning-rate scheduler state is written: load with "
-                                                  "load_lr_scheduler_states=False when the engine has a scheduler",))
-    return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
-                               tensors, total, tuple(str(out / n) for n in names), notes)
+    return found, plan, {f.name: dumps(f.tree) for f in plan.files}, inputs, root
+
+
+def _finish(tmp: Path, plan, trainer_state: dict | None) -> None:
+    """The leader's last word before publishing: ``latest``, the HF Trainer's files, the result re-read."""
+    (tmp / L.LATEST_FILE).write_text(plan.tag)
+    scheduler = plan.files[0].tree.get("lr_scheduler")
+    if scheduler is not None:
+        (tmp / TRAINER_STATE).write_text(json.dumps({**TRAINER_STATE_AT_START, **(trainer_state or {})}))
+        with Reader() as reader:  # the Trainer loads its own scheduler's state (weights_only)
+            write_pickled(tmp / TRAINER_SCHEDULER, dumps(scheduler), reader)
+    check_written(tmp, plan)
 
 
 def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str, ...] | None,

@@ -126,9 +126,10 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
                     trainer_state, group_order, weights_only, tag, force, no_fsync, nproc, quiet, as_json) -> None:
     if world_size is None or stage is None:
         raise ConfigError(f"--to {INTO_DEEPSPEED} needs --world-size and --stage (the DeepSpeed job's)")
-    if weights_only or nproc > 1:
-        raise ConfigError(f"--to {INTO_DEEPSPEED} writes the whole training state, on one process "
-                          "(--weights-only and --nproc are for the other targets)")
+    if weights_only:
+        raise ConfigError(f"--to {INTO_DEEPSPEED} writes the whole training state (--weights-only is for the other "
+                          "targets)")
+    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.into_deepspeed"))
     from tqdm import tqdm
 
     from ..api.into_deepspeed import into_deepspeed
@@ -146,8 +147,9 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
                                   "config.json is read by itself)")
             param_groups = weight_groups(module, _json_object(group_settings, "--group-settings"), group_mode)
     order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
+    bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {INTO_DEEPSPEED}", leave=False,
-              disable=quiet or as_json or not sys.stderr.isatty(), delay=0.5, file=sys.stderr) as bar:
+              disable=bar_off, delay=0.5, file=sys.stderr) as bar:
         def announce(total: int) -> None:
             bar.total = total
 
@@ -155,8 +157,10 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
                                 group_order=order, param_groups=param_groups,
                                 trainer_files=param_groups is not None and group_mode == "hf-trainer",
                                 trainer_state=_json_object(trainer_state, "--trainer-state") if trainer_state else None,
-                                tag=tag,
-                                force=force, fsync=not no_fsync, progress=bar.update, progress_total=announce)
+                                tag=tag, force=force, fsync=not no_fsync, group=group, progress=bar.update,
+                                progress_total=announce)
+    if group is not None and group.rank != 0:
+        return
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

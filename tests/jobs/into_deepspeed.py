@@ -7,7 +7,7 @@ torchtitan's layout (model keys at the top level, the optimizer flattened, ``tra
 and records (ROOT/fsdp2.pt): every full parameter and buffer, both Adam moments, the steps and group settings,
 the loss of the next global batch before any update, and the parameters after that batch's AdamW step.
 
-``deepspeed ROOT FOLDERS`` (at world size M): for each "<name>:<stage>", a fresh DeepSpeed engine at that ZeRO
+``deepspeed ROOT FOLDERS`` (at world size M): for each "<name>:<stage>[:<precision>]", a fresh DeepSpeed engine at that ZeRO
 stage with the same model and the same AdamW groups (settings deliberately other than the saved ones), stock
 ``engine.load_checkpoint(ROOT/<name>)`` (DeepSpeed's four classes allowed, no pickle code), then the same
 records through DeepSpeed's own accessors (ROOT/<name>/loaded_ws<M>.pt).
@@ -97,8 +97,8 @@ def deepspeed_load(root: Path, folders: str) -> None:
 
     quiet_deepspeed()
     for item in folders.split(","):
-        name, stage = item.split(":")
-        config = TrainOptions(stage=int(stage), precision="32", lr=1.0).deepspeed_config()
+        name, stage, precision = (item.split(":") + ["32"])[:3]
+        config = TrainOptions(stage=int(stage), precision=precision, lr=1.0).deepspeed_config()
         config["gradient_clipping"] = 0.0  # FSDP2's step clipped nothing
         runtime = Runtime(config)
         torch.manual_seed(123)  # other values than the run's: everything must come from the checkpoint
