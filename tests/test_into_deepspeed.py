@@ -48,8 +48,14 @@ def converted(tmp_path_factory):
         proc = run_cli("convert", root / "dcp", root / "bf16_s3_w2", "--to", "deepspeed", "-w", 2, "--stage", 3,
                        "--dtype", "bf16", "--model", "odd_model:build", "-q", "--no-fsync")
         assert proc.returncode == 0, proc.stderr[-3000:]
+    fp16 = "16" in _capabilities()
+    for stage in (2, 3) if fp16 else ():
+        proc = run_cli("convert", root / "dcp", root / f"fp16_s{stage}_w2", "--to", "deepspeed", "-w", 2, "--stage",
+                       stage, "--dtype", "fp16", "--model", "odd_model:build", "-q", "--no-fsync")
+        assert proc.returncode == 0, proc.stderr[-3000:]
     for m in WORLD_SIZES:
         folders = [f"fsdp2_s{s}_w{m}:{s}" for s in STAGES] + (["bf16_s3_w2:3:bf16"] if bf16 and m == 2 else [])
+        folders += [f"fp16_s{s}_w2:{s}:16" for s in (2, 3)] if fp16 and m == 2 else []
         folders += ["titan_s3_w3:3", "universal_s2_s3_w3:3", "universal_s3_s1_w3:1"] if m == 3 else []
         run_job("into_deepspeed.py", m, "deepspeed", root, ",".join(folders), timeout=400)
     return root
@@ -88,17 +94,20 @@ def test_the_next_step_under_deepspeed_is_the_fsdp2_jobs_next_step(converted, na
         assert torch.allclose(loaded["params_after"][n], want, rtol=0, atol=STEP_TOLERANCE), n
 
 
-def test_a_bf16_engine_gets_the_fp32_state_and_a_bf16_module(converted):
-    if "bf16" not in _capabilities():
-        pytest.skip(f"DeepSpeed refuses bf16 on this CPU (supported: {', '.join(_capabilities())})")
-    source, loaded = _records(converted, "bf16_s3_w2", 2)
+@pytest.mark.parametrize("name,precision,label", [("bf16_s3_w2", "bf16", "bf16"), ("fp16_s2_w2", "16", "fp16"),
+                                                  ("fp16_s3_w2", "16", "fp16")])
+def test_a_16_bit_engine_gets_the_fp32_state_and_a_16_bit_module(converted, name, precision, label):
+    if precision not in _capabilities():
+        pytest.skip(f"DeepSpeed refuses {precision} on this CPU (supported: {', '.join(_capabilities())})")
+    source, loaded = _records(converted, name, 2)
     assert _differ({n: source["params"][n] for n in loaded["params"]}, loaded["params"]) == []  # fp32 masters exact
     assert _differ(source["moments"], loaded["moments"]) == []
     assert abs(loaded["next_loss"] - source["next_loss"]) <= 5e-3 * source["next_loss"]  # a bf16 forward
     from dsckpt.zero.reader import open_checkpoint
 
-    ckpt = open_checkpoint(converted / "bf16_s3_w2")
-    assert ckpt.precision == "bf16" and all(f.path.name.startswith("bf16_") for f in ckpt.optim_files)
+    ckpt = open_checkpoint(converted / name)
+    assert ckpt.precision == label and all(f.path.name.startswith("bf16_") == (label == "bf16")
+                                               for f in ckpt.optim_files)
 
 
 def test_the_module_file_holds_every_key_a_strict_load_needs(converted):

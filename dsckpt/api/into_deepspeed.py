@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -75,7 +75,7 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
                    progress: Callable[[int], None] | None = None,
                    progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
     """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
-    (1, 2 or 3), its module in ``dtype`` ("fp32" or "bf16"; masters and moments stay fp32).
+    (1, 2 or 3), its module in ``dtype`` ("fp32", "bf16" or "fp16"; masters and moments stay fp32).
 
     ``model``: the names only the model knows (frozen parameters, buffers, tied names: ``ModelNames``), needed
     when the folder holds floating-point entries no optimizer does.  ``tag``: the tag folder's name (default
@@ -100,7 +100,7 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
             return into_deepspeed(source=local, **arguments)
     module_dtype = BY_LABEL.get(str(dtype))
     if module_dtype is None:
-        raise ConfigError(f"--dtype {dtype!r}: expected fp32 or bf16")
+        raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
     folder, out = Path(source), Path(out)
     check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
     found, plan, pickled, inputs, root = group.step(lambda: _prepare(folder, world_size, stage, module_dtype, model,
@@ -129,6 +129,9 @@ def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size
     scheduler = plan.files[0].tree.get("lr_scheduler")
     names += [TRAINER_STATE, TRAINER_SCHEDULER] if scheduler is not None else []
     tensors = sum(len(storages) for _, storages in pickled.values())
+    if module_dtype == "F16" and stage == 3:
+        found = replace(found, notes=found.notes + ("the fp16 loss scaler starts at DeepSpeed's defaults (2**16, window "
+                                                    "1000, hysteresis 2): a ZeRO-3 load replaces the engine's own",))
     notes = found.notes + (() if scheduler else ("no learning-rate scheduler state is written: load with "
                                                   "load_lr_scheduler_states=False when the engine has a scheduler",))
     return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,

@@ -31,7 +31,7 @@ def _targets():
               help="deepspeed: the ranks the DeepSpeed job will run on.")
 @click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None, help="deepspeed: the ZeRO stage.")
 @click.option("--dtype", default="fp32", show_default=True,
-              help="deepspeed: the engine's module dtype (fp32 or bf16; masters and moments stay fp32).")
+              help="deepspeed: the engine's module dtype (fp32, bf16 or fp16; masters and moments stay fp32).")
 @click.option("--model", "model_spec", default=None, metavar="MODULE:FACTORY",
               help="deepspeed: the model, built on the meta device for the names DCP cannot tell apart (frozen "
                    "parameters, buffers, tied names).")

@@ -8,7 +8,8 @@ rank r holds them.
 * per rank, an optimizer file: the fp32 partition per group, Adam's moments in the same layout (zeros in the
   padding), the group's step, the torch optimizer's ``param_groups`` (settings kept; ``params`` the group's
   index), DeepSpeed's records (partition counts, paddings, ``param_slice_mappings``; a static loss scaler of 1,
-  what bf16 and fp32 runs save);
+  what bf16 and fp32 runs save; fp16: none at ZeRO-1/2, whose load keeps the engine's, DeepSpeed's defaults at
+  ZeRO-3, whose load requires one);
 * the model file(s): stage 1/2 one ``module`` with every entry in full (trainable parameters as their masters
   cast to the module dtype, both tied names one tensor), stage 3 one per rank with buffers in full, every
   parameter an empty placeholder and frozen parameters as that rank's part; ``param_shapes``,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ..dtypes import FLOATING, ITEMSIZE
 from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
-from ..formats.pickle_policy import TorchSize, opaque_type
+from ..formats.pickle_policy import TorchDtype, TorchSize, opaque_type
 from ..formats.pickle_writer import NewTensor
 from ..zero import layout as L
 from ..zero.grid import Coord, rank_file_name
@@ -38,7 +39,13 @@ from .training_state import TrainingState
 DS_VERSION = "0.19.8"  # the DeepSpeed whose files these are (its loader checks the recorded version is >= 0.3.17)
 LOSS_SCALER = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 ZERO_STAGE_ENUM = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
-MODULE_DTYPES = ("F32", "BF16")  # fp16 runs keep a dynamic loss scaler whose state no source has
+DYNAMIC_LOSS_SCALER = ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+MODULE_DTYPES = ("F32", "BF16", "F16")
+# DeepSpeed's fp16 defaults (initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1): what a
+# ZeRO-3 file must hold, no source having a scaler; ZeRO-1/2's load keeps the engine's own when the file has none
+FP16_SCALER_DEFAULTS = {"cur_scale": 65536.0, "dynamic": True, "last_overflow_iter": -1, "scale_factor": 2.0,
+                        "scale_window": 1000, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 2,
+                        "consecutive_hysteresis": False, "raise_error_at_min_scale": True}
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,7 @@ def check_layout(target: DeepSpeedLayout) -> None:
     if type(target.world_size) is not int or target.world_size < 1:
         raise ConfigError(f"--world-size {target.world_size!r}: expected a whole number of ranks, 1 or more")
     if target.dtype not in MODULE_DTYPES:
-        raise ConfigError(f"--dtype {target.dtype}: convert --to deepspeed writes fp32 or bf16 engines (an fp16 "
-                          "engine's dynamic loss scaler has no source)")
+        raise ConfigError(f"--dtype {target.dtype}: convert --to deepspeed writes fp32, bf16 or fp16 engines")
 
 
 def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: Path) -> ReshardPlan:
@@ -146,16 +152,16 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
             torch_state[g] = entry
         param_groups.append({**group.settings, "params": [g]})
     stage_enum = opaque_type(*ZERO_STAGE_ENUM)(target.stage)
-    scaler = opaque_type(*LOSS_SCALER).__new__(opaque_type(*LOSS_SCALER))
-    scaler.state = {"cur_scale": 1.0, "dynamic": False}
+    scaler = _loss_scaler(target)
     if target.stage == 3:
-        osd: dict = {L.ZERO_STAGE: stage_enum, L.LOSS_SCALER: scaler, "dynamic_loss_scale": False, "overflow": False,
+        osd: dict = {L.ZERO_STAGE: stage_enum, L.LOSS_SCALER: scaler, "dynamic_loss_scale": target.dtype == "F16",
+                     "overflow": False,
                      L.PARTITION_COUNT: target.world_size,
                      L.OPTIMIZER_STATE_DICT: {"state": torch_state, "param_groups": param_groups},
                      L.FP32_FLAT_GROUPS: flats}
     else:
-        osd = {L.LOSS_SCALER: scaler, "dynamic_loss_scale": False, "overflow": False,
-               L.BASE_OPTIMIZER_STATE: {"state": torch_state, "param_groups": param_groups},
+        osd = {} if target.dtype == "F16" else {L.LOSS_SCALER: scaler, "dynamic_loss_scale": False, "overflow": False}
+        osd |= {L.BASE_OPTIMIZER_STATE: {"state": torch_state, "param_groups": param_groups},
                L.SINGLE_PARTITION_OF_FP32_GROUPS: flats, L.ZERO_STAGE: stage_enum,
                L.GROUP_PADDINGS: [stage12_trimmed(m.target, rank) for m in moves],
                L.PARAM_ALIGNMENT_PADDINGS: [[0] * len(m.names) for m in moves],
@@ -166,10 +172,20 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
     return OutputFile(name, source, tree)
 
 
+def _loss_scaler(target: DeepSpeedLayout):
+    """A static scaler of 1 (what fp32 and bf16 engines save), or for fp16 a dynamic one at DeepSpeed's defaults."""
+    dynamic = target.dtype == "F16"
+    cls = opaque_type(*(DYNAMIC_LOSS_SCALER if dynamic else LOSS_SCALER))
+    scaler = cls.__new__(cls)
+    scaler.state = {**FP16_SCALER_DEFAULTS, "cur_iter": target.global_steps, "dtype": TorchDtype("F16", "float16")} \
+        if dynamic else {"cur_scale": 1.0, "dynamic": False}
+    return scaler
+
+
 def _config(target: DeepSpeedLayout) -> dict:
     config: dict = {"zero_optimization": {"stage": target.stage}}
-    if target.dtype == "BF16":
-        config["bf16"] = {"enabled": True}
+    if target.dtype in ("BF16", "F16"):
+        config["bf16" if target.dtype == "BF16" else "fp16"] = {"enabled": True}
     return config
 
 
