@@ -272,3 +272,32 @@ def test_two_processes_write_the_bytes_one_does(converted, tmp_path):
     assert files(tmp_path / "n1") == files(tmp_path / "n2") and len(files(tmp_path / "n1")) == 5
     for rel in files(tmp_path / "n1"):
         assert (tmp_path / "n1" / rel).read_bytes() == (tmp_path / "n2" / rel).read_bytes(), rel
+
+
+def test_a_pt_state_dict_becomes_masters_in_model_order(tmp_path):
+    """A plain ``torch.save(model.state_dict())``: the masters are its weights (consolidate gives them back), the
+    flat order the model's (never the file's), one group, Adam's state fresh."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from odd_model import build
+
+    torch.manual_seed(3)
+    model = build()
+    torch.save(model.state_dict(), tmp_path / "odd.pt")
+    proc = run_cli("convert", tmp_path / "odd.pt", tmp_path / "out", "--to", "deepspeed", "-w", 3, "--stage", 3,
+                   "--model", "odd_model:build", "--group-settings", '{"lr": 1e-3, "weight_decay": 0.1}',
+                   "--groups", "one", "-q")
+    assert proc.returncode == 0, proc.stderr
+    from dsckpt.zero.reader import open_checkpoint
+
+    ckpt = open_checkpoint(tmp_path / "out")
+    assert [list(g) for g in ckpt.param_groups] == [[n for n, p in model.named_parameters() if p.requires_grad]]
+    assert run_cli("consolidate", tmp_path / "out", tmp_path / "out.pt", "--duplicate-tied", "-q").returncode == 0
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    want = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    from dsckpt.plan.training_state import build_training_state
+
+    state = build_training_state(ckpt)
+    assert [g.settings["weight_decay"] for g in state.groups] == [0.1] and state.groups[0].settings["lr"] == 1e-3

@@ -198,7 +198,7 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
         return build_dcp_state(index, read_contents(index), model, group_order), inputs, folder
     weights = weights_in(folder) if folder.exists() else None
     if weights is not None:
-        return _weights_state(weights, model, param_groups)
+        return _weights_state(weights, model, param_groups, folder)
     if param_groups is not None:
         raise ConfigError("param groups are given for a weights source only; a checkpoint records its own")
     try:
@@ -216,8 +216,9 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
     return DcpState(UNIVERSAL, state, step, ()), [f.path for f in ckpt.layout.all_files], ckpt.layout.root
 
 
-def _weights_state(path: Path, model: ModelNames | None,
-                   param_groups: tuple[ParamGroup, ...] | None) -> tuple[DcpState, list[Path], Path]:
+def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[ParamGroup, ...] | None,
+                   given: Path) -> tuple[DcpState, list[Path], Path]:
+    """``path``: the weights file or sharded folder; ``given``: what the user named (a folder holding it, or it)."""
     if model is None or param_groups is None:
         raise ConfigError(f"{path}: a weights file holds no optimizer: the model's names and the optimizer's param "
                           "groups must be given", hint="dsckpt convert ... --to deepspeed --group-settings "
@@ -231,8 +232,7 @@ def _weights_state(path: Path, model: ModelNames | None,
         tensors.append(TensorPlan(s.name, s.shape, s.dtype, s.dtype, "param", pieces))
     state = build_weights_state(tensors, model, param_groups, path)
     note = "the optimizer state starts fresh (Adam's moments zero, step 0): a weights file holds none"
-    return DcpState(WEIGHTS, state, 0, (note,)), sorted({s.path for s in listing.tensors}), \
-        path if path.is_dir() else path.parent
+    return DcpState(WEIGHTS, state, 0, (note,)), sorted({s.path for s in listing.tensors}), given
 
 
 def _lambda_lr_at_start(state) -> dict:
