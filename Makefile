@@ -49,6 +49,7 @@ demo: setup
 	$(DS) resume runs/demo_ws3 --nproc 3 --steps 5
 	$(DS) convert runs/demo runs/demo_dcp --to dcp
 	$(DS) convert runs/demo runs/demo_universal --to universal
+	$(DS) convert runs/demo_dcp runs/demo_back --to deepspeed -w 3 --stage 3 --model dsckpt.runtime.demo_model:build_demo_model
 	$(DS) verify runs/demo --all-tags
 	$(DS) list runs/demo
 	$(DS) inspect runs/demo

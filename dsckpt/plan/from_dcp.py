@@ -39,6 +39,14 @@ class ModelNames:
     parameters: tuple[str, ...]
     buffers: frozenset[str] = frozenset()
     ties: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # (what is known) checked against the source
+
+    def check_shapes(self, stored: dict[str, tuple[int, ...]], where: object) -> None:
+        wrong = [f"{n} {list(s)} (the model's {list(self.shapes[n])})" for n, s in stored.items()
+                 if n in self.shapes and tuple(self.shapes[n]) != tuple(s)]
+        if wrong:
+            raise StateDictMismatchError(f"{where}: shapes differ from the model's: {'; '.join(wrong[:4])}"
+                                         f"{' ...' if len(wrong) > 4 else ''}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,7 @@ def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
         if missing or extra:
             raise StateDictMismatchError(f"{where}: the model and the checkpoint disagree - missing from the "
                                          f"checkpoint: {missing[:5]}; not in the model: {extra[:5]}")
+        model.check_shapes({n: index.tensors[k].shape for n, k in entries.items()}, where)
         out: dict[str, tuple[str, str | None]] = {}
         for name in entries:
             if name in model.ties:

@@ -27,6 +27,7 @@ def build_weights_state(tensors: list[TensorPlan], model: ModelNames, groups: tu
     if missing or extra:
         raise StateDictMismatchError(f"{where}: the weights and the model disagree - missing from the weights: "
                                      f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; not in the model: {extra[:5]}")
+    model.check_shapes({n: stored[n].shape for n in wanted}, where)
     trainable = [n for g in groups for n in g.params]
     unknown = [n for n in trainable if n not in model.parameters or n in model.ties]
     if unknown or len(set(trainable)) != len(trainable):

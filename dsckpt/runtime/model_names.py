@@ -50,8 +50,9 @@ def names_of(model: torch.nn.Module) -> ModelNames:
         else:
             first[id(param)] = name
             parameters.append(name)
-    persistent = set(model.state_dict(keep_vars=True))
-    return ModelNames(tuple(parameters), frozenset(n for n, _ in model.named_buffers() if n in persistent), ties)
+    state = model.state_dict(keep_vars=True)
+    buffers = frozenset(n for n, _ in model.named_buffers() if n in state)
+    return ModelNames(tuple(parameters), buffers, ties, {n: tuple(t.shape) for n, t in state.items()})
 
 
 def weight_groups(model: torch.nn.Module, settings: dict[str, Any], mode: str) -> tuple[ParamGroup, ...]:
