@@ -301,3 +301,23 @@ def test_a_pt_state_dict_becomes_masters_in_model_order(tmp_path):
 
     state = build_training_state(ckpt)
     assert [g.settings["weight_decay"] for g in state.groups] == [0.1] and state.groups[0].settings["lr"] == 1e-3
+
+
+def test_an_item_holding_other_than_the_metadata_says_is_named(tmp_path):
+    """An item archive whose tensor is not the chunk the metadata describes (shape or dtype): a typed error naming
+    the data file, before a byte is written."""
+    from dataclasses import replace
+
+    from dsckpt.errors import CorruptFileError
+    from dsckpt.formats.dcp import read_index, tensor_ranges
+
+    _tiny_dcp(tmp_path / "dcp")
+    index = read_index(tmp_path / "dcp")
+    good = index.tensors["model.w"]
+    assert len(tensor_ranges(good)) == 1
+    for forged in (replace(good, dtype="BF16"),
+                   replace(good, shape=(4, 3), chunks=(replace(good.chunks[0], sizes=(4, 3)),))):
+        with pytest.raises(CorruptFileError, match=good.chunks[0].file.name):
+            tensor_ranges(forged)
+    with pytest.raises(CorruptFileError, match="rows"):
+        tensor_ranges(replace(good, shape=(6, 3)))  # chunks that leave a row uncovered
