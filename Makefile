@@ -54,15 +54,21 @@ demo: setup
 	$(DS) list runs/demo
 	$(DS) inspect runs/demo
 
+# The type checker first (pyproject.toml's [tool.mypy]: the whole package, the newest modules strictly; ~8 s).
+MYPY = $(BIN)/python -m mypy
+
 test: setup
+	$(MYPY)
 	$(PYTEST)
 
 # Everything, the slow cases too (the whole HF Trainer / Accelerate matrix, DeepSpeed's Muon and its JIT build).
 test-all: setup
+	$(MYPY)
 	$(PYTEST) -m "slow or not slow"
 
 # The edit loop: every test that starts no DeepSpeed ranks (layers, formats, plans, hostile input, CLI contract).
 test-fast: setup
+	$(MYPY)
 	$(PYTEST) -m "not slow and not runtime"
 
 fixtures: setup

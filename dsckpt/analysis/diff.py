@@ -72,6 +72,7 @@ def compare(a: Source, b: Source, files: Storage, atol: float, rtol: float) -> T
         a_sq += float(np.dot(x, x))
         if a.dtype == b.dtype and raw_a == raw_b:
             continue
+        y: np.ndarray
         x, y = decode(raw_a, a.dtype).astype(np.float64), decode(raw_b, b.dtype).astype(np.float64)
         if np.array_equal(x, y, equal_nan=True):
             continue  # same numbers in another dtype (an upcast frozen parameter)

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..jsondoc import JSON_SCHEMA
 from ..dtypes import label
-from ..errors import DsckptError
+from ..errors import CorruptFileError, DsckptError
 from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
 from ..export.registry import for_input
@@ -24,7 +24,12 @@ KINDS = {"safetensors": "safetensors", "sharded": "safetensors-sharded", "torch"
 def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
     """Tensors, dtypes and metadata of a consolidated file, read through its format (``io.formats``)."""
     fmt = for_input(path)
-    rows, metadata, problems, files = [], {}, [], [path] if path.is_file() else []
+    if fmt is None:
+        raise CorruptFileError(f"{path}: not a weights file any registered format reads")
+    rows: list[tuple[str, str, list[int]]] = []
+    metadata: dict[str, str] = {}
+    problems: list[str] = []
+    files = [path] if path.is_file() else []
     try:
         listing = fmt.read(path)
         rows = [(t.name, t.dtype, list(t.shape)) for t in listing.tensors]

@@ -42,7 +42,7 @@ def resolved_tag(path: str | Path, tag: str | None) -> str | None:
 def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
     kind = classify(p)
     if kind.kind == "weights":
-        fmt = kind.format
+        fmt = kind.reader
         if optimizer:
             raise UnsupportedCheckpointError(f"{p}: a consolidated file holds weights only; --optimizer reads Adam's "
                                              "moments from a ZeRO-1/2/3 checkpoint", hint="drop --optimizer, or pass the checkpoint folder")

@@ -78,7 +78,7 @@ def chunks(src: Source, files: Storage) -> Iterator[np.ndarray]:
                 yield values[i:i + BLOCK]
 
 
-def decode(raw: bytes, dtype: str) -> np.ndarray:
+def decode(raw: bytes | bytearray, dtype: str) -> np.ndarray:
     values = np.frombuffer(raw, dtype=numpy_dtype(dtype))
     if dtype == "BF16":  # the uint16 bit pattern of a bf16 is the top half of a float32
         return (values.astype(np.uint32) << 16).view(np.float32)
@@ -94,7 +94,7 @@ def tensor_stats(src: Source, files: Storage) -> TensorStats:
     """
     n = nan = inf = zeros = 0
     s1 = s2 = 0.0  # sums of (x - shift) and (x - shift)**2
-    shift = None
+    shift = 0.0  # set from the first finite block
     lo, hi = math.inf, -math.inf
     for x in chunks(src, files):
         b_lo, b_hi = x.min(), x.max()  # NaN propagates, so a clean block needs no isfinite pass
@@ -108,7 +108,7 @@ def tensor_stats(src: Source, files: Storage) -> TensorStats:
             b_lo, b_hi = x.min(), x.max()
         lo, hi = min(lo, float(b_lo)), max(hi, float(b_hi))
         zeros += x.size - int(np.count_nonzero(x))
-        if shift is None:
+        if not n:
             shift = float(x[0])
         y = x - x.dtype.type(shift)
         s1 += float(y.sum(dtype=np.float64)) if x.dtype == np.float64 else float(np.add.reduce(y))

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import cast
 from pathlib import Path
 
 from ..errors import DsckptError
+from ..plan.segments import Segment
 from ..formats.torchzip import StorageIndex
 from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
@@ -127,7 +129,8 @@ def _planned_sources(ckpt: Checkpoint, report: TagReport) -> list[Source]:
             report.add("structure", f"{state}: {exc}")
             continue
         prefix = "" if state == "fp32" else f"{state}/"
-        out += [Source(prefix + t.name, t.kind if state == "fp32" else state, t.src_dtype, t.shape, t.pieces)
+        out += [Source(prefix + t.name, t.kind if state == "fp32" else state, t.src_dtype, t.shape,
+                       cast("tuple[Segment, ...]", t.pieces))  # (a whole tensor: its bytes, never padding)
                 for t in plan.tensors if state == "fp32" or t.kind == "param"]
     return out
 

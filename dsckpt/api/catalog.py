@@ -54,10 +54,11 @@ def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
     root = _local(root, "list")
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: not a folder", hint="pass the folder a run saves into")
-    hf = sorted((p for p in root.iterdir() if p.is_dir() and HF_CHECKPOINT.match(p.name) and L.list_tags(p)),
-                key=lambda p: int(HF_CHECKPOINT.match(p.name).group(1)))
+    numbered = {p: int(m.group(1)) for p in root.iterdir() if p.is_dir()
+                for m in [HF_CHECKPOINT.match(p.name)] if m is not None and L.list_tags(p)}
+    hf = sorted(numbered, key=lambda p: numbered[p])
     if hf:
-        entries = [_entry(p, _only_tag(p), p, int(HF_CHECKPOINT.match(p.name).group(1))) for p in hf]
+        entries = [_entry(p, _only_tag(p), p, numbered[p]) for p in hf]
         for e, p in zip(entries, hf):
             e.name = p.name
         entries[-1].resumes_from = True  # transformers' get_last_checkpoint: the highest N

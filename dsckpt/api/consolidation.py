@@ -129,7 +129,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                          stream=not verify)  # (verify re-reads the staged file)
     group = group or ONE_PROCESS
     output_dtype(dtype)  # a dtype no output can have is refused before anything is read
-    fmt = for_output(out, form)  # a name that contradicts the format is refused before anything is read
+    fmt = for_output(os.fspath(out), form)  # a name that contradicts the format is refused before anything is read
     if config is not None and fmt.name != "hf":
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
@@ -253,7 +253,7 @@ def _write_parts(group: Group, groups, ckpt, prepared: Prepared, staged: Staged,
     else:
         names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, progress) if group.rank == 0 else None), 0)
     into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
-    run(lambda: write_sidecar(ckpt.client_state, out, staged.staging, into) if write_client and group.rank == 0
+    run(lambda: write_sidecar(ckpt.client_state, out, staged.own, into) if write_client and group.rank == 0
         else None)
     return names
 

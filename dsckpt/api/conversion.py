@@ -101,8 +101,8 @@ def _prepare(view: View, target: Target, request: ConvertRequest):
 
 def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt, progress) -> list[str]:
     with write_errors(out):
-        names = prepared.target.write(prepared, staged.tmp, staged.staging, progress)
+        names = prepared.target.write(prepared, staged.tmp, staged.own, progress)
         if client:
-            written = write_sidecar(ckpt.client_state, out, staged.staging, into=staged.tmp)
+            written = write_sidecar(ckpt.client_state, out, staged.own, into=staged.tmp)
             names += [p.name for p in (written, tensors_companion(written)) if p.exists()]
     return names

@@ -15,7 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..errors import InconsistentCheckpointError
 from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources, recording
@@ -30,7 +30,10 @@ from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
 
-R = TypeVar("R")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+R = TypeVar("R", bound="DataclassInstance")  # a verb's result: a dataclass whose paths ``uploading`` rewrites
 
 
 @dataclass
@@ -85,7 +88,8 @@ class Frame:
 def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Path, trust: bool) -> Iterator[Frame]:
     check_parent(out)
     group.step(lambda: require_checkpoint(checkpoint))
-    frame = Frame(group, build_view(group, checkpoint if is_url(checkpoint) else Path(checkpoint), tag, out.parent, trust))
+    frame = Frame(group, build_view(group, str(checkpoint) if is_url(checkpoint) else Path(checkpoint), tag, out.parent,
+                                    trust))
     try:
         yield frame
     except BaseException:
@@ -113,7 +117,7 @@ def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], str
         return upload
 
     upload = group.step(start)
-    streams = None
+    streams: Streams | None = None
     try:
         local = Path(group.broadcast(str(upload.local) if upload else None, 0))
         local.parent.mkdir(parents=True, exist_ok=True)  # (another host's processes do not write; the folder is there)

@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
@@ -33,13 +33,14 @@ from ..plan.consolidate import TensorPlan
 from ..plan.from_universal import build_universal_state
 from ..plan.from_weights import build_weights_state
 from ..plan.segments import Segment
-from ..plan.training_state import ParamGroup
+from ..plan.moves import ReshardPlan
+from ..plan.training_state import ParamGroup, TrainingState
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
 from .frame import uploading
 from .paths import classify, weights_in
-from .resharding import check_written, write_files
+from .resharding import Pickled, check_written, write_files
 
 UNIVERSAL, WEIGHTS = "universal", "weights"  # source layouts beside plan.from_dcp's
 TRAINER_STATE, TRAINER_SCHEDULER = "trainer_state.json", "scheduler.pt"  # the HF Trainer's files in a checkpoint-N
@@ -67,10 +68,10 @@ class IntoDeepSpeedResult:
     notes: tuple[str, ...] = ()
 
 
-def into_deepspeed(source: str | os.PathLike, out: str | os.PathLike, world_size: int, *, stage: int = 3,
+def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], world_size: int, *, stage: int = 3,
                    dtype: str = "fp32", model: ModelNames | None = None,
                    group_order: tuple[str, ...] | None = None, param_groups: tuple[ParamGroup, ...] | None = None,
-                   trainer_files: bool = False, trainer_state: dict | None = None,
+                   trainer_files: bool = False, trainer_state: dict[str, Any] | None = None,
                    tag: str | None = None, force: bool = False, fsync: bool = True, group: Group | None = None,
                    progress: Callable[[int], None] | None = None,
                    progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
@@ -162,7 +163,7 @@ def fetched(url: str, group: Group) -> Iterator[Path]:
 
 def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model: ModelNames | None,
              group_order: tuple[str, ...] | None, param_groups: tuple[ParamGroup, ...] | None, trainer_files: bool,
-             tag: str | None):
+             tag: str | None) -> tuple[DcpState, ReshardPlan, dict[str, Pickled], list[Path], Path]:
     """Everything decided before a byte is written, the same on every process: the source's state, the plan and
     its pickles, the files read and the source's root."""
     found, inputs, root = _source_state(folder, model, group_order, param_groups)
@@ -177,7 +178,7 @@ def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model
     return found, plan, {f.name: dumps(f.tree) for f in plan.files}, inputs, root
 
 
-def _finish(tmp: Path, plan, trainer_state: dict | None) -> None:
+def _finish(tmp: Path, plan: ReshardPlan, trainer_state: dict[str, Any] | None) -> None:
     """The leader's last word before publishing: ``latest``, the HF Trainer's files, the result re-read."""
     (tmp / L.LATEST_FILE).write_text(plan.tag)
     scheduler = plan.files[0].tree.get("lr_scheduler")
@@ -223,7 +224,7 @@ def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[Par
         raise ConfigError(f"{path}: a weights file holds no optimizer: the model's names and the optimizer's param "
                           "groups must be given", hint="dsckpt convert ... --to deepspeed --group-settings "
                           "'{\"lr\": 3e-4}' (and --model MODULE:FACTORY for a file without config.json)")
-    listing = classify(path).format.read(path)
+    listing = classify(path).reader.read(path)
     tensors = []
     for s in listing.tensors:
         if s.stride is not None:
@@ -235,7 +236,7 @@ def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[Par
     return DcpState(WEIGHTS, state, 0, (note,)), sorted({s.path for s in listing.tensors}), given
 
 
-def _lambda_lr_at_start(state) -> dict:
+def _lambda_lr_at_start(state: TrainingState) -> dict[str, Any]:
     """What a ``torch.optim.lr_scheduler.LambdaLR`` (every schedule the HF Trainer makes by name) saves at its start:
     its base rates are the groups' ``initial_lr`` (else ``lr``); the groups' ``lr`` is what the first step uses."""
     base = [float(g.settings.get("initial_lr", g.settings["lr"])) for g in state.groups]

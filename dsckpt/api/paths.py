@@ -28,6 +28,13 @@ class PathKind:
     def is_checkpoint(self) -> bool:
         return self.kind == "deepspeed"
 
+    @property
+    def reader(self) -> Format:
+        """The format of a "weights" path (asked only of one)."""
+        if self.format is None:
+            raise ValueError(f"a {self.kind} path has no weights format")
+        return self.format
+
 
 def classify(path: str | os.PathLike) -> PathKind:
     """What ``path`` is: ``PathKind("deepspeed")`` for a DeepSpeed checkpoint (a rank file, a tag folder, a folder of
@@ -109,6 +116,6 @@ def require_checkpoint(path: str | os.PathLike) -> None:
     what = "folder" if p.is_dir() else "file"
     quoted = shlex.quote(str(p))
     raise CheckpointNotFoundError(
-        f"{p}: a {kind.format.name} weights {what} (full tensors), not a DeepSpeed checkpoint's rank files",
+        f"{p}: a {kind.reader.name} weights {what} (full tensors), not a DeepSpeed checkpoint's rank files",
         hint=f"weights load with `dsckpt resume --full-weights {quoted}` or dsckpt.load_into(model, {str(p)!r}); "
              f"`dsckpt diff CKPT {quoted}` compares them with a checkpoint, `dsckpt inspect {quoted}` describes them")

@@ -38,7 +38,7 @@ class WeightsFile:
                 "not a weights file (.safetensors, a sharded folder or its index.json, .pt/.pth/.bin)"
             raise CorruptFileError(f"{self.path}: {what}",
                                    hint="for a DeepSpeed checkpoint folder, resume CKPT_DIR or consolidate it first")
-        fmt = kind.format
+        fmt = kind.reader
         try:
             listing = fmt.read(self.path)
         except (OSError, ValueError) as exc:

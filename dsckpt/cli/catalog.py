@@ -6,7 +6,7 @@ import click
 from .app import cli, json_document
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -98,6 +98,7 @@ def _state_dict(state: TrainingState, lazy: Callable[[TensorPlan], Any]) -> dict
         optim_state = {}
         for p in state.params:
             step = step_plan(p.step)
+            entry: dict[str, Any]
             if isinstance(p.step, int) and "use_muon" in state.groups[p.group].settings:
                 entry = {"step": p.step}  # DeepSpeed's Muon counts its Adam steps in a Python int, as it saved them
             elif step is not None:

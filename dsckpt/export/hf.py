@@ -134,7 +134,8 @@ def _meta_state(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]] | No
         return None, set()
     finally:
         transformers.logging.set_verbosity(verbosity)
-    seen, tied = {}, set()
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             tied.add(name)

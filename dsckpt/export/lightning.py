@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedCheckpointError
-from ..formats.pickle_policy import opaque_class_paths
+from ..formats.pickle_tree import opaque_class_paths
 from .registry import Format, Listing, Prepared, Progress, Request, register
 
 WRAPPER_PREFIX = "_forward_module."  # Lightning's _LightningModuleWrapperBase around the user's module

@@ -80,7 +80,7 @@ def _carry_only_allowed(plan: UniversalPlan, ckpt, trust: bool) -> tuple[Univers
     """A model-states file whose client state names a class beyond DeepSpeed's own is rewritten without that
     entry (a note says so) instead of copied; such a class in the optimizer state is refused.  ``trust``:
     copied as recorded, with a note."""
-    from ..formats.pickle_policy import foreign_classes
+    from ..formats.pickle_tree import foreign_classes
     from ..formats.torchzip import TorchFile
     from ..plan.universal import UniversalFile, UniversalPlan
     from ..zero.allowed import allowed_tree, dropped_notes, trusted_notes

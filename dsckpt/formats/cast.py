@@ -15,12 +15,12 @@ def to_f32(raw: np.ndarray, src: str) -> np.ndarray:
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """As torch does it: round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0."""
-    u = x.view(np.uint32)
+    u: np.ndarray = x.view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
-def cast_bytes(data: bytes | memoryview, src: str, dst: str) -> bytes | memoryview:
+def cast_bytes(data: bytes | bytearray | memoryview, src: str, dst: str) -> bytes | bytearray | memoryview:
     """``data`` (elements of ``src``) as elements of ``dst``."""
     if src == dst:
         return data

@@ -78,6 +78,13 @@ class TensorRef(_Sealed):
     """
 
     __slots__ = ("file", "storage", "offset", "shape", "stride", "requires_grad", "parameter")
+    file: Any  # the torchzip.StorageIndex the tensor was read from (its ``path`` and ``locate``)
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+    parameter: bool
 
     def __init__(self, file, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
                  requires_grad: bool = False, parameter: bool = False):
@@ -123,6 +130,10 @@ class Opaque:
     """
 
     class_path = "?"
+    pickle_global: tuple[str, str]  # (module, name): how a pickle names the class
+    args: tuple[Any, ...]
+    state: Any
+    via: str
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
@@ -139,10 +150,10 @@ class Opaque:
         return f"<opaque {self.class_path}>"
 
 
-_opaque_types: dict[str, type] = {}
+_opaque_types: dict[str, type[Opaque]] = {}
 
 
-def opaque_type(module: str, name: str) -> type:
+def opaque_type(module: str, name: str) -> type[Opaque]:
     path = f"{module}.{name}"
     if path not in _opaque_types:
         _opaque_types[path] = type(name, (Opaque,), {"class_path": path, "__module__": "dsckpt.opaque",
@@ -156,6 +167,7 @@ class TorchSize(tuple):
 
 class TorchDtype(str):
     """A ``torch.<dtype>`` as read: its safetensors name ("F32"), remembering torch's attribute name."""
+    torch_name: str
 
     def __new__(cls, name: str, torch_name: str):
         obj = super().__new__(cls, name)
@@ -165,65 +177,12 @@ class TorchDtype(str):
 
 class TorchDevice(str):
     """A ``torch.device(...)`` as read: "cuda:0", remembering the constructor's arguments."""
+    args: tuple[Any, ...]
 
     def __new__(cls, *args):
         obj = super().__new__(cls, ":".join(str(x) for x in args))
         obj.args = args
         return obj
-
-
-def opaque_class_paths(obj: Any) -> set[str]:
-    """Class paths of every ``Opaque`` record anywhere in a parsed pickle (their arguments and state too)."""
-    found, stack = set(), [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, Opaque):
-            found.add(value.class_path)
-            stack.extend(value.args)
-            stack.append(value.state)
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
-    return found
-
-
-# The classes DeepSpeed itself pickles into its checkpoint files (found in every fixture kind:
-# stage 1-3, fp32/bf16/fp16); each is a plain record or enum whose unpickling runs no user code.
-# Together with plain containers and torch's tensors, sizes, dtypes and devices (never ``Opaque``)
-# they are all that dsckpt reads into DeepSpeed's loader or writes into a file.
-DEEPSPEED_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # a universal checkpoint's fused sub-parameters
-)
-
-
-def tensor_refs(value: Any) -> list[TensorRef]:
-    """Every tensor in a parsed tree (dicts, lists, tuples), in order."""
-    if isinstance(value, TensorRef):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensor_refs(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensor_refs(v)]
-    return []
-
-
-def foreign_classes(obj: Any) -> set[str]:
-    """Class paths in a parsed pickle beyond DeepSpeed's own: loading them with full pickle semantics
-    (DeepSpeed's loader, a torch.load without weights_only) would import and call them."""
-    return opaque_class_paths(obj) - set(DEEPSPEED_CLASSES)
-
-
-def opaque_int(value: Any) -> Any:
-    """The int inside an enum placeholder (DeepSpeed's ZeroStageEnum(3)) or the value itself."""
-    if isinstance(value, Opaque) and len(value.args) == 1 and isinstance(value.args[0], int):
-        return value.args[0]
-    return value
 
 
 class _StorageType:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import DTYPES, ITEMSIZE
-from .pickle_policy import DEEPSPEED_CLASSES, Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
+from .pickle_policy import Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
+from .pickle_tree import DEEPSPEED_CLASSES
 
 
 @dataclass(frozen=True, eq=False)  # identity matters: one NewTensor named twice is one shared storage
@@ -177,7 +178,7 @@ class _Writer:
             identity, dtype, numel, location = (id(t.file), storage.key), storage.dtype, storage.numel, storage.location
             offset, shape, stride = t.offset, t.shape, t.stride
         else:
-            identity, dtype, numel, location = id(t), t.dtype, t.numel, t.location
+            identity, dtype, numel, location = (id(t), ""), t.dtype, t.numel, t.location
             offset, shape = 0, t.shape
             stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         key = self._keys.get(identity)

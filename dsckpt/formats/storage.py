@@ -10,6 +10,7 @@ outputs in object storage are staged here and uploaded, their safetensors files 
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import secrets
@@ -17,7 +18,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Protocol
+from typing import BinaryIO, Callable, Iterable, Protocol
 
 from .positional import pread_exact
 
@@ -58,8 +59,8 @@ class Storage(Protocol):
     def replace(self, temp: Path, final: Path) -> None:
         """Publish a staged file or folder under its final name, in one step a reader cannot see half done."""
 
-    def merge_into(self, temp: Path, final: Path) -> None:
-        """Publish a staged folder into an existing one entry by entry (what points at others last)."""
+    def merge_into(self, temp: Path, final: Path, order: Callable[[builtins.list[str]], builtins.list[str]] = sorted) -> None:
+        """Publish a staged folder into an existing one entry by entry, in ``order`` (what points at others last)."""
 
     def remove(self, name: Path) -> None:
         """Delete a file or folder dsckpt wrote (absent is fine)."""
@@ -129,7 +130,7 @@ class LocalStorage:
     def replace(self, temp: Path, final: Path) -> None:
         os.replace(temp, final)
 
-    def merge_into(self, temp: Path, final: Path, order=sorted) -> None:
+    def merge_into(self, temp: Path, final: Path, order: Callable[[builtins.list[str]], builtins.list[str]] = sorted) -> None:
         for name in order(os.listdir(temp)):
             self._replace_entry(temp / name, final / name)
         os.rmdir(temp)

@@ -205,7 +205,7 @@ def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
     return ref.file.path, loc.offset + start, length
 
 
-def read_tensor_bytes(ref: TensorRef) -> bytes:
+def read_tensor_bytes(ref: TensorRef) -> bytes | bytearray:
     from .positional import read_range
 
     path, offset, length = tensor_byte_range(ref)

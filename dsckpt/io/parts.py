@@ -9,9 +9,23 @@ from __future__ import annotations
 
 import base64
 import secrets
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from .remote import typed_error
+
+
+class PartStore(Protocol):
+    """One store's way to make an object of parts.  Calls: ``start`` once (any process; returns the upload's id),
+    ``put`` per part (any process, any order, numbers from 1), then ``complete`` once with every part's tag (one
+    process), or ``abort`` (one process) - after which the upload's parts are gone."""
+
+    def start(self, key: str) -> str: ...
+
+    def put(self, key: str, upload_id: str, number: int, data: bytearray) -> str: ...
+
+    def complete(self, key: str, upload_id: str, parts: dict[int, str]) -> None: ...
+
+    def abort(self, key: str, upload_id: str) -> None: ...
 
 
 class S3Parts:
@@ -146,8 +160,8 @@ class GcsCompose:
         self._run(key, "deleting its parts", *(self.fs._rm_files(batch) for batch in batches))
 
 
-BACKENDS = {"s3": S3Parts, "gs": GcsCompose, "gcs": GcsCompose,
-            "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
+BACKENDS: dict[str, Callable[[Any], PartStore]] = {"s3": S3Parts, "gs": GcsCompose, "gcs": GcsCompose,
+                                                  "az": AzureBlocks, "abfs": AzureBlocks, "abfss": AzureBlocks}
 
 
 def streamable(url: str) -> bool:

@@ -39,6 +39,7 @@ CHUNK = 4 << 20
 # Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: cold reads start
 # sooner (docs/dev/performance-log.md 15).
 ADVISE_GAP = 1 << 20  # ranges closer than this are advised as one
+Chunk = bytes | bytearray | memoryview  # what a read hands a writer (a reused buffer's view, or new bytes)
 
 
 class Reader:
@@ -64,10 +65,10 @@ class Reader:
         if self._own_files:
             self.files.close()
 
-    def chunks(self, source: ByteSource) -> Iterator[bytes | memoryview]:
+    def chunks(self, source: ByteSource) -> Iterator[Chunk]:
         return (chunk for chunk, _ in self._stream(source, source, None, crc=False))
 
-    def storage_chunks(self, storage: Any, then: Any = None) -> Iterator[tuple[bytes | memoryview, int]]:
+    def storage_chunks(self, storage: Any, then: Any = None) -> Iterator[tuple[Chunk, int | None]]:
         """``chunks`` of a ``pickle_writer.StorageOut`` (a new tensor's source, or an unchanged storage), each with
         its CRC-32 (step 3).  ``then``: the storage with bytes the caller streams next (empty ones may come
         between) - its first chunk is read while the caller writes this one's last."""
@@ -128,7 +129,8 @@ class Reader:
         """The source's pieces cut to fill whole buffers: a resharded ZeRO-3 partition is one segment per
         parameter and source rank, often a few hundred KB; read one by one, the thread hand-offs would cost as
         much as the bytes."""
-        batch, size = [], 0
+        batch: list[tuple[Segment | Zeros, int, int]] = []
+        size = 0
         for piece in source.pieces:
             for start in range(0, piece.nbytes, self.chunk):
                 n = min(self.chunk, piece.nbytes - start)
@@ -178,12 +180,12 @@ class Reader:
                 self.files.pread(piece.path, n, piece.offset + start, into=part)
                 piece_crc = crc32(part) if crc or recording_now() else None
                 note(piece.path, piece.offset + start, part, piece_crc)
-            if crc:
+            if crc and piece_crc is not None:
                 joined = crc32_combine(joined, piece_crc, n) if pos else piece_crc
             pos += n
         return view[:pos], joined if crc else None
 
-    def _cast_chunks(self, source: ByteSource, crc: bool) -> Iterator[tuple[bytes, int | None]]:
+    def _cast_chunks(self, source: ByteSource, crc: bool) -> Iterator[tuple[Chunk, int | None]]:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_size, dst_size = ITEMSIZE[source.src_dtype], ITEMSIZE[source.dtype]
@@ -191,6 +193,7 @@ class Reader:
         for piece in source.pieces:
             for start in range(0, piece.nbytes, step):
                 n = min(step, piece.nbytes - start)
+                out: Chunk
                 if isinstance(piece, Zeros):
                     out = bytes(n // src_size * dst_size)
                 else:
@@ -245,9 +248,9 @@ def torch_tensor(reader: Reader, t) -> Any:
 
     tensor = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     view = tensor.view(torch.uint16) if t.dtype == "BF16" else tensor
-    flat = view.numpy().reshape(-1).view("uint8") if t.numel else None
+    flat = view.numpy().reshape(-1).view("uint8")
     pos = 0
-    for data in reader.chunks(t):
+    for data in reader.chunks(t) if t.numel else ():
         flat[pos:pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
         pos += len(data)
     return tensor

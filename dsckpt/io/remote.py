@@ -18,6 +18,7 @@ Writing to a URL: ``io.upload``.  Credentials and endpoints come from the clouds
 from __future__ import annotations
 
 import bisect
+import builtins
 import contextlib
 import functools
 import os
@@ -139,13 +140,13 @@ class RemoteStore:
                                    "(the object is shorter than listed: truncated or replaced while reading?)")
         return data
 
-    def read_many(self, jobs: Iterable[tuple[str, int, int]]) -> list[bytes]:
+    def read_many(self, jobs: Iterable[tuple[str, int, int]]) -> builtins.list[bytes]:
         jobs = list(jobs)
         with ThreadPoolExecutor(max(1, min(THREADS, len(jobs)))) as pool:
             return list(pool.map(lambda job: self.read(*job), jobs))
 
     # 2. skeleton
-    def skeleton(self, rel: str, size: int) -> list[tuple[int, bytes]]:
+    def skeleton(self, rel: str, size: int) -> builtins.list[tuple[int, bytes]]:
         """The ranges of object ``rel`` a reader parses before any storage (see the module docstring): its first
         and last 64 KiB at once, then the entries' headers and records, nearby ones in one request."""
         if size <= SMALL_OBJECT:
@@ -171,8 +172,8 @@ class RemoteStore:
         return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
 
     # 3. fill
-    def fill(self, local_root: Path, ranges: list[tuple[str, int, int]], storages, check: bool = True,
-             share: tuple[int, int] = (0, 1), everyone: list[list[tuple[str, int, int]]] | None = None,
+    def fill(self, local_root: Path, ranges: builtins.list[tuple[str, int, int]], storages, check: bool = True,
+             share: tuple[int, int] = (0, 1), everyone: builtins.list[builtins.list[tuple[str, int, int]]] | None = None,
              arrivals: "Arrivals | None" = None) -> int:
         """Fetch ``ranges`` into the sparse files under ``local_root``: the storages they overlap whole and
         CRC-checked, any other range as it is; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s.
@@ -207,8 +208,9 @@ class RemoteStore:
                     loose[(rel, lo)] = max(loose.get((rel, lo), 0), hi - lo)
             if not hit:
                 loose[(rel, offset)] = max(loose.get((rel, offset), 0), nbytes)
-        jobs = [(key, key[0], key[1] + k, min(CHUNK, n - k)) for key, (n, _) in sorted(spans.items())
-                for k in range(0, n, CHUNK)]
+        jobs: builtins.list[tuple[tuple[str, int] | None, str, int, int]] = [
+            (key, key[0], key[1] + k, min(CHUNK, n - k)) for key, (n, _) in sorted(spans.items())
+            for k in range(0, n, CHUNK)]
         jobs += [(None, rel, start + k, min(CHUNK, n - k)) for (rel, start), n in sorted(loose.items())
                  for k in range(0, n, CHUNK)]
         jobs.sort(key=lambda job: (job[2], job[1]))  # (each storage's chunks stay in order: their CRCs join in it)

@@ -28,7 +28,7 @@ from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
 from . import stream, writeback
-from .read import Reader
+from .read import Chunk, Reader
 
 ALIGN = 64
 
@@ -36,7 +36,7 @@ ALIGN = 64
 class StorageBytes(Protocol):
     """Where a storage's bytes come from (``io.read.Reader``)."""
 
-    def storage_chunks(self, storage: StorageOut, then: StorageOut | None) -> Iterable[tuple[bytes | memoryview, int]]:
+    def storage_chunks(self, storage: StorageOut, then: StorageOut | None) -> Iterable[tuple[Chunk, int | None]]:
         """The bytes in chunks, each with its CRC-32; ``then`` names the storage streamed next."""
 
     def copy_storage(self, storage: StorageOut, fd: int, offset: int, started: writeback.Started,
@@ -52,13 +52,13 @@ def _aligned(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     info.compress_type = zipfile.ZIP_STORED
     info.file_size = size
     zip64_extra = 20 if size > zipfile.ZIP64_LIMIT else 0  # zipfile adds a zip64 field to big entries
-    base = zf.fp.tell() + 30 + len(info.filename.encode()) + zip64_extra + 4
+    base = _tell(zf) + 30 + len(info.filename.encode()) + zip64_extra + 4
     pad = -base % ALIGN
     info.extra = struct.pack("<HH", 0x4644, pad) + b"\0" * pad
     return info
 
 
-def _stream(out, fp, chunks: Iterable[tuple[bytes | memoryview, int]], progress,
+def _stream(out, fp, chunks: Iterable[tuple[Chunk, int | None]], progress,
             started: writeback.Started) -> int:
     """Write one stored entry's chunks, its CRC-32 joined from theirs.
 
@@ -76,6 +76,8 @@ def _stream(out, fp, chunks: Iterable[tuple[bytes | memoryview, int]], progress,
         return size
     crc, size = 0, 0
     for chunk, chunk_crc in chunks:
+        if chunk_crc is None:
+            raise ValueError("a chunk came without its CRC-32")
         written = write_all(fp, chunk)
         started(fp.tell() - written, written)
         crc = crc32_combine(crc, chunk_crc, written) if size else chunk_crc
@@ -106,19 +108,19 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
                   progress: Callable[[int], None] | None = None) -> list[StorageOut]:
     """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
     it before writing (reshard) does not pickle it twice."""
-    folder = Path(path).name.split(".")[0] if isinstance(path, (str, os.PathLike)) else ""
-    folder = folder or "archive"  # what torch.save names the root folder of a stream's archive
-    streamed = stream.target(Path(path)) if isinstance(path, (str, os.PathLike)) else None
-    if streamed is None:
+    local = Path(path) if isinstance(path, (str, os.PathLike)) else None
+    folder = (local.name.split(".")[0] if local is not None else "") or "archive"  # (torch.save's for a stream)
+    streamed = stream.target(local) if local is not None else None
+    if streamed is None or local is None:
         return _write_zip(path, folder, pickled, source, progress)
-    with stream.ZipSink(*streamed, Path(path)) as sink:  # a run streaming OUT to object storage (io.stream)
+    with stream.ZipSink(*streamed, local) as sink:  # a run streaming OUT to object storage (io.stream)
         return _write_zip(sink, folder, pickled, source, progress)
 
 
-def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[StorageOut]], source: StorageBytes,
-               progress: Callable[[int], None] | None) -> list[StorageOut]:
+def _write_zip(path: Path | BinaryIO | stream.ZipSink, folder: str, pickled: tuple[bytes, list[StorageOut]],
+               source: StorageBytes, progress: Callable[[int], None] | None) -> list[StorageOut]:
     pickle_bytes, storages = pickled
-    sink = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
+    sink: Any = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
     local = isinstance(path, (str, os.PathLike))  # (a file this opens: its descriptor's offsets are the zip's)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (("data.pkl", pickle_bytes), (".format_version", b"1"),
@@ -126,7 +128,8 @@ def _write_zip(path: Path | BinaryIO, folder: str, pickled: tuple[bytes, list[St
             with _held(sink, zf):
                 zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
         started = writeback.for_output(path, _fileno(zf.fp))
-        following, then = [], None  # each storage's next one with bytes (read ahead while it is written)
+        following: list[StorageOut | None] = []  # each storage's next one with bytes (read ahead while it is written)
+        then: StorageOut | None = None
         for storage in reversed(storages):
             following.append(then)
             then = storage if storage.nbytes else then
@@ -170,10 +173,17 @@ def _held(sink: Any, zf: zipfile.ZipFile) -> Iterator[None]:
     if sink is None:
         yield
         return
-    header = zf.fp.tell()
+    header = _tell(zf)
     sink.hold(header)
     yield
     sink.release(header)
+
+
+def _tell(zf: zipfile.ZipFile) -> int:
+    """Where the archive's next byte goes."""
+    if zf.fp is None:
+        raise ValueError("the archive is closed")
+    return zf.fp.tell()
 
 
 def write_torch(plan: Plan, path: Path, progress: Callable[[int], None] | None = None) -> None:

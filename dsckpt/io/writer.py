@@ -85,6 +85,7 @@ def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
+    return None
 
 
 def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
@@ -97,7 +98,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
     header, offsets = safetensors_header(tensors, metadata)
     k, n = part
     streamed = stream.target(path) if upload_id is not None else None
-    if streamed is not None:
+    if streamed is not None and upload_id is not None:
         streams, key = streamed
         parts = stream.my_parts(len(header) + sum(t.nbytes for t in tensors), k, n)
         stream.stream_safetensors(streams, streams.join(key, upload_id), header, tensors, offsets, parts, progress)

@@ -35,10 +35,15 @@ class Group:
     transport: Transport | None = field(default=None, compare=False, repr=False)
 
     def gather(self, obj: Any) -> list[Any]:
-        return [obj] if self.size == 1 else self.transport.gather(obj)
+        return [obj] if self.size == 1 else self._wire().gather(obj)
 
     def broadcast(self, obj: Any, src: int) -> Any:
-        return obj if self.size == 1 else self.transport.broadcast(obj, src)
+        return obj if self.size == 1 else self._wire().broadcast(obj, src)
+
+    def _wire(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError(f"a group of {self.size} processes without a transport")
+        return self.transport
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every process if ``error`` was raised on any (re-raised here unchanged)."""

@@ -76,36 +76,50 @@ class Staged:
         self.leader = groups.of[group.rank]
         self.leads = self.leader == group.rank and self.leader in publishing
         self.staging = Staging(fsync) if self.leads else None  # OUT's temp, and rank 0's sidecars
-        self.tmp: Path | None = None  # one process: Staging names it (and removes dead processes' temps)
+        self._tmp: Path | None = None  # one process: Staging names it (and removes dead processes' temps)
         if group.size > 1:
             pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
-            self.tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
+            self._tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
             if fsync:  # every member writes into it, the leader flushes it
-                writeback.durable(self.tmp)
+                writeback.durable(self._tmp)
+
+    @property
+    def tmp(self) -> Path:
+        """OUT's temp path (named once ``create`` has run, at one process)."""
+        if self._tmp is None:
+            raise RuntimeError("Staged.tmp read before create()")
+        return self._tmp
+
+    @property
+    def own(self) -> Staging:
+        """The leader's ``Staging`` (other processes have none)."""
+        if self.staging is None:
+            raise RuntimeError("only a publishing group's leader stages OUT")
+        return self.staging
 
     def create(self) -> None:
         """The leaders make the temp folder (a file output is created by its writer); all agree."""
         def make() -> None:
             if self.leads:
-                self.tmp = self.staging.temp_for(self.out, self.directory, self.tmp)
+                self._tmp = self.own.temp_for(self.out, self.directory, self._tmp)
         self.group.step(make)
 
     def publish(self, stale: list[Path] | None = None) -> None:
         """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place
         and remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
-        if self.tmp is not None:
-            writeback.forget(self.tmp)
+        if self._tmp is not None:
+            writeback.forget(self._tmp)
         if self.leads:
-            self.staging.remove_on_commit(stale or ())
-        self.group.step(lambda: self.staging.flush() if self.leads else None)
-        self.group.step(lambda: self.staging.publish() if self.leads else None)
+            self.own.remove_on_commit(stale or ())
+        self.group.step(lambda: self.own.flush() if self.leads else None)
+        self.group.step(lambda: self.own.publish() if self.leads else None)
 
     def abort(self) -> None:
         """Every process removes the temp, each once its own writes have stopped: a member still writing when
         its leader aborted (a Ctrl-C reaches the processes one by one) may have made folders in it again."""
-        if self.tmp is not None:
-            writeback.forget(self.tmp)
+        if self._tmp is not None:
+            writeback.forget(self._tmp)
             if self.group.size > 1:
-                remove_path(self.tmp)
+                remove_path(self._tmp)
         if self.leads:
-            self.staging.abort()
+            self.own.abort()

@@ -143,7 +143,7 @@ def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> tuple[type
     return None
 
 
-def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path) -> str | None:
+def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path | _Url) -> str | None:
     """The tag ``zero.layout.discover`` would choose over these files, refused in its words (one process or many)."""
     if any(L.RANK_FILE_RE.match(rel) for rel in files):  # rank files at the top: CKPT is a tag folder
         return None

@@ -42,7 +42,7 @@ class TensorPlan:
     src_dtype: str
     dtype: str  # output dtype
     kind: str  # "param" | "frozen" | "buffer"
-    pieces: tuple[Piece, ...]  # in src_dtype, back to back (a plan.segments.ByteSource)
+    pieces: tuple[Piece, ...] | Interleaved  # in src_dtype, back to back (a plan.segments.ByteSource)
 
     @property
     def numel(self) -> int:
@@ -154,17 +154,19 @@ def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
         if split is None:  # a buffer: the same on every TP rank
             tensors.append(local)
             continue
-        parts = [by_rank[r].get(local.name) for r in range(len(slice_plans))]
-        if any(p is None or p.src_dtype != local.src_dtype for p in parts):
+        found = [by_rank[r].get(local.name) for r in range(len(slice_plans))]
+        parts = [p for p in found if p is not None and p.src_dtype == local.src_dtype]
+        if len(parts) != len(found):
             raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r} is not held in "
                                               f"{local.src_dtype} by every TP rank")
         size = ITEMSIZE[local.src_dtype]
         try:
-            pieces = Interleaved([p.pieces for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
+            pieces = Interleaved([tuple(p.pieces) for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
                                  [period * size for period in split.periods], split.count)
         except InconsistentCheckpointError as exc:
             raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r}: {exc}") from None
-        tensors.append(replace(local, shape=split.shape, pieces=merged(list(pieces)) if split.count == 1 else pieces))
+        tensors.append(replace(local, shape=split.shape,
+                               pieces=merged(list(pieces)) if split.count == 1 else pieces))
         replicas += [Replica(local.name, r, _stored(parts[r]), _stored(local)) for r in split.replicas]
     head = slice_plans[0]
     return Plan(tuple(tensors), head.aliases, dict(head.metadata), tuple(replicas))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import replace
+from typing import Any
 
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import TorchSize
@@ -28,7 +29,8 @@ from .groups import FlatGroup
 def joined_source(groups: list[FlatGroup]) -> tuple[GroupLayout, tuple[int, ...]]:
     """The ep ranks' flat groups as one layout: parameters back to back, each group's ranks renumbered after
     the previous group's (positions index the joined rank list)."""
-    params, ranks = [], []
+    params: list[tuple[Any, ...]] = []
+    ranks: list[int] = []
     for group in groups:
         offset = len(ranks)
         params += [tuple(replace(span, rank=span.rank + offset) for span in spans) for spans in group.layout.params]

@@ -61,11 +61,11 @@ def _split(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, st
                                      list[str]]:
     """Layout, then model entries (fqn -> key), optimizer state (fqn -> state key -> key), group entries
     (group -> setting -> key) and the keys neither holds."""
-    paths = {key: index.paths.get(key) for key in [*index.tensors, *index.values]}
-    if any(p is None for p in paths.values()):
-        missing = next(k for k, p in paths.items() if p is None)
-        raise CorruptFileError(f"{index.metadata_file}: no saved path for {missing!r} (planner_data); a DCP folder "
+    missing = [key for key in [*index.tensors, *index.values] if key not in index.paths]
+    if missing:
+        raise CorruptFileError(f"{index.metadata_file}: no saved path for {missing[0]!r} (planner_data); a DCP folder "
                                "written by torch >= 2.4 records one for every key")
+    paths = {key: index.paths[key] for key in [*index.tensors, *index.values]}
     layout = TORCHTITAN if any(p[0] == "optimizer" for p in paths.values()) else FSDP2
     model: dict[str, str] = {}
     state: dict[str, dict[str, str]] = {}
@@ -122,7 +122,7 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
                 raise CorruptFileError(f"{where}: param group {i} lists no parameter names")
             groups.append(ParamGroup(settings, tuple(names)))
     else:
-        by_settings: dict[str, tuple[dict, list[str]]] = {}
+        by_settings: dict[str, tuple[dict[str, Any], list[str]]] = {}
         for fqn in entries:  # model order
             if fqn in group_entries:
                 settings = {k: contents.values.get(v, contents.scalars.get(v)) for k, v in group_entries[fqn].items()}
@@ -140,7 +140,7 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
     if len(set(trainable)) != len(trainable):
         raise CorruptFileError(f"{where}: a parameter is listed in two param groups")
     kinds = _kinds(index, entries, set(trainable), model)
-    aliases = {n: target for n, (kind, target) in kinds.items() if kind == "tied"}
+    aliases = {n: target for n, (kind, target) in kinds.items() if kind == "tied" and target is not None}
     tensors = [_tensor_plan(index, contents, entries[n], n, kinds[n][0]) for n in entries if kinds[n][0] != "tied"]
     params, steps = [], set()
     for g, group in enumerate(groups):
@@ -171,8 +171,8 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
     if set(other) - kept:
         notes.append(f"left out {len(set(other) - kept)} entries that are neither model nor optimizer state "
                      f"(first: {sorted(set(other) - kept)[0]!r})")
-    step = _training_step(index, contents, other, steps)
-    return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), step,
+    reached = _training_step(index, contents, other, steps)
+    return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), reached,
                     tuple(notes))
 
 
@@ -234,7 +234,7 @@ def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
     return {n: ("param" if n in trainable else "buffer", None) for n in entries}
 
 
-def _training_step(index: DcpIndex, contents: DcpContents, other: list[str], steps: set) -> int:
+def _training_step(index: DcpIndex, contents: DcpContents, other: list[str], steps: set[Any]) -> int:
     """torchtitan's ``train_state.step`` when saved, else the optimizer's step (0 when it never stepped)."""
     for key in other:
         if index.paths[key] == ("train_state", "step"):

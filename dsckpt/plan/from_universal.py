@@ -6,6 +6,8 @@ training state, the source of ``convert --to deepspeed``: each trainable paramet
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
 from ..formats.torchzip import TorchFile
@@ -44,7 +46,7 @@ def build_universal_state(ckpt: Checkpoint) -> tuple[TrainingState, int]:
     return TrainingState(model, tuple(params), tuple(groups)), int(ckpt.global_steps or 0)
 
 
-def _step(ckpt: Checkpoint, optimizer: dict, group: int, first: str | None) -> TensorPlan | None:
+def _step(ckpt: Checkpoint, optimizer: dict[str, Any], group: int, first: str | None) -> TensorPlan | None:
     """Adam's step of ``group``: its first parameter's step.pt (ZeRO-1/2), else the optimizer state's (ZeRO-3)."""
     ref = None
     if first is not None and (ckpt.layout.tag_dir / L.UNIVERSAL_DIR / first / L.UNIVERSAL_STEP_FILE).is_file():

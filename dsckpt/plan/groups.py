@@ -75,8 +75,9 @@ def stage12_groups(ckpt: Checkpoint) -> list[FlatGroup]:
         ep_size = expert_groups.get(g, 1)
         layout = stage12_group(numels, world // ep_size, list(pad) if pad is not None else None, align)
         for ep in range(ep_size):
-            names = tuple(shapes) if g not in expert_groups else \
-                tuple(ckpt.experts.global_name(n, ep) if is_expert(n) else n for n in shapes)
+            experts = ckpt.experts
+            names = tuple(shapes) if g not in expert_groups or experts is None else \
+                tuple(experts.global_name(n, ep) if is_expert(n) else n for n in shapes)
             out.append(FlatGroup(g, names, tuple(shapes.values()), layout, ckpt.zero_stage,
                                  edp_ranks(ep, ep_size, world), tuple(shapes), pad, align, ep_size))
     return out

@@ -23,10 +23,11 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..dtypes import FLOATING, ITEMSIZE
 from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
-from ..formats.pickle_policy import TorchDtype, TorchSize, opaque_type
+from ..formats.pickle_policy import Opaque, TorchDtype, TorchSize, opaque_type
 from ..formats.pickle_writer import NewTensor
 from ..zero import layout as L
 from ..zero.grid import Coord, rank_file_name
@@ -55,7 +56,7 @@ class DeepSpeedLayout:
     dtype: str  # the module's floating dtype: "F32" or "BF16"
     tag: str
     global_steps: int = 0
-    lr_scheduler: dict | None = None  # the state the engine's scheduler loads (None: none written)
+    lr_scheduler: dict[str, Any] | None = None  # the state the engine's scheduler loads (None: none written)
 
 
 def check_layout(target: DeepSpeedLayout) -> None:
@@ -99,7 +100,7 @@ def _partition(layout: GroupLayout, rank: int, tensors: list[TensorPlan], length
     out: list[Piece] = []
     pos = 0
     for tensor, spans in zip(tensors, layout.params):
-        window = Window(tensor.pieces)
+        window = Window(tuple(tensor.pieces))
         for span in spans:
             if span.rank != rank:
                 continue
@@ -125,7 +126,7 @@ def _step_tensor(step: object, where: str) -> NewTensor | None:
         return None
     if not isinstance(step, TensorPlan) or step.shape != ():
         raise UnsupportedCheckpointError(f"{where}: the optimizer step is {step!r:.60}, not a stored 0-d tensor")
-    return NewTensor("F32", (), TensorSource(step.src_dtype, "F32", step.pieces))
+    return NewTensor("F32", (), TensorSource(step.src_dtype, "F32", tuple(step.pieces)))
 
 
 def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[GroupMove, ...], rank: int,
@@ -141,7 +142,7 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
         keys = [k for k in (params[0].moments if params else {})]
         if any(list(p.moments) != keys for p in params):
             raise UnsupportedCheckpointError(f"{where}: its parameters hold different optimizer state keys")
-        entry: dict = {}
+        entry: dict[str, NewTensor] = {}
         step = _step_tensor(params[0].step, where) if params else None
         if step is not None and keys:
             entry["step"] = step
@@ -154,7 +155,7 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
     stage_enum = opaque_type(*ZERO_STAGE_ENUM)(target.stage)
     scaler = _loss_scaler(target)
     if target.stage == 3:
-        osd: dict = {L.ZERO_STAGE: stage_enum, L.LOSS_SCALER: scaler, "dynamic_loss_scale": target.dtype == "F16",
+        osd: dict[str, Any] = {L.ZERO_STAGE: stage_enum, L.LOSS_SCALER: scaler, "dynamic_loss_scale": target.dtype == "F16",
                      "overflow": False,
                      L.PARTITION_COUNT: target.world_size,
                      L.OPTIMIZER_STATE_DICT: {"state": torch_state, "param_groups": param_groups},
@@ -172,18 +173,18 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
     return OutputFile(name, source, tree)
 
 
-def _loss_scaler(target: DeepSpeedLayout):
+def _loss_scaler(target: DeepSpeedLayout) -> Opaque:
     """A static scaler of 1 (what fp32 and bf16 engines save), or for fp16 a dynamic one at DeepSpeed's defaults."""
     dynamic = target.dtype == "F16"
     cls = opaque_type(*(DYNAMIC_LOSS_SCALER if dynamic else LOSS_SCALER))
-    scaler = cls.__new__(cls)
+    scaler: Opaque = cls.__new__(cls)
     scaler.state = {**FP16_SCALER_DEFAULTS, "cur_iter": target.global_steps, "dtype": TorchDtype("F16", "float16")} \
         if dynamic else {"cur_scale": 1.0, "dynamic": False}
     return scaler
 
 
-def _config(target: DeepSpeedLayout) -> dict:
-    config: dict = {"zero_optimization": {"stage": target.stage}}
+def _config(target: DeepSpeedLayout) -> dict[str, Any]:
+    config: dict[str, Any] = {"zero_optimization": {"stage": target.stage}}
     if target.dtype in ("BF16", "F16"):
         config["bf16" if target.dtype == "BF16" else "fp16"] = {"enabled": True}
     return config
@@ -191,13 +192,13 @@ def _config(target: DeepSpeedLayout) -> dict:
 
 def _module_value(plan: TensorPlan, dtype: str) -> NewTensor:
     out = dtype if plan.kind != "buffer" and plan.src_dtype in FLOATING else plan.src_dtype
-    return NewTensor(out, plan.shape, TensorSource(plan.src_dtype, out, plan.pieces))
+    return NewTensor(out, plan.shape, TensorSource(plan.src_dtype, out, tuple(plan.pieces)))
 
 
 def _model_file(state: TrainingState, target: DeepSpeedLayout, rank: int | None, source: Path) -> OutputFile:
     """Stage 1/2 (``rank`` None): the one model file; stage 3: rank ``rank``'s."""
     masters = {p.name: p.master for p in state.params}
-    module: OrderedDict = OrderedDict()
+    module: OrderedDict[str, NewTensor] = OrderedDict()
     frozen = [t for t in state.model.tensors if t.kind == "frozen"]
     for t in state.model.tensors:
         if rank is not None and t.kind != "buffer":  # ZeRO-3: parameters live in the partitions
@@ -208,7 +209,7 @@ def _model_file(state: TrainingState, target: DeepSpeedLayout, rank: int | None,
     for alias, owner in state.model.aliases.items():
         module[alias] = module[owner]  # one tensor under both names, as the module's state_dict holds it
     by_name = {p.name: p for p in state.params}
-    tree: dict = {
+    tree: dict[str, Any] = {
         L.MODULE: module,
         L.BUFFER_NAMES: [t.name for t in state.model.tensors if t.kind == "buffer"],
         "optimizer": None,
@@ -239,7 +240,7 @@ def _frozen_part(t: TensorPlan, target: DeepSpeedLayout, rank: int) -> NewTensor
     out: list[Piece] = []
     for span in layout.params[0]:
         if span.rank == rank:
-            out += Window(t.pieces).cut(span.param_start * size, span.count * size)
+            out += Window(tuple(t.pieces)).cut(span.param_start * size, span.count * size)
             if span.count < layout.partition_numel:
                 out.append(Zeros((layout.partition_numel - span.count) * size))
     if not out:

@@ -100,7 +100,8 @@ def stage12_moves(ckpt: Checkpoint, world_size: int, ep_size: int | None = None)
                                              "consolidate and a resume at the same world size do")
     for g in sorted({group.index for group in flat}):
         mine = [group for group in flat if group.index == g]
-        if ep_size is not None and g in ckpt.experts.groups and ep_size != ckpt.experts.groups[g]:
+        experts = ckpt.experts
+        if ep_size is not None and experts is not None and g in experts.groups and ep_size != experts.groups[g]:
             moves += _moved_experts(ckpt, mine, ep_size, world_size)
             continue
         moves += [GroupMove(group.recorded, group.layout, group.at(world_size), group.index, group.ranks,
@@ -112,7 +113,8 @@ def _moved_experts(ckpt: Checkpoint, groups: list, ep_size: int, world_size: int
     """One expert group at another ep_size (``plan.experts``): per new ep rank, its experts from wherever they were."""
     from .experts import joined_source, moved_expert_groups
 
-    layers = {layer.prefix: layer.num_experts for layer in ckpt.experts.layers if layer.group == groups[0].index}
+    layers = {layer.prefix: layer.num_experts for layer in (ckpt.experts.layers if ckpt.experts else ())
+              if layer.group == groups[0].index}
     source, source_ranks = joined_source(groups)
     return [GroupMove(names, source, target, groups[0].index, source_ranks, ranks, sources)
             for names, target, ranks, sources in moved_expert_groups(groups, layers, ep_size, world_size,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Sequence
 
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
@@ -72,7 +73,7 @@ def _same_stage(ckpt: Checkpoint, world_size: int, ep_size: int | None) -> Resha
     return ReshardPlan(ckpt.zero_stage, ckpt.world_size, world_size, ckpt.layout.tag, tuple(groups), tuple(files))
 
 
-def _model_file(ckpt: Checkpoint, world_size: int, rank: int, moves: list[GroupMove] = ()) -> OutputFile:
+def _model_file(ckpt: Checkpoint, world_size: int, rank: int, moves: Sequence[GroupMove] = ()) -> OutputFile:
     tf = template_file(ckpt.model_files, rank)
     tree = copy_tree(tf.obj)
     tree[L.DP_WORLD_SIZE] = world_size
@@ -132,7 +133,8 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
                 continue  # Adam's step and other scalars: the same on every rank, kept
             spaces = [FlatSpace([state_tensor(ckpt, r, g, key, move)]) for r in source_ranks]
             state[key] = new_tensor(value, length, partition_segments(move, pos, spaces, length, f"{where} {key}"))
-    renamed = {m.index: world_size // len(m.target_ranks) for m in mine if m.source_params is not None}
+    renamed = {m.index: world_size // len(m.target_ranks) for m in mine
+               if m.source_params is not None and m.target_ranks is not None}
     if renamed:  # experts at another ep_size: their optimizer group is named for it
         from .experts import renamed_groups
 

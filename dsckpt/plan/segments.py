@@ -21,7 +21,8 @@ from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError
-from ..formats.pickle_policy import TensorRef, tensor_refs
+from ..formats.pickle_policy import TensorRef
+from ..formats.pickle_tree import tensor_refs
 from ..formats.pickle_writer import NewTensor, StorageOut
 from ..formats.torchzip import tensor_byte_range
 
@@ -43,9 +44,14 @@ Piece = Segment | Zeros
 
 class ByteSource(Protocol):
     """What a writer needs from a tensor: its segments, in ``src_dtype``, written as ``dtype``."""
-    src_dtype: str
-    dtype: str
-    pieces: "tuple[Piece, ...] | Interleaved"
+    @property
+    def src_dtype(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def pieces(self) -> "tuple[Piece, ...] | Interleaved": ...
 
 
 class Window:

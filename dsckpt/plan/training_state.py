@@ -99,6 +99,6 @@ def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> Traini
                     names[group].append(name)
                     held = {key: plans[name] for key, plans in moments.items() if name in plans}
                     params[name] = ParamState(name, fp32[name], held, state.step, group)
-    order = sorted(owners, key=owners.get)
+    order = sorted(owners, key=lambda g: owners[g])
     groups = tuple(ParamGroup(settings[owners[g]], tuple(names[owners[g]])) for g in order)
     return TrainingState(model, tuple(params.values()), groups)

@@ -57,6 +57,7 @@ def build_universal_plan(ckpt: Checkpoint, state: TrainingState) -> UniversalPla
     for p in state.params:
         fields = universal_fields(ckpt.tp_info, p.name) if ckpt.tp_slices else {L.UNIVERSAL_CAT_DIM_KEY: 0}
         for key, t in (("fp32", p.master), *p.moments.items()):
+            tree: NewTensor | dict[str, Any]
             if stage3:
                 tree = NewTensor(t.dtype, (t.numel,), t)
             else:

@@ -47,7 +47,7 @@ _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 except ImportError:  # pragma: no cover - the runtime extra always brings DeepSpeed
-    CheckpointEngine = object  # type: ignore[misc,assignment]
+    CheckpointEngine = object
 
 
 @dataclass

@@ -47,6 +47,9 @@ class TinyCausalLM(nn.Module):
             self.head.weight = self.embed.weight  # tied: one tensor, two names
         self.register_buffer("logit_scale", torch.ones(vocab_size))  # persistent float buffer
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))  # persistent int buffer
+        self.positions: torch.Tensor
+        self.logit_scale: torch.Tensor
+        self.tokens_seen: torch.Tensor
         self.register_buffer("positions", torch.arange(seq_len), persistent=False)  # not saved
         if freeze_first_block:
             self.blocks[0].requires_grad_(False)

@@ -178,7 +178,7 @@ class Runtime:
         self.saver: Any = None
         self.remote_device = self.config.pop("dsckpt_remote_device", None)
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
-        self.engine = None
+        self.engine: Any = None  # deepspeed.DeepSpeedEngine, once setup() ran
         self._warned_sharded = False
 
     def build_model(self, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -291,7 +291,7 @@ class Runtime:
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)
         safe_load.install(self.engine, trust)
-        kwargs = dict(load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer)
+        kwargs: dict[str, Any] = dict(load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer)
         if self.loads_resharded(ckpt, trust):
             from .planned_load import load_resharded
 

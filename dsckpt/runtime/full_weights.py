@@ -92,6 +92,8 @@ def load_full_weights(engine, path: str | Path, *, strict: bool = True, strip_pr
     pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in module.parameters())
 
     def read(i: int) -> dict[str, torch.Tensor]:  # rank 0, on a helper thread; pinned for a DMA to the GPU
+        if src is None:
+            raise RuntimeError("only rank 0 reads the weights file")
         return {name: src.get(name, pin) for name, _ in steps[i][0] + steps[i][1]}
 
     masters = _MasterSetter(engine)  # 16-bit runs: fp32 masters from the same values, no second read
@@ -172,7 +174,7 @@ def stage0_masters(optimizer) -> dict[int, torch.Tensor]:
     ZeRO 1-3 and BF16_Optimizer expose masters through ``safe_get/set_full_fp32_param``; the
     stage-0 fp16/bf16 optimizer (``FP16_UnfusedOptimizer``) only has parallel lists of parameters.
     """
-    pairs = {}
+    pairs: dict[int, Any] = {}
     for group16, group32 in zip(getattr(optimizer, "fp16_groups", []), getattr(optimizer, "fp32_groups", [])):
         if isinstance(group32, list):
             pairs.update((id(p16), p32) for p16, p32 in zip(group16, group32))
@@ -246,6 +248,8 @@ class _MasterSetter:
         self.done.add(id(p))  # a tied parameter once
         shape = tuple(getattr(p, "ds_shape", p.shape))
         if eng.rank() == 0:
+            if value is None:
+                raise RuntimeError(f"{name}: rank 0 has no value to load")
             full = value.to(device=self.device, dtype=torch.float32).reshape(shape).contiguous()
         else:
             full = torch.empty(shape, dtype=torch.float32, device=self.device)

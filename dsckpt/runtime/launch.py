@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 from ..errors import DsckptError, Interrupted
@@ -90,7 +91,7 @@ def _supervise(procs: list, timeout: float | None, command: list[str]) -> list[i
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not _wait(procs, time.monotonic() + timeout if timeout else None):
-            raise subprocess.TimeoutExpired(command, timeout)
+            raise subprocess.TimeoutExpired(command, timeout or 0.0)
     except (KeyboardInterrupt, Interrupted):
         _stop(procs, first=signal.SIGINT, wait_first=0)  # (a rank ignores a second SIGINT)
         raise Interrupted from None
@@ -105,7 +106,7 @@ def _raise_interrupted(signum, frame) -> None:
     raise Interrupted  # not KeyboardInterrupt: click would print a stray newline for it
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float | None) -> bool:
+def _wait(procs: list[Any], deadline: float | None) -> bool:
     """Until every rank has ended (True) or ``deadline`` (False); once one fails, the rest get
     FAILURE_GRACE_S, then are stopped."""
     failed_at = None
@@ -156,7 +157,7 @@ class _ExitWatch:
         self.close()
 
 
-def _stop(procs: list[subprocess.Popen], first: signal.Signals, wait_first: float) -> None:
+def _stop(procs: list[Any], first: signal.Signals, wait_first: float) -> None:
     """Ranks still running: wait ``wait_first`` s (a Ctrl-C reached them too), send ``first``, then SIGKILL."""
     deadline = time.monotonic() + wait_first
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -224,7 +225,8 @@ class _ForkedRank:
     """What ``_wait`` and ``_stop`` use of a ``subprocess.Popen``, for a forked rank."""
 
     def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
+        self.pid = pid
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:

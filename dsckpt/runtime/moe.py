@@ -40,7 +40,7 @@ def ep_size_of(param: torch.nn.Parameter) -> int:
 def ep_rank_of(param: torch.nn.Parameter) -> int:
     from deepspeed.utils import groups
 
-    return groups._get_expert_parallel_rank(param.group_name) if ep_size_of(param) > 1 else 0
+    return groups._get_expert_parallel_rank(getattr(param, "group_name")) if ep_size_of(param) > 1 else 0
 
 
 def local_experts(module: torch.nn.Module) -> dict[str, int]:
@@ -53,6 +53,8 @@ def local_experts(module: torch.nn.Module) -> dict[str, int]:
 def global_name(name: str, ep_rank: int, per_rank: dict[str, int]) -> str:
     """``name`` (an expert parameter, by local id) as expert-parallel rank ``ep_rank`` holds it, by global id."""
     match = LOCAL_ID.search(name)
+    if match is None:
+        raise ValueError(f"{name!r} is no expert parameter")
     layer = name[:match.start()]
     global_id = ep_rank * per_rank[layer] + int(match.group(1))
     return f"{name[:match.start(1)]}{global_id}{name[match.end(1):]}"

@@ -98,8 +98,8 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
                      "state and client state carried over (read from the original files, no copy written)")
         return _load_sharded(trainer, ckpt_dir, tag, ckpt, skip_client, trust, shown_as=ckpt_dir)
     beside = ckpt.layout.root.resolve().parent  # not inside the checkpoint
-    tmp = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
-    tmp = Path(broadcast_object(str(tmp) if tmp else None))
+    made = tempfile.mkdtemp(prefix=".dsckpt-reshard-", dir=beside) if eng.rank() == 0 else None
+    tmp = Path(broadcast_object(made))
     try:
         if eng.rank() == 0:
             if keep_optimizer:

@@ -18,7 +18,7 @@ import re
 import sys
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_policy import DEEPSPEED_CLASSES, foreign_classes
+from ..formats.pickle_tree import DEEPSPEED_CLASSES, foreign_classes
 
 TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickles may then run code)"
 

@@ -39,7 +39,8 @@ class Snapshot:
     """A file's state with every tensor storage copied to host memory, views kept as ``torch.save`` sees them."""
 
     def __init__(self, pool: HostPool):
-        self.pool, self.copies, self.nbytes = pool, {}, 0
+        self.pool, self.nbytes = pool, 0
+        self.copies: dict[Any, Any] = {}
         self.buffers: list[tuple[torch.UntypedStorage, bool]] = []  # (buffer, pinned)
 
     def take(self, obj: Any) -> Any:

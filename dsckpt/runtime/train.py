@@ -56,6 +56,7 @@ class Trainer:
         self.epoch = 0
         self.data_position = 0
         self.last_loss: float | None = None
+        self.client_source: Any = None  # where a resumed run's client state came from (resume)
         random.seed(opts.seed)
         torch.manual_seed(opts.seed)
         factory = load_factory(opts.model, opts.freeze)
@@ -100,6 +101,8 @@ class Trainer:
         return self.last_loss
 
     def save(self, tag: str | None = None) -> str:
+        if self.opts.save_dir is None:
+            raise ConfigError("no --save-dir to save into")
         return self.runtime.save_checkpoint(self.opts.save_dir, self.client_state(), tag=tag or f"step{self.global_step}")
 
     def fit(self, steps: int, progress: bool = True) -> list[float]:

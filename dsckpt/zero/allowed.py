@@ -6,7 +6,7 @@ Used by ``reshard`` and by ``convert --to universal``.
 from __future__ import annotations
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_policy import foreign_classes
+from ..formats.pickle_tree import foreign_classes
 from . import layout as L
 
 

@@ -23,9 +23,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import DsckptError, UnsafeCheckpointError
-from ..formats.pickle_policy import DEEPSPEED_CLASSES, opaque_class_paths
+from ..formats.pickle_tree import DEEPSPEED_CLASSES, opaque_class_paths
 
 # Per-rank files, by writer: (pattern with the rank as group "rank", the name at world size 1 or None).
 PER_RANK = (
@@ -52,7 +53,9 @@ def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, w
     (``follow_links``: links were checked by the caller - the distributed run's view of other hosts' files)."""
     from .layout import LATEST_FILE, TRUST_HINT, inside
 
-    copies, notes, per_rank = [], [], {}
+    copies: list[Copy] = []
+    notes: list[str] = []
+    per_rank: dict[int, dict[int, Path]] = {}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
         if entry.name in tags or entry.name == LATEST_FILE or entry.name.startswith("."):

@@ -67,6 +67,8 @@ class Experts:
         """``local_name`` as ep rank ``ep_rank`` names it, under the expert's global id."""
         layer = self.layer_of(local_name)
         match = LOCAL_ID.search(local_name)
+        if layer is None or match is None:
+            raise ValueError(f"{local_name!r} is no expert parameter of this checkpoint")
         global_id = ep_rank * layer.local_experts + int(match.group(1))
         return f"{local_name[:match.start(1)]}{global_id}{local_name[match.end(1):]}"
 
@@ -114,12 +116,12 @@ def read_experts(tag_dir: Path, expert_files: tuple[Path, ...], head: dict, para
             f"{where}: {len(counts)} MoE layers recorded, {len(prefixes)} with trainable experts in the optimizer, "
             f"expert files for {len(files)}; frozen or untrained experts are not supported")
     layers = []
-    for index, ((prefix, (ep_size, group)), n) in enumerate(zip(prefixes.items(), counts)):
+    for index, ((prefix, (ep_size, owner)), n) in enumerate(zip(prefixes.items(), counts)):
         if n % ep_size or world_size % ep_size or sorted(files[index]) != list(range(n)):
             raise UnsupportedCheckpointError(
                 f"{where}: MoE layer {index} ({prefix}): {n} experts, ep_size {ep_size}, world size {world_size}, "
                 f"expert files {sorted(files[index])}: not a layout DeepSpeed writes")
-        layers.append(MoeLayer(index, prefix, n, ep_size, tuple(files[index][e] for e in range(n)), group))
+        layers.append(MoeLayer(index, prefix, n, ep_size, tuple(files[index][e] for e in range(n)), owner))
     return Experts(tuple(layers), groups)
 
 

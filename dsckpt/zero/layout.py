@@ -147,7 +147,10 @@ def file_kind(path: Path | str) -> str | None:
 
 def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
                   ) -> tuple[list[RankFile], list[RankFile], list[Path], list[Path]]:
-    model, optim, pipeline, experts = [], [], [], []
+    model: list[RankFile] = []
+    optim: list[RankFile] = []
+    pipeline: list[Path] = []
+    experts: list[Path] = []
     claimed: dict[tuple[str, int | None, int], Path] = {}
     for entry in sorted(os.scandir(tag_dir), key=lambda e: e.name):
         match = RANK_FILE_RE.match(entry.name)
@@ -204,12 +207,14 @@ def list_tags(root: Path) -> list[str]:
     return sorted(found, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
 
 
-def stale_latest(root: Path, latest: str) -> InconsistentCheckpointError:
-    """`latest` names a tag that is not there: the one error for it, whoever finds it (a process, a view of many)."""
-    return InconsistentCheckpointError(f"{root / LATEST_FILE}: names tag {latest!r}, which is not in {root}")
+def stale_latest(root: Path | str, latest: str) -> InconsistentCheckpointError:
+    """`latest` names a tag that is not there: the one error for it, whoever finds it (a process, a view of many:
+    ``root`` a folder, or a URL as the user spelled it)."""
+    return InconsistentCheckpointError(f"{str(root).rstrip('/')}/{LATEST_FILE}: names tag {latest!r}, which is not "
+                                       f"in {root}")
 
 
-def several_tags(root: Path, tags: list[str]) -> TagError:
+def several_tags(root: Path | str, tags: list[str]) -> TagError:
     return TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
                     hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
 

@@ -40,6 +40,8 @@ def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRe
     problems: list[tuple[type, str]] = []
     for path in sorted(files):
         match = PIPELINE_LAYER_RE.match(path.name)
+        if match is None:  # (layout only lists names the pattern matched)
+            continue
         try:
             state = TorchFile(path).obj
         except DsckptError as exc:
@@ -57,7 +59,8 @@ def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRe
 def tp_degree(layout: Any) -> int:
     """How many TP ranks each stage has: the layer files' ``-model_YY`` count (DeepSpeed's
     ``checkpoint_parallel_dimensions`` says the same where it is recorded)."""
-    ranks = {int(PIPELINE_LAYER_RE.match(p.name).group("mp") or 0) for p in layout.pipeline_files}
+    matches = [PIPELINE_LAYER_RE.match(p.name) for p in layout.pipeline_files]
+    ranks = {int(m.group("mp") or 0) for m in matches if m is not None}
     return max(ranks, default=0) + 1
 
 
@@ -77,19 +80,20 @@ def layer_owners(layers: dict[int, dict[str, TensorRef]], recorded: list[dict[st
     names): the stage whose names hold its layer. A layer no stage names is a tied module's file (its keys and
     shapes are a ``tied_modules.*`` entry's: its values come from the optimizer files, so it is no stage's) or a
     layer whose parameters are all frozen: the stage of the nearest named layer before it (stage 0 below)."""
-    claimed = {index: stage for stage, names in enumerate(recorded) for index in {layer_index(n) for n in names} - {None}}
+    claimed = {index: stage for stage, names in enumerate(recorded) for index in {layer_index(n) for n in names}
+               if index is not None}
     tied = {(n.rsplit(".", 1)[-1], tuple(shape)) for names in recorded for n, shape in names.items()
             if n.startswith(TIED_PREFIX) and shape is not None}
-    owners = {}
+    owners: dict[str, int] = {}
     for tensors in layers.values():
-        by_layer: dict[int, list[str]] = {}
+        by_layer: dict[int | None, list[str]] = {}
         for name in tensors:
             by_layer.setdefault(layer_index(name), []).append(name)
         for index, names in by_layer.items():
             if index in claimed:
                 owners.update((n, claimed[index]) for n in names)
             elif not all((n.split(".", 1)[1], tuple(tensors[n].shape)) in tied for n in names):
-                before = [i for i in claimed if i < index]
+                before = [i for i in claimed if index is not None and i < index]
                 owners.update((n, claimed[max(before)] if before else 0) for n in names)
     return owners
 
@@ -99,7 +103,7 @@ def stage_map(stages: list[Any]) -> list[dict[str, Any]]:
     out = []
     for s, ckpt in enumerate(stages):
         names = list(ckpt.trainable) + list(ckpt.frozen) + list(ckpt.buffers)
-        out.append({"stage": s, "layers": sorted({layer_index(n) for n in names} - {None}),
+        out.append({"stage": s, "layers": sorted({i for i in map(layer_index, names) if i is not None}),
                     "tied": sorted({re.sub(r"^tied_modules\.([^.]+)\..*$", r"\1", n) for n in names
                                     if n.startswith(TIED_PREFIX)})})
     return out

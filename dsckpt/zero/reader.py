@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 from . import layout as L
 from .grid import GridShape
@@ -20,7 +20,8 @@ from .problems import Problem, check_ranks, check_same_run, short
 from ..dtypes import label
 from ..limits import check
 from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
-from ..formats.pickle_policy import TensorRef, opaque_int
+from ..formats.pickle_policy import TensorRef
+from ..formats.pickle_tree import opaque_int
 from ..formats.torchzip import TorchFile
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
     _require_every_mp_rank(lay, "model-parallel rank")
     ranks = lay.model_parallel_ranks()
     tp = tp_degree(lay)
-    layers, problems = layer_tensors(lay.pipeline_files)
+    layers, found = layer_tensors(lay.pipeline_files)
     owner = layer_owners(layers, [recorded_names(lay, stage * tp) for stage in range(len(ranks) // tp)])
     stages = []
     for stage in range(len(ranks) // tp):
@@ -211,7 +212,7 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
                                               if owner.get(n) == stage}) for mp in mine]
         stages.append(slices[0] if tp == 1 else _tensor_parallel(lay.for_mp_ranks(mine), slices))
     head = stages[0]
-    problems = [Problem(e, m) for e, m in problems] + [p for s in stages for p in s.problems]
+    problems = [Problem(e, m) for e, m in found] + [p for s in stages for p in s.problems]
     return replace(head, layout=lay, problems=problems, pp_slices=tuple(stages), tp_slices=(),
                    grid=replace(head.grid, tp=tp, pp=len(stages)))
 
@@ -374,7 +375,8 @@ def _recorded_stage(head: dict, lay: L.Layout) -> int:
     return stage if stage in (1, 2) else 0
 
 
-def _aliases_by_storage(module: dict[str, Any], known: set[str] = frozenset(), empty_too: bool = False) -> dict[str, str]:
+def _aliases_by_storage(module: dict[str, Any], known: Collection[str] = frozenset(),
+                        empty_too: bool = False) -> dict[str, str]:
     """Tied names where no ``shared_params`` says so (stage 0; DeepSpeed before it recorded them): names
     viewing the same bytes.  ``empty_too``: stage 3's empty placeholders, one storage per parameter, shared
     only by tied names.  The source is the first name of a group that ``known`` lists, else the first."""
@@ -382,7 +384,7 @@ def _aliases_by_storage(module: dict[str, Any], known: set[str] = frozenset(), e
     for name, t in module.items():
         if isinstance(t, TensorRef) and (t.numel or empty_too):
             groups.setdefault((t.storage.key, t.offset, t.shape, t.stride), []).append(name)
-    aliases = {}
+    aliases: dict[str, str] = {}
     for names in groups.values():
         source = next((n for n in names if n in known), names[0])
         aliases.update((n, source) for n in names if n != source)

@@ -39,8 +39,9 @@ def _address(value: Any) -> tuple[int, int] | None:
     if not isinstance(state, dict):
         return None
     start, numel = state.get("start"), state.get("numel")
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, numel))
-    return (start, numel) if ok else None
+    if type(start) is int and type(numel) is int and start >= 0 and numel >= 0:
+        return start, numel
+    return None
 
 
 def mismatch(ckpt: Checkpoint, group: int, names: list[str], layout: GroupLayout,

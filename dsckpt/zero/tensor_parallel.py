@@ -105,10 +105,10 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
     maps = _affine_maps(info, where)
     out = {}
     for name, shape0 in shard_shapes[0].items():
-        shapes = [s.get(name) for s in shard_shapes]
-        if any(s is None for s in shapes):
-            missing = next(r for r, s in enumerate(shapes) if s is None)
+        missing = next((r for r, s in enumerate(shard_shapes) if name not in s), None)
+        if missing is not None:
             raise InconsistentCheckpointError(f"{where}: parameter {name!r} is on TP rank 0 but not on TP rank {missing}")
+        shapes = [s[name] for s in shard_shapes]
         try:
             entry = _matching(maps, name)
             if entry is not None and not _placeholder_map(entry, shapes):
