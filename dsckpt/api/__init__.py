@@ -3,6 +3,8 @@ checkpoint's state dict into memory).  Imported lazily: ``consolidate``, ``resha
 torch nor DeepSpeed; ``load_into`` and the state-dict readers need torch."""
 from __future__ import annotations
 
+from typing import Any
+
 _WHERE = {
     "consolidate": "consolidation", "convert": "conversion", "load_state_dict": "consolidation", "iter_state_dict": "consolidation",
     "verify_output": "consolidation", "reshard": "resharding", "load_into": "loading", "classify": "paths",
@@ -12,7 +14,7 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(name)
     from importlib import import_module

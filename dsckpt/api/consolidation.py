@@ -37,13 +37,13 @@ from ..io import stream
 from ..io.remote import is_url
 from ..parallel.view import readable
 from .frame import uploading, writing
-from ..parallel.outputs import Staged, storage_groups
+from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, remote_ranges
 from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan
 from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
 from ..plan.segments import tree_pieces
-from ..zero.reader import open_checkpoint
+from ..zero.reader import Checkpoint, open_checkpoint
 
 DEFAULT_SHARD = "5GB"
 SPLIT_FORMATS = ("safetensors", "sharded")  # with several writers: one file filled in parts, a folder's shards dealt out
@@ -169,7 +169,8 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                   True if verify else None, notes)
 
 
-def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool, request: Request):
+def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool,
+             request: Request) -> tuple[Checkpoint, Prepared, tuple[str, ...]]:
     """The checkpoint, the format's prepared plan and the notes: the same on every process."""
     ckpt = view.open(request.trust)
     if not view.direct:  # each host's survey refused links out of the checkpoint; the view's own links lead out
@@ -194,8 +195,8 @@ def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree
         check_output(path, inputs, force)
 
 
-def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: Staged, write_client: bool,
-           out: Path, progress) -> tuple[list[str], list[TensorPlan]]:
+def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
+           write_client: bool, out: Path, progress: Callable[[int], None] | None) -> tuple[list[str], list[TensorPlan]]:
     """Write OUT's parts into ``staged.tmp``; the names written (the same on every process) and the tensors
     this process wrote.
 
@@ -227,15 +228,15 @@ def _write(group: Group, groups, view: View, ckpt, prepared: Prepared, staged: S
     return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
 
 
-def _write_parts(group: Group, groups, ckpt, prepared: Prepared, staged: Staged, write_client: bool, out: Path,
-                 progress, part: tuple[int, int] | None) -> list[str]:
+def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
+                 write_client: bool, out: Path, progress: Callable[[int], None] | None, part: tuple[int, int] | None) -> list[str]:
     """``_write``'s steps once the bytes are there (or arriving): OUT's files, then the client-state sidecar."""
     fmt, plan = prepared.format, prepared.plan
     writers = groups.members(groups.of[0])
     split = fmt.name in SPLIT_FORMATS and len(writers) > 1
 
     def run(step: Callable[[], Any]) -> Any:
-        def guarded():
+        def guarded() -> Any:
             with write_errors(out):
                 return step()
         return group.step(guarded)
@@ -273,7 +274,7 @@ def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: in
     return [t for t, owner in zip(plan.tensors, owners) if owner == k]
 
 
-def _notes(ckpt, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:
+def _notes(ckpt: Checkpoint, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:
     notes = []
     names = [n for n in ckpt.module] + list(ckpt.trainable) + list(ckpt.frozen)
     for prefix in strip_prefixes:

@@ -30,6 +30,7 @@ from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
 from ..plan.segments import tree_pieces
 from ..plan.training_state import build_training_state
+from ..zero.reader import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
                          tuple(str(out / n) for n in names), notes)
 
 
-def _prepare(view: View, target: Target, request: ConvertRequest):
+def _prepare(view: View, target: Target, request: ConvertRequest) -> tuple[Checkpoint, PreparedConversion]:
     ckpt = view.open(request.trust)
     with view.real_names():
         ckpt.require_complete(tensor_parallel=True, pipeline=True)
@@ -99,7 +100,8 @@ def _prepare(view: View, target: Target, request: ConvertRequest):
         return ckpt, target.prepare(ckpt, state, request)
 
 
-def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt, progress) -> list[str]:
+def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt: Checkpoint,
+           progress: Callable[[int], None] | None) -> list[str]:
     with write_errors(out):
         names = prepared.target.write(prepared, staged.tmp, staged.own, progress)
         if client:

@@ -7,13 +7,14 @@ resume, so both say the same thing about the same mismatch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import StateDictMismatchError
 
 MAX_LISTED = 5
 
 
-def state_slots(model) -> dict[str, tuple[object, str, bool]]:
+def state_slots(model: Any) -> dict[str, tuple[object, str, bool]]:
     """name -> (owning module, attribute, is a parameter), in module order; tied tensors under each name."""
     out = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -27,12 +28,12 @@ def state_slots(model) -> dict[str, tuple[object, str, bool]]:
     return out
 
 
-def full_shape(tensor) -> tuple[int, ...]:
+def full_shape(tensor: Any) -> tuple[int, ...]:
     """A tensor's whole shape, also for a ZeRO-3 partitioned parameter (whose ``shape`` is empty)."""
     return tuple(getattr(tensor, "ds_shape", tensor.shape))
 
 
-def tie_groups(model) -> dict[str, tuple[str, ...]]:
+def tie_groups(model: Any) -> dict[str, tuple[str, ...]]:
     """name -> every state-dict name sharing its tensor (only for tied tensors)."""
     by_tensor: dict[int, list[str]] = {}
     for name, (mod, attr, _) in state_slots(model).items():
@@ -59,7 +60,7 @@ class KeyReport:
                          f"{list(model)} in the model{', ...' if len(self.mismatched) > 1 else ''})")
         return parts
 
-    def raise_for(self, source, strict: bool = True, hint: str | None = None) -> None:
+    def raise_for(self, source: object, strict: bool = True, hint: str | None = None) -> None:
         problems = self.problems(strict)
         if problems:
             raise StateDictMismatchError(f"{source}: does not match the model: " + "; ".join(problems),

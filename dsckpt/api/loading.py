@@ -17,7 +17,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = Tru
         return _load_into(model, _Source(opened, prefixes(strip_prefixes)), source, strict)
 
 
-def _load_into(model: nn.Module, src: _Source, source, strict: bool) -> LoadReport:
+def _load_into(model: nn.Module, src: _Source, source: object, strict: bool) -> LoadReport:
     slots = state_slots(model)  # name -> (module, attribute, is parameter)
     groups = tie_groups(model)  # name -> every name sharing its tensor
     keys = compare({n: tuple(getattr(m, a).shape) for n, (m, a, _) in slots.items()}, src.shapes, groups)
@@ -138,7 +138,7 @@ def _all_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, bool]]:
     return out
 
 
-def _materialize(slots, names, tensor: torch.Tensor, like: torch.Tensor, is_param: bool) -> None:
+def _materialize(slots: dict[str, tuple[Any, str, bool]], names: Iterable[str], tensor: torch.Tensor, like: torch.Tensor, is_param: bool) -> None:
     data = tensor.reshape(like.shape).to(like.dtype)
     new = nn.Parameter(data, requires_grad=like.requires_grad) if is_param else data
     for name in names:  # every name of a tied tensor gets the same object

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
@@ -39,13 +39,13 @@ from .frame import uploading, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, remote_ranges
 from ..parallel.view import View
-from ..plan.moves import ReshardPlan
+from ..plan.moves import OutputFile, ReshardPlan
 from ..plan.reshard import build_reshard_plan
-from ..plan.segments import written_source
+from ..plan.segments import Piece, written_source
 from ..zero import layout as L
 from ..zero.allowed import allowed_tree, dropped_notes, trusted_notes
 from ..zero.companions import Copy, per_rank_file, plan_companions
-from ..zero.reader import open_checkpoint
+from ..zero.reader import Checkpoint, open_checkpoint
 
 
 Pickled = tuple[bytes, list[StorageOut]]  # a rank file's pickle and the storages it names (``dumps``)
@@ -117,13 +117,14 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
                            if files or copies else None)
             group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
             staged.publish()
-    here = [name for name, _ in items if staged.leader in place.destinations(name)]
+    published = [name for name, _ in items if staged.leader in place.destinations(name)]
     return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
-                         tuple(str(out / name) for name in here + [L.LATEST_FILE]), prepared.total,
+                         tuple(str(out / name) for name in published + [L.LATEST_FILE]), prepared.total,
                          prepared.notes + tuple(crc_notes), plan.world_size * ckpt.grid.tp * ckpt.grid.pp)
 
 
-def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, trust: bool):
+def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None,
+             trust: bool) -> tuple[Checkpoint, PreparedReshard]:
     ckpt = view.open(trust)
     with view.real_names():
         return ckpt, prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct)
@@ -158,7 +159,7 @@ def target_rank(name: str) -> int | None:
     return found[1] if found else None
 
 
-def _pieces(files, pickled: Mapping[str, Pickled]) -> list:
+def _pieces(files: Iterable[OutputFile], pickled: Mapping[str, Pickled]) -> list[Piece]:
     return [piece for f in files for storage in pickled[f.name][1] for piece in written_source(storage).pieces]
 
 
@@ -178,7 +179,7 @@ class PreparedReshard:
     pickled: Mapping[str, Pickled]  # file name -> its pickle and storages (``dumps``), made once
 
 
-def prepare_reshard(ckpt, world_size: int, stage: int | None, ep_size: int | None, trust: bool,
+def prepare_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, ep_size: int | None, trust: bool,
                     links_checked: bool = False) -> PreparedReshard:
     """Everything decided before a byte is written (``links_checked``: the caller has refused links out of the
     checkpoint already, as the distributed run does on each host's own files)."""
@@ -205,7 +206,7 @@ def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardP
     return replace(plan, files=tuple(files)), dropped_notes(dropped)
 
 
-def _pickle(f, trust: bool) -> Pickled:
+def _pickle(f: OutputFile, trust: bool) -> Pickled:
     """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's."""
     try:
         return dumps(f.tree, allow_foreign=trust)
@@ -213,7 +214,8 @@ def _pickle(f, trust: bool) -> Pickled:
         raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
 
 
-def write_files(plan: ReshardPlan, root: Path, files, companions, pickled: Mapping[str, Pickled],
+def write_files(plan: ReshardPlan, root: Path, files: Sequence[OutputFile], companions: Sequence[Copy],
+                pickled: Mapping[str, Pickled],
                 progress: Callable[[int], None] | None = None) -> None:
     """``files`` (of ``plan.files``, pickled as ``PreparedReshard.pickled``) under ``root/<tag>/`` and the
     ``companions`` beside it (root must exist)."""
@@ -221,7 +223,7 @@ def write_files(plan: ReshardPlan, root: Path, files, companions, pickled: Mappi
     tag_dir.mkdir(exist_ok=True)
     report = _serialized(progress)
 
-    def write(f) -> None:
+    def write(f: OutputFile) -> None:
         with Reader() as reader:
             write_pickled(tag_dir / f.name, pickled[f.name], reader, report)
     biggest_first = sorted(files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))

@@ -9,7 +9,7 @@ count every touched page of the file).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import torch_dtype
 from ..errors import CheckpointNotFoundError, CorruptFileError
@@ -93,7 +93,7 @@ class WeightsFile:
         return _tensor(raw, e.dtype, e.shape, e.stride)
 
 
-def _tensor(raw, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
+def _tensor(raw: Any, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None) -> torch.Tensor:
     """A tensor over ``raw``'s bytes (a bytearray or a uint8 tensor)."""
     import torch
 

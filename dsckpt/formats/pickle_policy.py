@@ -21,7 +21,7 @@ import math
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..dtypes import BY_STORAGE, BY_TORCH_NAME
 
@@ -32,10 +32,10 @@ TENSOR_REBUILDERS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_
                      ("torch._tensor", "_rebuild_from_type_v2")}
 
 
-def _bounded(kind: type):
+def _bounded(kind: type) -> Callable[..., Any]:
     """``kind(arg)`` only when it cannot allocate more than MAX_CONTAINER_ITEMS (``bytearray(3 * 10**9)``
     is one tiny opcode, ``frozenset(range(2 * 10**7))`` two)."""
-    def build(*args):
+    def build(*args: Any) -> Any:
         from ..limits import limit
 
         size = args[0] if args and isinstance(args[0], int) else len(args[0]) if args and hasattr(args[0], "__len__") else 0
@@ -56,7 +56,7 @@ PLAIN_BUILTINS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set
 class _Sealed:
     """A pickle's BUILD opcode would rewrite a checked reference's fields: refuse it."""
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: object) -> None:
         raise pickle.UnpicklingError(f"BUILD on a {type(self).__name__} (a reference may not be altered once checked)")
 
 
@@ -86,8 +86,8 @@ class TensorRef(_Sealed):
     requires_grad: bool
     parameter: bool
 
-    def __init__(self, file, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
-                 requires_grad: bool = False, parameter: bool = False):
+    def __init__(self, file: Any, storage: StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+                 requires_grad: bool = False, parameter: bool = False) -> None:
         for name, value in (("file", file), ("storage", storage), ("offset", offset), ("shape", shape),
                             ("stride", stride), ("requires_grad", requires_grad is True), ("parameter", parameter)):
             object.__setattr__(self, name, value)
@@ -95,7 +95,7 @@ class TensorRef(_Sealed):
     def as_parameter(self, requires_grad: bool) -> "TensorRef":
         return TensorRef(self.file, self.storage, self.offset, self.shape, self.stride, requires_grad is True, True)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"TensorRef is immutable (tried to set {name!r})")
 
     @property
@@ -135,15 +135,15 @@ class Opaque:
     state: Any
     via: str
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
         obj = object.__new__(cls)
         obj.args, obj.state, obj.via = args, None, "newobj"
         return obj
 
-    def __init__(self, *args, **kwargs):  # only REDUCE calls cls(*args); nothing to do but note it
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # only REDUCE calls cls(*args); nothing to do but note it
         self.via = "reduce"
 
-    def __setstate__(self, state):  # BUILD: record, never apply
+    def __setstate__(self, state: Any) -> None:  # BUILD: record, never apply
         self.state = state
 
     def __repr__(self) -> str:
@@ -169,7 +169,7 @@ class TorchDtype(str):
     """A ``torch.<dtype>`` as read: its safetensors name ("F32"), remembering torch's attribute name."""
     torch_name: str
 
-    def __new__(cls, name: str, torch_name: str):
+    def __new__(cls, name: str, torch_name: str) -> "TorchDtype":
         obj = super().__new__(cls, name)
         obj.torch_name = torch_name
         return obj
@@ -179,7 +179,7 @@ class TorchDevice(str):
     """A ``torch.device(...)`` as read: "cuda:0", remembering the constructor's arguments."""
     args: tuple[Any, ...]
 
-    def __new__(cls, *args):
+    def __new__(cls, *args: Any) -> "TorchDevice":
         obj = super().__new__(cls, ":".join(str(x) for x in args))
         obj.args = args
         return obj
@@ -200,8 +200,8 @@ def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
 class _Policy:
     """The allowlist, shared by both unpicklers below (it only overrides lookups, never opcodes)."""
 
-    def __init__(self, stream, torch_file):
-        super().__init__(stream)
+    def __init__(self, stream: Any, torch_file: Any) -> None:
+        super().__init__(stream)  # type: ignore[call-arg]  # (the Unpickler this mixin precedes)
         self._file = torch_file
 
     def find_class(self, module: str, name: str) -> Any:
@@ -237,7 +237,8 @@ class _Policy:
         return StorageRef(key, storage_type.dtype, storage_type.itemsize, numel, location)
 
     # -- tensor rebuilders: build references, touch no data ------------------------------------
-    def _rebuild_tensor_v2(self, storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    def _rebuild_tensor_v2(self, storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                           hooks: Any = None, metadata: Any = None) -> TensorRef:
         if not isinstance(storage, StorageRef):
             raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
         if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
@@ -250,16 +251,17 @@ class _Policy:
                                          f"its storage of {storage.numel} elements")
         return ref
 
-    def _rebuild_tensor(self, storage, storage_offset, size, stride):
+    def _rebuild_tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
         return self._rebuild_tensor_v2(storage, storage_offset, size, stride)
 
-    def _rebuild_parameter(self, data, requires_grad=False, hooks=None):
+    def _rebuild_parameter(self, data: Any, requires_grad: Any = False, hooks: Any = None) -> Any:
         return data.as_parameter(requires_grad) if isinstance(data, TensorRef) else data
 
-    def _rebuild_parameter_with_state(self, data, requires_grad=False, hooks=None, state=None):
+    def _rebuild_parameter_with_state(self, data: Any, requires_grad: Any = False, hooks: Any = None,
+                                      state: Any = None) -> Any:
         return self._rebuild_parameter(data, requires_grad)
 
-    def _rebuild_from_type_v2(self, func, new_type, args, state):
+    def _rebuild_from_type_v2(self, func: Any, new_type: Any, args: Any, state: Any) -> Any:
         return func(*args) if callable(func) and not isinstance(func, type) else opaque_type("torch", "Tensor")(*args)
 
 
@@ -340,7 +342,7 @@ def _build_sizes() -> list[int]:
     return _SIZES
 
 
-def unpickle(data: bytes, torch_file) -> Any:
+def unpickle(data: bytes, torch_file: Any) -> Any:
     """Load ``data`` with the allowlist: the C unpickler when every memo index is small, else the
     pure-Python one (also for anything the opcode walk cannot follow: it then raises properly)."""
     largest = largest_memo_index(data)

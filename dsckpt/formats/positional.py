@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview  # what a write takes
 
 from ..errors import CorruptFileError
 
 
-def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into=None) -> bytes | bytearray:
+def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: Any = None) -> bytes | bytearray:
     """``nbytes`` at ``offset`` of the open file ``fd`` (``path`` names it in errors); ``into`` (a writable
     buffer: bytearray, memoryview) is filled in place when given (one buffer, no copy)."""
     if offset < 0 or nbytes < 0:
@@ -39,7 +42,7 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into=None) 
 WRITE_SLICE = 1 << 20
 
 
-def write_all(fp, data) -> int:
+def write_all(fp: Any, data: Buffer) -> int:
     """``fp.write`` of all of ``data`` (any buffer), in ``WRITE_SLICE`` calls; returns the bytes written."""
     view = memoryview(data).cast("B")
     for start in range(0, len(view), WRITE_SLICE):
@@ -50,7 +53,7 @@ def write_all(fp, data) -> int:
     return len(view)
 
 
-def pwrite_all(fd: int, data, offset: int) -> int:
+def pwrite_all(fd: int, data: Buffer, offset: int) -> int:
     """``os.pwrite`` of all of ``data`` at ``offset``, in ``WRITE_SLICE`` calls; returns the bytes written."""
     view = memoryview(data).cast("B")
     done = 0
@@ -59,7 +62,7 @@ def pwrite_all(fd: int, data, offset: int) -> int:
     return len(view)
 
 
-def read_range(path: Path | str, offset: int, nbytes: int, into=None) -> bytes | bytearray:
+def read_range(path: Path | str, offset: int, nbytes: int, into: Any = None) -> bytes | bytearray:
     """Open, read exactly one range, close."""
     with open(path, "rb") as fh:
         return pread_exact(fh.fileno(), nbytes, offset, path, into)
@@ -72,7 +75,7 @@ _PIECE_BYTES = 16 << 20
 _readers: ThreadPoolExecutor | None = None
 
 
-def read_range_into(path: Path | str, offset: int, nbytes: int, into) -> None:
+def read_range_into(path: Path | str, offset: int, nbytes: int, into: Any) -> None:
     """``read_range`` into a buffer, a large range on several threads at once."""
     global _readers
     threads = min(8, os.cpu_count() or 1)

@@ -5,7 +5,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, UnreadableFileError
 from ..dtypes import ITEMSIZE
@@ -127,7 +127,7 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return metadata, weight_map
 
 
-def check_shard_names(index: Path, weight_map: dict[str, str], shard: str, names) -> None:
+def check_shard_names(index: Path, weight_map: dict[str, str], shard: str, names: Iterable[str]) -> None:
     """Each tensor lives in the one shard the index names (two shards holding one name is ambiguous)."""
     for name in names:
         if name != "__metadata__" and weight_map.get(name) != shard:

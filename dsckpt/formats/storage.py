@@ -18,7 +18,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Protocol
+from typing import Any, BinaryIO, Callable, Iterable, Protocol
 
 from .positional import pread_exact
 
@@ -43,7 +43,7 @@ class Storage(Protocol):
     def open(self, name: Path) -> BinaryIO:
         """A seekable, read-only stream (a zip's directory, a pickle, a JSON file)."""
 
-    def pread(self, name: Path, nbytes: int, offset: int, into=None) -> bytes | bytearray:
+    def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
         """Exactly ``nbytes`` at ``offset`` (into ``into`` when given), or a ``CorruptFileError`` naming ``name``;
         safe to call from several threads at once (many reads in flight)."""
 
@@ -71,7 +71,7 @@ class Storage(Protocol):
 class LocalStorage:
     """A POSIX file system (see the module docstring); one instance may be shared by threads."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -96,7 +96,7 @@ class LocalStorage:
                 self._fds[name] = os.open(name, os.O_RDONLY)
             return self._fds[name]
 
-    def pread(self, name: Path, nbytes: int, offset: int, into=None) -> bytes | bytearray:
+    def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
         if ARRIVING:  # a view of a checkpoint in object storage, filled while this reads (``io.remote.Arrivals``)
             ARRIVING[-1].wait(name, offset, nbytes)
         return pread_exact(self.fd(name), nbytes, offset, name, into)
@@ -163,7 +163,7 @@ class LocalStorage:
     def __enter__(self) -> "LocalStorage":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

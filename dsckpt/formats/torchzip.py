@@ -68,7 +68,7 @@ class StorageIndex:
             raise CorruptFileError(f"{self.path}: unreadable zip archive ({type(exc).__name__}: {exc}); "
                                    "truncated or damaged?") from None
 
-    def _read(self, fh, zf: zipfile.ZipFile) -> None:
+    def _read(self, fh: Any, zf: zipfile.ZipFile) -> None:
         pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pickles) != 1:
             raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
@@ -91,7 +91,7 @@ class StorageIndex:
             self.storages[key] = StorageLocation(self.base + start, info.file_size, info.CRC)
         _check_disjoint(spans, self.path)
 
-    def _entry_span(self, fh, info: zipfile.ZipInfo) -> tuple[int, int]:
+    def _entry_span(self, fh: Any, info: zipfile.ZipInfo) -> tuple[int, int]:
         """[start, end) of an entry's data in the file, from its local header; inside the file."""
         fh.seek(info.header_offset)
         head = fh.read(_LOCAL_HEADER.size)
@@ -117,7 +117,7 @@ class StorageIndex:
 class _Slice:
     """Bytes ``[base, base + size)`` of an open file, seen as a file of their own (for ``zipfile``)."""
 
-    def __init__(self, fh, base: int, size: int):
+    def __init__(self, fh: Any, base: int, size: int) -> None:
         self.fh, self.base, self.size, self.pos = fh, base, size, 0
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -141,7 +141,7 @@ class _Slice:
 class TorchFile(StorageIndex):
     """One ``torch.save`` file: its parsed pickle (``obj``) and where each storage lives."""
 
-    def _read(self, fh, zf: zipfile.ZipFile) -> None:
+    def _read(self, fh: Any, zf: zipfile.ZipFile) -> None:
         super()._read(fh, zf)
         pickle_bytes = zf.read(self._pickle)  # CRC-checked by zipfile
         try:

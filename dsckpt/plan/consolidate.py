@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
@@ -32,6 +33,9 @@ from ..formats.torchzip import TorchFile
 from .groups import group_layouts, structure_errors
 from .names import prefixes, strip_prefix
 from .segments import ByteSource, FlatSpace, Interleaved, Piece, TensorSource, merged, ref_segments
+
+# how a planner adds one tensor: (name, shape, stored dtype, kind, pieces, output dtype unless --dtype says)
+AddTensor = Callable[[str, Iterable[int], str, str, Iterable[Piece], str], None]
 
 
 
@@ -106,7 +110,8 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     out_dtype = output_dtype(dtype)
     tensors: dict[str, TensorPlan] = {}
 
-    def add(name, shape, src_dtype, kind, pieces, default_dtype):
+    def add(name: str, shape: Iterable[int], src_dtype: str, kind: str, pieces: Iterable[Piece],
+            default_dtype: str) -> None:
         target = out_dtype if (out_dtype and src_dtype in FLOATING) else default_dtype
         tensors[name] = TensorPlan(name, tuple(shape), src_dtype, target, kind, tuple(pieces))
 
@@ -216,7 +221,8 @@ def group_plans(ckpt: Checkpoint, state: str) -> list[TensorPlan]:
                                          f"{state!r} in some param groups only; not joined yet")
     tensors: list[TensorPlan] = []
 
-    def add(name, shape, src_dtype, kind, pieces, default_dtype):
+    def add(name: str, shape: Iterable[int], src_dtype: str, kind: str, pieces: Iterable[Piece],
+            default_dtype: str) -> None:
         tensors.append(TensorPlan(name, tuple(shape), src_dtype, default_dtype, kind, tuple(pieces)))
 
     with structure_errors(ckpt):
@@ -224,7 +230,7 @@ def group_plans(ckpt: Checkpoint, state: str) -> list[TensorPlan]:
     return tensors
 
 
-def _plan_flat_groups(ckpt: Checkpoint, add, state: str, holding_only: bool = False) -> None:
+def _plan_flat_groups(ckpt: Checkpoint, add: AddTensor, state: str, holding_only: bool = False) -> None:
     """Per flat group (``plan.groups``), each parameter's elements from the ranks' partitions that hold them:
     ZeRO-1/2 one padded flat buffer per param group split in equal slices, ZeRO-3 each parameter split on
     its own within each sub-group (``zero.partitioning``)."""
@@ -244,7 +250,7 @@ def _plan_flat_groups(ckpt: Checkpoint, add, state: str, holding_only: bool = Fa
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
 
 
-def _plan_universal(ckpt: Checkpoint, add, state: str) -> None:
+def _plan_universal(ckpt: Checkpoint, add: AddTensor, state: str) -> None:
     """ds_to_universal's folder: each trainable parameter whole in zero/<name>/<state>.pt (layout.py)."""
     folder = ckpt.layout.tag_dir / L.UNIVERSAL_DIR
     full = {n: s.shape for n, s in ckpt.tp_splits.items()} if ckpt.tp_slices else {}
@@ -264,7 +270,7 @@ def _plan_universal(ckpt: Checkpoint, add, state: str) -> None:
         add(name, shape, ref.dtype, "param", ref_segments(ref), "F32")
 
 
-def _plan_frozen(ckpt: Checkpoint, add) -> None:
+def _plan_frozen(ckpt: Checkpoint, add: AddTensor) -> None:
     where = ckpt.model_files[0].path
     if ckpt.unsaved:
         more = f" (+{len(ckpt.unsaved) - 5} more)" if len(ckpt.unsaved) > 5 else ""
@@ -294,7 +300,7 @@ def _plan_frozen(ckpt: Checkpoint, add) -> None:
         add(name, shape, ref.dtype, "frozen", ref_segments(ref), "F32")
 
 
-def _plan_stage0(ckpt: Checkpoint, add, exclude_frozen: bool) -> None:
+def _plan_stage0(ckpt: Checkpoint, add: AddTensor, exclude_frozen: bool) -> None:
     masters = ckpt.stage0_masters
     for layer in ckpt.experts.layers if ckpt.experts else ():  # fp32 MoE runs: experts whole in their files
         for path in layer.files:

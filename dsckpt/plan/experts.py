@@ -50,7 +50,7 @@ def target_names(recorded: tuple[str, ...], experts: dict[str, int], ep_size: in
     return tuple(out)
 
 
-def moved_expert_groups(groups: list[FlatGroup], experts: dict[str, int], new_ep: int, world_size: int, where
+def moved_expert_groups(groups: list[FlatGroup], experts: dict[str, int], new_ep: int, world_size: int, where: object
                         ) -> list[tuple[tuple[str, ...], GroupLayout, tuple[int, ...], tuple[int, ...]]]:
     """Per target ep rank: (recorded names, target layout over its ranks, those ranks, for each target parameter
     the index of its source parameter in ``joined_source(groups)``)."""

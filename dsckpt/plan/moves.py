@@ -9,7 +9,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
@@ -22,6 +22,7 @@ from ..zero.grid import BF16_PREFIX
 from .groups import stage3_groups, stage12_groups
 from .segments import FlatSpace, Piece, Segment, TensorSource, Zeros, merged
 
+T = TypeVar("T")
 FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")  # DeepSpeed's (numel, start) record
 
 
@@ -218,7 +219,7 @@ def new_tensor(like: TensorRef, numel: int, pieces: tuple[Piece, ...]) -> NewTen
 
 
 # --- step 4: files ---------------------------------------------------------------------------------
-def template_file(files: list, rank: int):
+def template_file(files: list[T], rank: int) -> T:
     """Source rank r for target rank r; ranks beyond the source's take the last one's non-partition state."""
     return files[min(rank, len(files) - 1)]
 

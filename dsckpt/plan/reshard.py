@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_policy import TensorRef
@@ -99,7 +99,7 @@ def _expert_files(ckpt: Checkpoint) -> list[OutputFile]:
             for layer in (ckpt.experts.layers if ckpt.experts else ()) for path in layer.files]
 
 
-def _frozen_fragment(ckpt: Checkpoint, fragments, name: str, world_size: int, rank: int) -> NewTensor:
+def _frozen_fragment(ckpt: Checkpoint, fragments: Any, name: str, world_size: int, rank: int) -> NewTensor:
     n = math.prod(ckpt.frozen[name])
     move = GroupMove((name,), stage3_group([n], ckpt.world_size), stage3_group([n], world_size))
     spaces = [FlatSpace([f[name]]) for f in fragments]
