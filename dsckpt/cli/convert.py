@@ -11,7 +11,7 @@ from .app import cli, result_document
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, parallel_group
 
 
-INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.into_deepspeed)
+INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.ingest)
 
 
 def _targets():
@@ -129,10 +129,10 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
     if weights_only:
         raise ConfigError(f"--to {INTO_DEEPSPEED} writes the whole training state (--weights-only is for the other "
                           "targets)")
-    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.into_deepspeed"))
+    group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.ingest"))
     from tqdm import tqdm
 
-    from ..api.into_deepspeed import into_deepspeed
+    from ..api.ingest import into_deepspeed
 
     model, param_groups = None, None
     hf_folder = Path(source, "config.json").is_file()

@@ -1,4 +1,4 @@
-"""Into DeepSpeed: ``into_deepspeed(src, out, world_size, stage=)`` writes another system's training state as a
+"""Into DeepSpeed (`dsckpt.into_deepspeed`): write another system's training state as a
 DeepSpeed ZeRO checkpoint that stock ``engine.load_checkpoint(out)`` restores at ``world_size`` ranks - the
 fp32 masters, Adam's moments and step, each param group's settings - so the job carries on under DeepSpeed.
 
