@@ -16,6 +16,7 @@ Accelerate: ``accelerator.save_state`` with a DeepSpeed plugin on 2 ranks, ``dsc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -215,15 +216,17 @@ def test_lightning_client_state_survives_reshard(tmp_path_factory, tmp_path):
 def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
     """The real thing on a GPU: DeepSpeedStrategy(stage=2) fits 3 steps and saves; `dsckpt reshard --stage 3`;
     DeepSpeedStrategy(stage=3) resumes it with fit(ckpt_path=) at step 3 and its next steps repeat those of
-    Lightning's own stage-2 resume of the original."""
+    Lightning's own stage-2 resume of the original - and so does a stage-3 fit(ckpt_path=) of the stage-2 folder
+    itself with LightningAsyncSave (no copy: DeepSpeed's load answered from the reshard plan)."""
     pytest.importorskip("lightning")
     if not torch.cuda.is_available():
         pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
     job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
 
-    def fit(out, stage, steps, ckpt=None):
+    def fit(out, stage, steps, ckpt=None, background=False):
+        env = {**os.environ, **({"DSCKPT_ASYNC": "1"} if background else {})}
         proc = subprocess.run([sys.executable, job, str(out), str(stage), str(steps), *([str(ckpt)] if ckpt else [])],
-                              capture_output=True, text=True, timeout=400)
+                              capture_output=True, text=True, timeout=400, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads((out / "log.json").read_text())
 
@@ -237,6 +240,11 @@ def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
     assert len(moved["losses"]) == len(native["losses"]) == 3
     for a, b in zip(native["losses"], moved["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (native["losses"], moved["losses"])
+    # LightningAsyncSave: the stage-2 files themselves, loaded at stage 3 by fit(ckpt_path=) through the planned load
+    planned = fit(tmp_path / "planned", 3, 6, tmp_path / "first" / "ckpt", background=True)
+    assert planned["start"] == 3 and planned["end"] == 6 and len(planned["losses"]) == 3
+    for a, b in zip(native["losses"], planned["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (native["losses"], planned["losses"])
 
 
 def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):
@@ -285,7 +293,6 @@ def test_lightning_strategy_background_saves(tmp_path):
     pytest.importorskip("lightning")
     if not torch.cuda.is_available():
         pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
-    import os
 
     job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
 

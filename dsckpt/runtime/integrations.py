@@ -4,7 +4,8 @@ Each trainer calls ``engine.save_checkpoint`` and then works on its folders at o
 when those follow-ups happen, so that no folder a trainer would resume from looks complete before it is:
 
 * Lightning (``LightningAsyncSave``): ``ModelCheckpoint``'s deletion of older checkpoints runs once the newer one is
-  published.  A Lightning DeepSpeed checkpoint folder holds nothing but DeepSpeed's files, `latest` last.
+  published.  A Lightning DeepSpeed checkpoint folder holds nothing but DeepSpeed's files, `latest` last.  The engine
+  is taken over as the strategy makes it, before ``fit(ckpt_path=)`` loads: another world size or stage loads too.
 * HF Trainer (``HFAsyncSave``): each ``checkpoint-N`` is written under ``output_dir/.dsckpt-pending/`` and moved into
   ``output_dir`` once every rank's DeepSpeed files are durable; ``save_total_limit``'s rotation runs after that move.
   ``resume_from_checkpoint=True`` therefore never picks a checkpoint that is still being written.  The engine is
@@ -32,11 +33,26 @@ def LightningAsyncSave() -> Any:
     class _LightningAsyncSave(Callback):
         saver: AsyncSave | None = None
 
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             strategy = trainer.strategy
+            strategy_setup = strategy.setup
+
+            def setup_then_enable(*args: Any, **kwargs: Any) -> Any:
+                done = strategy_setup(*args, **kwargs)
+                self.enable(trainer)  # before fit(ckpt_path=) loads: a checkpoint of another world size or stage too
+                return done
+            strategy.setup = setup_then_enable
+
+        def enable(self, trainer: Any) -> None:
+            strategy = trainer.strategy
+            if self.saver is not None or getattr(strategy, "deepspeed_engine", None) is None:
+                return
             self.saver = saver = enable_async_save(strategy.deepspeed_engine)
             remove = strategy.remove_checkpoint
             strategy.remove_checkpoint = lambda path: saver.then(lambda: remove(path))
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            self.enable(trainer)
 
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             if self.saver is not None:
