@@ -442,6 +442,17 @@ def test_every_reading_command_has_notes_in_its_json(tmp_path):
             assert len(skipped["notes"]) == 1 and "CRC" in skipped["notes"][0], args
 
 
+def test_files_is_a_list_of_paths_in_every_document():
+    """`files` means the same everywhere (docs/cli.md, JSON vocabulary): verify and inspect --du list the files they
+    read, relative to the checkpoint folder, as the writing commands list what they wrote."""
+    ckpt = FIXTURES / "z2_ws2_fp32"
+    rank_files = sorted(f"step3/{p.name}" for p in (ckpt / "step3").iterdir())
+    verified = json.loads(run_cli("verify", ckpt, "--json").stdout)["tags"][0]["files"]
+    assert sorted(verified) == rank_files
+    usage = json.loads(run_cli("inspect", ckpt, "--du", "--json").stdout)["files"]
+    assert set(rank_files) <= set(usage) and "latest" in usage and all((ckpt / f).is_file() for f in usage)
+
+
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_temps_of_dead_processes_are_cleaned_at_any_process_count(tmp_path, nproc):
     """A temp left beside OUT by a process that died (kill -9) is removed by the next run, at 1 and 2 processes."""

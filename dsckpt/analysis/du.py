@@ -52,7 +52,8 @@ def disk_usage(ckpt: Checkpoint) -> dict[str, Any]:
         add(COMPANIONS, p.stat().st_size)
         total += p.stat().st_size
     return {"components": dict(sorted(parts.items(), key=lambda kv: -kv[1])), "bytes": total,
-            "files": len(files) + len(beside)}
+            "files": [str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+                      for p in [*(tf.path for tf, _ in files), *beside]]}
 
 
 def _component(path: tuple[str, ...], optimizer: bool) -> str:

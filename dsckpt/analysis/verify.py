@@ -40,7 +40,7 @@ class TagReport:
     tag: str
     zero_stage: int | None = None
     world_size: int | None = None
-    files: int = 0
+    files: list[str] = field(default_factory=list)  # the tag's files read, relative to the checkpoint folder
     storages_checked: int = 0
     tensors_checked: int = 0
     problems: list[dict[str, str]] = field(default_factory=list)  # {"check", "message"}
@@ -78,7 +78,7 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
     report.zero_stage, report.world_size = ckpt.zero_stage, ckpt.world_size
     report.notes = list(ckpt.layout.notes)
     files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files) + list(ckpt.layout.pipeline_files)
-    report.files = len(files)
+    report.files = [_relative(p, ckpt.layout.root) for p in files]
     for problem in ckpt.problems:  # step 1
         report.add("structure", problem.message)
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
@@ -160,3 +160,8 @@ def _companion_problems(ckpt: Checkpoint) -> list[str]:
     if ckpt.layout.latest is None:
         out.append(f"{root}: no `latest` file; DeepSpeed's load_checkpoint(DIR) needs it, or an explicit tag")
     return out
+
+
+def _relative(path: Path, root: Path) -> str:
+    """A file's name as the user sees it under the checkpoint they named (the same for a bucket's local view)."""
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

@@ -95,7 +95,7 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
         width = max(len(k) for k in usage["components"]) + 2
         for name, n in usage["components"].items():
             echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
-        echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({usage['files']} files, tag {ckpt.layout.tag})")
+        echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({len(usage['files'])} files, tag {ckpt.layout.tag})")
         return
     summary = summarize(path, tag, tensors)
     echo(json.dumps(summary, indent=2) if as_json else render(summary))

@@ -51,7 +51,7 @@ def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, ech
         echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports], notes=notes))
     else:
         for r in reports:
-            head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {r.files} rank files, " \
+            head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {len(r.files)} rank files, " \
                    f"{r.storages_checked} storages CRC-checked, {r.tensors_checked} tensors checked finite"
             echo(f"{head}: {'ok' if not r.problems else f'{len(r.problems)} problems'}")
             for p in r.problems:
