@@ -615,3 +615,14 @@ def test_convert_to_deepspeed_reads_and_writes_buckets_as_it_does_folders(s3, tm
     missing = run_cli("convert", f"s3://{BUCKET}/no-such-{tmp_path.name}", tmp_path / "x", "--to", "deepspeed",
                       "-w", "2", "--stage", "2")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and not (tmp_path / "x").exists()
+
+
+def test_verify_of_a_bucket_reports_what_it_fetches_and_checks(s3):
+    """`dsckpt verify s3://...` shows progress: the bytes fetched (every object) and then those CRC-checked."""
+    from dsckpt.analysis.verify import verify
+
+    seen: list[int] = []
+    (report,) = verify(f"s3://{BUCKET}/z3_ws2_fp32", progress=seen.append)
+    assert not report.problems
+    objects = sum(info["size"] for info in s3.find(f"{BUCKET}/z3_ws2_fp32", detail=True).values())
+    assert sum(seen) > objects  # everything fetched, then the storages checked on top

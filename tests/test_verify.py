@@ -100,3 +100,16 @@ def test_verify_notes_a_tag_folder_linked_from_elsewhere(tmp_path):
     assert proc.returncode == 0 and f"note: {root / tag}: a symlink to {elsewhere}" in proc.stderr
     code, doc = verified(root)
     assert code == 0 and any(str(elsewhere) in n for n in doc["tags"][0]["notes"])
+
+
+def test_verify_reports_its_progress_in_bytes():
+    """The bar `dsckpt verify` shows: every storage's bytes, once, as its CRC is checked."""
+    from dsckpt.analysis.verify import verify
+    from dsckpt.formats.torchzip import StorageIndex
+
+    ckpt = FIXTURES / "z2_ws2_fp32"
+    seen: list[int] = []
+    (report,) = verify(ckpt, progress=seen.append)
+    assert not report.problems
+    expected = [loc.nbytes for p in sorted((ckpt / "step3").iterdir()) for loc in StorageIndex(p).storages.values()]
+    assert sorted(seen) == sorted(expected) and sum(seen) > 0

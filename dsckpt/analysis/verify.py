@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Callable, cast
 from pathlib import Path
 
 from ..errors import DsckptError
@@ -50,25 +50,28 @@ class TagReport:
         self.problems.append({"check": check, "message": message})
 
 
-def verify(path: str | Path, tag: str | None = None, all_tags: bool = False) -> list[TagReport]:
+def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
+           progress: Callable[[int], None] | None = None) -> list[TagReport]:
     """``dsckpt verify``: one ``TagReport`` per tag - ``tag``'s, what ``latest`` names, or every one with
     ``all_tags`` - listing the problems found by each check (``structure``, ``crc``, ``finite``, ``companions``,
     each described at the top of this module).  An empty ``problems`` list everywhere means the checkpoint is whole, undamaged,
-    finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.
+    finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.  ``progress``: told
+    the bytes of each storage CRC-checked (and, for a URL, of each range fetched).
     """
     from ..io.remote import is_url
 
     if is_url(path):  # a bucket: a local view of it, every byte fetched (the checks read them all)
         from ..parallel.view import readable
 
-        with readable(path, tag, whole=True, every_tag=all_tags, check=False) as (local, local_tag, *_):
-            return verify(local, local_tag, all_tags)
+        with readable(path, tag, whole=True, every_tag=all_tags, check=False,
+                      progress=progress) as (local, local_tag, *_):
+            return verify(local, local_tag, all_tags, progress)
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
-    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None) for t in tags]
+    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None, progress) for t in tags]
 
 
-def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
+def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callable[[int], None] | None) -> TagReport:
     report = TagReport(tag)
     try:
         ckpt = ckpt or open_checkpoint(path, tag)
@@ -83,7 +86,7 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None) -> TagReport:
         report.add("structure", problem.message)
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
     try:
-        failures = crc_failures(files)  # step 3
+        failures = crc_failures(files, progress)  # step 3
     except DsckptError as exc:  # a rank file that is no zip at all (one still being written): this tag's problem
         if str(exc) not in (p["message"] for p in report.problems):
             report.add("structure", str(exc))

@@ -35,14 +35,23 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
 
     if tag and all_tags:
         raise click.UsageError("--tag names one tag, --all-tags every one: give one of them")
-    with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False) as (local, local_tag, *_):
-        _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}))
+    from tqdm import tqdm
+
+    from ..io.remote import is_url
+
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="fetch" if is_url(checkpoint) else "verify",
+              disable=as_json or not sys.stderr.isatty(), delay=0.5, file=sys.stderr, leave=False) as bar:
+        with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False,
+                      progress=bar.update) as (local, local_tag, *_):
+            bar.set_description("verify")
+            bar.reset()
+            _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}), bar.update)
 
 
-def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, echo) -> None:
+def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, echo, progress) -> None:
     from ..analysis.verify import verify as run
 
-    reports = run(checkpoint, tag, all_tags)
+    reports = run(checkpoint, tag, all_tags, progress)
     ok = not any(r.problems for r in reports)
     notes = list(dict.fromkeys(n for r in reports for n in r.notes))
     for note in notes:

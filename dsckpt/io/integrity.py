@@ -119,12 +119,13 @@ def check_files(paths: Iterable[Path]) -> None:
     check_sources(_whole(paths))
 
 
-def crc_failures(paths: Iterable[Path]) -> list[CorruptFileError]:
-    """Every storage of every torch zip in ``paths`` checked; each one that fails (``dsckpt verify``)."""
+def crc_failures(paths: Iterable[Path], progress: Callable[[int], None] | None = None) -> list[CorruptFileError]:
+    """Every storage of every torch zip in ``paths`` checked; each one that fails (``dsckpt verify``).  ``progress``:
+    told the bytes of each storage checked."""
     ranges: dict[Path, list[tuple[int, int]]] = {}
     for piece in _whole(paths):
         ranges.setdefault(piece.path, []).append((piece.offset, piece.nbytes))
-    return _run(ranges, stop_at_first=False)
+    return _run(ranges, stop_at_first=False, progress=progress)
 
 
 def _whole(paths: Iterable[Path]) -> list[Segment]:
@@ -133,15 +134,17 @@ def _whole(paths: Iterable[Path]) -> list[Segment]:
 
 def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
          noted: dict[Path, list[tuple[int, int, int]]] | None = None,
-         share: tuple[int, int] = (0, 1)) -> list[CorruptFileError]:
+         share: tuple[int, int] = (0, 1), progress: Callable[[int], None] | None = None) -> list[CorruptFileError]:
     work = [(path, loc, key, (noted or {}).get(path, ())) for path, spans in sorted(ranges.items())
             if is_torch_zip(path) for key, loc in _overlapping(path, spans)]
     work = _share(work, *share)
     failures: list[CorruptFileError] = []
     with ThreadPoolExecutor(max(1, min(THREADS, len(work)))) as pool:
-        for done in [pool.submit(_check, *item) for item in work]:
+        for item, done in [(item, pool.submit(_check, *item)) for item in work]:
             try:
                 done.result()
+                if progress:
+                    progress(item[1].nbytes)
             except CorruptFileError as exc:
                 failures.append(exc)
                 if stop_at_first:

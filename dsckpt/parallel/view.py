@@ -341,7 +341,7 @@ def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
 
 @contextlib.contextmanager
 def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, every_tag: bool = False,
-             check: bool = True) -> Iterator[Readable]:
+             check: bool = True, progress: Callable[[int], None] | None = None) -> Iterator[Readable]:
     """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
     through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
@@ -364,7 +364,8 @@ def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, ever
             view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
             sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
         storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
-        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check)  # noqa: E731
+        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check,  # noqa: E731
+                                            progress=progress)
 
         def fetch(pieces: Iterable[object]) -> None:
             wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]
