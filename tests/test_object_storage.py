@@ -626,3 +626,15 @@ def test_verify_of_a_bucket_reports_what_it_fetches_and_checks(s3):
     assert not report.problems
     objects = sum(info["size"] for info in s3.find(f"{BUCKET}/z3_ws2_fp32", detail=True).values())
     assert sum(seen) > objects  # everything fetched, then the storages checked on top
+
+
+def test_a_local_merge_publishes_pointers_last_as_an_upload_does():
+    """One pointer-last order for every commit: a folder merged into an existing one (--force) puts
+    `latest_universal` and DCP's `.metadata` after their data, as the bucket upload does."""
+    from dsckpt.io.output import publish_order
+    from dsckpt.io.upload import upload_order
+
+    names = [".metadata", "__0_0.distcp", "latest_universal", "step3", "client_state.json"]
+    assert publish_order(names)[:3] == ["__0_0.distcp", "client_state.json", "step3"]
+    assert publish_order(names)[3:] == ["latest_universal", ".metadata"]
+    assert upload_order([f"d/{n}" for n in names]) == [f"d/{n}" for n in publish_order(names)]

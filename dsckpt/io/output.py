@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shlex
 import secrets
 from pathlib import Path
@@ -103,13 +104,21 @@ def remove_path(path: Path) -> None:
     LOCAL.remove(path)
 
 
-PUBLISHED_LAST = ("latest",)  # names that point at the rest (DeepSpeed's `latest`; indexes: by suffix below)
+# What points at the rest, in the order it goes up last: indexes, `latest` / `latest_universal`, a DCP folder's
+# `.metadata` - the one rule of every commit (a local folder merged entry by entry, a bucket's upload).
+POINTERS = (re.compile(r"(^|/)[^/]*" + re.escape(INDEX_SUFFIX) + "$"), re.compile(r"^latest[^/]*$"),
+            re.compile(r"^\.metadata$"))
+
+
+def pointer_rank(name: str) -> int:
+    """0 for data; for what points at data, 1 + its rule's place in ``POINTERS`` (``name``: relative to OUT)."""
+    tail = name.split("/", 1)[-1]
+    return next((i + 1 for i, rule in enumerate(POINTERS) if rule.search(tail)), 0)
 
 
 def publish_order(names: list[str]) -> list[str]:
-    """Entries that point at others (``latest``, ``*.index.json``) last, so a reader never sees them name a missing
-    file."""
-    return sorted(names, key=lambda name: (name in PUBLISHED_LAST or name.endswith(INDEX_SUFFIX), name))
+    """Data first, then what points at it (``POINTERS``), so a reader never sees a pointer name a missing file."""
+    return sorted(names, key=lambda name: (pointer_rank(name), name))
 
 
 def fsync_path(path: Path, *, files: bool = True) -> None:

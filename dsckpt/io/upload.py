@@ -11,26 +11,19 @@ deleted once it is up, anything else there stays.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
+from .output import publish_order
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
 from .stream import PARTS_IN_FLIGHT, Streams, chunksize, signals_deferred
 
-LAST = (re.compile(r"(^|/)[^/]*\.index\.json$"), re.compile(r"^latest[^/]*$"), re.compile(r"^\.metadata$"))
-
-
 def upload_order(names: list[str], last: str | None = None) -> list[str]:
-    """Data first, then what points at it: index files, `latest*`, a DCP folder's ``.metadata``, then ``last`` (a
-    single-file OUT after its sidecars): what a reader looks for comes last."""
-    def rank(name: str) -> tuple[int, str]:
-        tail = name.split("/", 1)[-1]
-        order = len(LAST) + 1 if name == last else next((i + 1 for i, rule in enumerate(LAST) if rule.search(tail)), 0)
-        return order, name
-    return sorted(names, key=rank)
+    """``io.output.publish_order``, the local commit's, then ``last`` (a single-file OUT after its sidecars): what
+    a reader looks for comes last."""
+    return sorted(publish_order(names), key=lambda name: name == last)
 
 
 class Upload:
