@@ -126,7 +126,7 @@ def test_output_refusals(tmp_path, fixture_copy):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    import dsckpt.io.writer as writer
+    import dsckpt.io.safetensors_writer as writer
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

@@ -250,7 +250,7 @@ def test_a_part_is_the_files_bytes_at_any_edge(tmp_path):
     joins into exactly what the local writer writes."""
     from dsckpt.formats.storage import LocalStorage
     from dsckpt.io.stream import part_bytes, part_size
-    from dsckpt.io.writer import safetensors_header, write_safetensors
+    from dsckpt.io.safetensors_writer import safetensors_header, write_safetensors
     from dsckpt.plan.consolidate import build_plan
     from dsckpt.zero.reader import open_checkpoint
 

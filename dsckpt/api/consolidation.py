@@ -30,7 +30,7 @@ from ..formats.positional import read_range
 from ..formats.safetensors_file import INDEX_NAME
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
-from ..io.writer import create_safetensors, fill_safetensors, safetensors_header, shard, write_sharded
+from ..io.safetensors_writer import create_safetensors, fill_safetensors, safetensors_header, shard, write_sharded
 from ..plan.deal import dealt
 from ..parallel.group import ONE_PROCESS, Group
 from ..io import stream
@@ -38,7 +38,7 @@ from ..io.remote import is_url
 from ..parallel.view import readable
 from .frame import uploading, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
-from ..parallel.transfer import fetch, fetching, remote_ranges
+from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan
 from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
@@ -221,10 +221,10 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
     tensors = [p for t in mine for p in t.pieces]
     if streamed:
         # in object storage both ends: the tensors' bytes arrive while the first parts already go up
-        fetch(group, view, remote_ranges(view, clients, extra))
-        with fetching(group, view, remote_ranges(view, tensors)):
+        fetch(group, view, ranges_held_elsewhere(view, clients, extra))
+        with fetching(group, view, ranges_held_elsewhere(view, tensors)):
             return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
-    fetch(group, view, remote_ranges(view, tensors + clients, extra))
+    fetch(group, view, ranges_held_elsewhere(view, tensors + clients, extra))
     return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
 
 
@@ -260,7 +260,7 @@ def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared
 
 
 def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int, streamed: bool) -> list:
-    """The tensors writer ``k`` of ``n`` writes (``io.writer.dealt``, by bytes): of one file's tensors, or of its
+    """The tensors writer ``k`` of ``n`` writes (``io.safetensors_writer.dealt``, by bytes): of one file's tensors, or of its
     shards'; of a file streamed to a URL, those in its run of parts (``io.stream.my_parts``)."""
     if streamed and fmt.name == "safetensors":
         header, offsets = safetensors_header(list(plan.tensors), plan.metadata)

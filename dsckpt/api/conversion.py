@@ -26,7 +26,7 @@ from ..parallel.group import ONE_PROCESS, Group
 from ..io.remote import is_url
 from .frame import uploading, writing
 from ..parallel.outputs import Staged, storage_groups
-from ..parallel.transfer import fetch, remote_ranges
+from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.segments import tree_pieces
 from ..plan.training_state import build_training_state
@@ -79,7 +79,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
         groups = storage_groups(group, out)
         staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
         clients = tree_pieces(ckpt.client_state) if client else []
-        wanted = remote_ranges(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
+        wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
         fetch(group, view, wanted)
         with frame.checked_reads(list(prepared.pieces) + clients, check_crc) as crc_notes:
             names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, progress)

@@ -37,7 +37,7 @@ from ..parallel.group import ONE_PROCESS, Group
 from ..io.remote import is_url
 from .frame import uploading, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
-from ..parallel.transfer import fetch, remote_ranges
+from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.moves import OutputFile, ReshardPlan
 from ..plan.reshard import build_reshard_plan
@@ -109,7 +109,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
             mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
         files = [obj for _, obj in mine if not isinstance(obj, Copy)]
         copies = [obj for _, obj in mine if isinstance(obj, Copy)]
-        fetch(group, view, remote_ranges(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
+        fetch(group, view, ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
         everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
         with write_errors(out):
             with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc) as crc_notes:

@@ -178,7 +178,7 @@ class HuggingFaceFormat(Format):
         return Prepared(self, plan, request, companions)
 
     def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
-        from ..io.writer import write_sharded
+        from ..io.safetensors_writer import write_sharded
 
         plan = prepared.plan
         dtypes = {t.dtype for t in plan.tensors if t.kind != "buffer"} or {"F32"}

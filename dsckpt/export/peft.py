@@ -72,7 +72,7 @@ class PeftFormat(Format):
     def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
         import shutil
 
-        from ..io.writer import write_safetensors
+        from ..io.safetensors_writer import write_safetensors
 
         config, companions = prepared.companions
         write_safetensors(list(prepared.plan.tensors), folder / ADAPTER_WEIGHTS, prepared.plan.metadata, progress)

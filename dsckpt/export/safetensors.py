@@ -20,7 +20,7 @@ class SafetensorsFormat(Format):
     summary = "one .safetensors file (tied weights once, aliases in __metadata__)"
 
     def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
-        from ..io.writer import write_safetensors
+        from ..io.safetensors_writer import write_safetensors
 
         write_safetensors(list(prepared.plan.tensors), path, prepared.plan.metadata, progress)
         return [path.name]

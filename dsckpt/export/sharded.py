@@ -53,7 +53,7 @@ class ShardedFormat(Format):
     summary = "a folder: sharded safetensors + model.safetensors.index.json"
 
     def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
-        from ..io.writer import write_sharded
+        from ..io.safetensors_writer import write_sharded
 
         return write_sharded(prepared.plan, folder, prepared.request.max_shard_bytes, progress) + [INDEX_NAME]
 

@@ -112,7 +112,7 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", int
     ``into``: the staged folder of a folder OUT, written in place there (the folder is published whole)."""
     from ..plan.consolidate import TensorPlan
     from ..plan.segments import ref_segments
-    from ..io.writer import write_safetensors
+    from ..io.safetensors_writer import write_safetensors
 
     json_path, tensors_path = sidecar_paths(into, True) if into is not None else sidecar_paths(out)
     place = (lambda path: path) if into is not None else stage.temp_for

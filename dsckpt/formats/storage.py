@@ -4,7 +4,7 @@ The plans name bytes as (path, offset, length) - ``plan.segments.Segment`` - and
 turns such names into bytes and staged outputs into published ones.  ``LocalStorage`` is today's fast path:
 descriptors opened once per file and shared by threads (positional reads need no seek), ``pread``/``preadv``
 into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  The writers'
-kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.writer``) are local-only and stay
+kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.safetensors_writer``) are local-only and stay
 with them.  Checkpoints in object storage reach these readers as local views filled by ranged GETs (``io.remote``);
 outputs in object storage are staged here and uploaded, their safetensors files streamed (``io.stream``).
 """

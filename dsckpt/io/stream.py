@@ -1,7 +1,7 @@
 """Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
 A command whose OUT is an ``s3://``, ``gs://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``),
-but its safetensors files and torch zips are not written there: ``io.writer`` and ``io.torch_writer`` hand them
+but its safetensors files and torch zips are not written there: ``io.safetensors_writer`` and ``io.torch_writer`` hand them
 here, and the staging folder keeps a placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
    ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);

@@ -38,7 +38,7 @@ def merged_ranges(segments: Iterable[tuple[str, int, int]]) -> list[tuple[str, i
     return out
 
 
-def remote_ranges(view: View, pieces: Iterable[object], whole_files: Iterable[Path] = ()) -> list[tuple[str, int, int]]:
+def ranges_held_elsewhere(view: View, pieces: Iterable[object], whole_files: Iterable[Path] = ()) -> list[tuple[str, int, int]]:
     """The ranges of ``pieces`` (``Segment``s; anything else is ignored) and of ``whole_files`` that lie in
     files this process does not see."""
     if view.direct:
