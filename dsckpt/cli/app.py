@@ -61,6 +61,16 @@ def result_document(result, **first) -> str:
     return json_document(**first, **{f.name: plain(getattr(result, f.name)) for f in fields(result)})
 
 
+def report_result(result, given: str, as_json: bool, line, group=None) -> None:
+    """A writing command's last word, from rank 0 only: its notes on stderr, then ``--json``'s document or
+    ``line(result)``."""
+    if group is not None and group.rank != 0:
+        return
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(result_document(result, input=given) if as_json else line(result))
+
+
 def require_runtime(command: str) -> None:
     """train/resume need torch and DeepSpeed, which `pip install dsckpt` does not bring."""
     from ..errors import MissingExtraError, missing_modules

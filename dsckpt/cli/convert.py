@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
-from .app import cli, result_document
+from .app import cli, report_result
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, parallel_group
 
 
@@ -111,15 +111,8 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
 
         result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only, force=force, fsync=not no_fsync,
                      trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, progress=bar.update, progress_total=announce)
-    if group is not None and group.rank != 0:
-        return
-    for note in result.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        click.echo(result_document(result, input=checkpoint))
-    else:
-        click.echo(f"wrote {result.out} ({result.to}, from ZeRO-{result.zero_stage} tag {result.tag}, "
-                   f"{result.tensors} tensors, {result.bytes:,} bytes)")
+    report_result(result, checkpoint, as_json, lambda r: f"wrote {r.out} ({r.to}, from ZeRO-{r.zero_stage} tag {r.tag}, "
+                  f"{r.tensors} tensors, {r.bytes:,} bytes)", group)
 
 
 def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_spec, group_settings, group_mode,
@@ -159,17 +152,10 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
                                 trainer_state=_json_object(trainer_state, "--trainer-state") if trainer_state else None,
                                 tag=tag, force=force, fsync=not no_fsync, group=group, progress=bar.update,
                                 progress_total=announce)
-    if group is not None and group.rank != 0:
-        return
-    for note in result.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        click.echo(result_document(result, input=source))
-    else:
-        source = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP", "universal": "a universal checkpoint",
-                  "weights": "weights"}.get(result.source_layout, result.source_layout)
-        click.echo(f"wrote {result.out} (DeepSpeed ZeRO-{result.zero_stage} at {result.world_size} ranks, tag "
-                   f"{result.tag}, from {source} at step {result.step}, {result.tensors} tensors, {result.bytes:,} bytes)")
+    what = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP", "universal": "a universal checkpoint",
+            "weights": "weights"}.get(result.source_layout, result.source_layout)
+    report_result(result, source, as_json, lambda r: f"wrote {r.out} (DeepSpeed ZeRO-{r.zero_stage} at {r.world_size} "
+                  f"ranks, tag {r.tag}, from {what} at step {r.step}, {r.tensors} tensors, {r.bytes:,} bytes)", group)
 
 
 def _json_object(text: str, option: str) -> dict:

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .app import cli, result_document
+from .app import cli, report_result
 from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
 
 
@@ -70,16 +70,10 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
         result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
                      fsync=not no_fsync, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, gather=gather, progress=bar.update,
                      progress_total=announce)
-    if group is not None and group.rank != 0:
-        return
-    for note in result.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        click.echo(result_document(result, input=checkpoint))
-    else:
-        moved = f"ZeRO-{result.source_zero_stage} -> ZeRO-{result.zero_stage}" \
-            if result.source_zero_stage != result.zero_stage else f"ZeRO-{result.zero_stage}"
-        ranks = f"; the job runs on {result.processes} processes" if result.processes != result.world_size else ""
-        click.echo(f"wrote {result.out} ({moved}, tag {result.tag}, data-parallel world size "
-                   f"{result.source_world_size} -> {result.world_size}{ranks}, {len(result.files)} files, "
-                   f"{result.bytes:,} bytes)")
+    def line(r) -> str:
+        moved = f"ZeRO-{r.source_zero_stage} -> ZeRO-{r.zero_stage}" \
+            if r.source_zero_stage != r.zero_stage else f"ZeRO-{r.zero_stage}"
+        ranks = f"; the job runs on {r.processes} processes" if r.processes != r.world_size else ""
+        return (f"wrote {r.out} ({moved}, tag {r.tag}, data-parallel world size {r.source_world_size} -> "
+                f"{r.world_size}{ranks}, {len(r.files)} files, {r.bytes:,} bytes)")
+    report_result(result, checkpoint, as_json, line, group)
