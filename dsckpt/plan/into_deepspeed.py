@@ -33,7 +33,7 @@ from ..zero import layout as L
 from ..zero.grid import Coord, rank_file_name
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_group, stage12_trimmed
 from .consolidate import TensorPlan
-from .moves import DEFAULT_SUB_GROUP_SIZE, FRAGMENT_ADDRESS, GroupMove, OutputFile, ReshardPlan, slice_mappings_at
+from .moves import DEFAULT_SUB_GROUP_SIZE, GroupMove, OutputFile, ReshardPlan, slice_mappings_at
 from .segments import Piece, TensorSource, Window, Zeros, merged
 from .training_state import TrainingState
 
@@ -248,4 +248,3 @@ def _frozen_part(t: TensorPlan, target: DeepSpeedLayout, rank: int) -> NewTensor
     return NewTensor(dtype, (layout.partition_numel,), TensorSource(t.src_dtype, dtype, merged(out)))
 
 
-__all__ = ["DeepSpeedLayout", "build_deepspeed_plan", "check_layout", "FRAGMENT_ADDRESS"]
