@@ -35,6 +35,18 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
+def state_record(model, optimizer) -> dict:
+    """Every full parameter and persistent buffer, both Adam moments per parameter, the steps and each group's
+    settings, gathered from an FSDP2 model (also tests/jobs/into_deepspeed.py's record of its source run)."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {"params": {n: full(p) for n, p in model.named_parameters()},
+            "buffers": {n: full(b) for n, b in model.named_buffers() if n in model.state_dict()},
+            "moments": {f"{k}/{names[p]}": full(s[k]) for p, s in optimizer.state.items()
+                        for k in ("exp_avg", "exp_avg_sq")},
+            "steps": sorted(float(s["step"]) for s in optimizer.state.values()),
+            "hyperparams": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+
+
 def mean_loss(model) -> torch.Tensor:
     loss = model(batch(STEPS, model.seq_len, model.vocab_size))
     total = loss.detach().clone()
@@ -58,13 +70,7 @@ def main(root: str, combos: str) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        names = {p: n for n, p in model.named_parameters()}
-        record = {"params": {n: full(p) for n, p in model.named_parameters()},
-                  "buffers": {n: full(b) for n, b in model.named_buffers() if n in model.state_dict()},
-                  "moments": {f"{k}/{names[p]}": full(s[k]) for p, s in optimizer.state.items()
-                              for k in ("exp_avg", "exp_avg_sq")},
-                  "steps": sorted(float(s["step"]) for s in optimizer.state.values()),
-                  "hyperparams": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        record = {**state_record(model, optimizer),
                   "world_size": dist.get_world_size()}
         loss, record["next_loss"] = mean_loss(model)
         loss.backward()

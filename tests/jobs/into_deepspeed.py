@@ -69,15 +69,9 @@ def fsdp2(root: Path) -> None:
              "lr_scheduler": {"last_epoch": STEPS}}
     dcp.save(titan, checkpoint_id=str(root / "titan"))
 
-    def full(t):
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-    names = {p: n for n, p in model.named_parameters()}
-    record = {"params": {n: full(p) for n, p in model.named_parameters()},
-              "buffers": {n: full(b) for n, b in model.named_buffers() if n in model.state_dict()},
-              "moments": {f"{k}/{names[p]}": full(s[k]) for p, s in optimizer.state.items()
-                          for k in ("exp_avg", "exp_avg_sq")},
-              "steps": sorted(float(s["step"]) for s in optimizer.state.values()),
-              "hyperparams": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+    from fsdp2_load import full, state_record
+
+    record = state_record(model, optimizer)
     loss = model(batch(STEPS, model.seq_len, model.vocab_size))
     record["next_loss"] = mean(loss)
     loss.backward()
