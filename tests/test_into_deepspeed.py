@@ -321,3 +321,22 @@ def test_an_item_holding_other_than_the_metadata_says_is_named(tmp_path):
             tensor_ranges(forged)
     with pytest.raises(CorruptFileError, match="rows"):
         tensor_ranges(replace(good, shape=(6, 3)))  # chunks that leave a row uncovered
+
+
+def test_a_universal_sources_client_state_is_carried(tmp_path):
+    """The client state a universal checkpoint keeps beside DeepSpeed's keys (a trainer's counters, RNG states, a
+    user's tensors) is in every model file of the ZeRO checkpoint, as DeepSpeed's save_checkpoint puts it."""
+    from conftest import tree_differences
+    from dsckpt.zero.reader import open_checkpoint
+
+    source = FIXTURES / "z2_ws2_fp32"
+    for args in ((source, tmp_path / "u", "--to", "universal"), (tmp_path / "u", tmp_path / "z3", "--to", "deepspeed",
+                                                                "-w", 3, "--stage", 3)):
+        proc = run_cli("convert", *args, "-q", "--no-fsync")
+        assert proc.returncode == 0, proc.stderr
+    want = open_checkpoint(source).client_state
+    assert {"user", "rng", "global_step"} <= set(want)
+    out = open_checkpoint(tmp_path / "z3")
+    for f in out.model_files:  # every rank's, at ZeRO-3
+        got = {k: v for k, v in f.obj.items() if k in want}
+        assert tree_differences(want, got, "client") == [], f.path

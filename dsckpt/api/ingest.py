@@ -40,7 +40,7 @@ from ..zero import layout as L
 from ..zero.reader import open_checkpoint
 from .frame import uploading
 from .paths import classify, weights_in
-from .resharding import Pickled, check_written, write_files
+from .resharding import Pickled, carry_only_allowed, check_written, write_files
 
 UNIVERSAL, WEIGHTS = "universal", "weights"  # source layouts beside plan.from_dcp's
 TRAINER_STATE, TRAINER_SCHEDULER = "trainer_state.json", "scheduler.pt"  # the HF Trainer's files in a checkpoint-N
@@ -171,10 +171,12 @@ def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model
         raise ConfigError("trainer files (trainer_state.json, the scheduler at step 0) are written for a weights "
                           "source only; an HF Trainer run's own checkpoint-N already has its files")
     scheduler = _lambda_lr_at_start(found.state) if trainer_files else None
-    target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step, scheduler)
+    target = DeepSpeedLayout(world_size, stage, module_dtype, tag or f"global_step{found.step}", found.step, scheduler,
+                             found.client_state)
     if not target.tag or Path(target.tag).name != target.tag or target.tag.startswith("."):
         raise ConfigError(f"--tag {target.tag!r}: not a folder name (no '/', not hidden)")
-    plan = build_deepspeed_plan(found.state, target, root)
+    plan, dropped = carry_only_allowed(build_deepspeed_plan(found.state, target, root))
+    found = replace(found, notes=found.notes + dropped)
     return found, plan, {f.name: dumps(f.tree) for f in plan.files}, inputs, root
 
 
@@ -214,7 +216,8 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
         raise ConfigError("--group-order is for torchtitan's layout; a universal checkpoint records its groups")
     ckpt.require_complete()
     state, step = build_universal_state(ckpt)
-    return DcpState(UNIVERSAL, state, step, ()), [f.path for f in ckpt.layout.all_files], ckpt.layout.root
+    return DcpState(UNIVERSAL, state, step, (), ckpt.client_state), [f.path for f in ckpt.layout.all_files], \
+        ckpt.layout.root
 
 
 def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[ParamGroup, ...] | None,

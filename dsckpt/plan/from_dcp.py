@@ -55,6 +55,7 @@ class DcpState:
     state: TrainingState
     step: int  # the training step the source reached (the optimizer's, or torchtitan's train_state)
     notes: tuple[str, ...]
+    client_state: dict[str, Any] = field(default_factory=dict)  # what the source kept beside the training state
 
 
 def _split(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, str]], dict[Any, dict[str, str]],

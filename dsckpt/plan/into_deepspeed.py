@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class DeepSpeedLayout:
     tag: str
     global_steps: int = 0
     lr_scheduler: dict[str, Any] | None = None  # the state the engine's scheduler loads (None: none written)
+    client_state: dict[str, Any] = field(default_factory=dict)  # beside DeepSpeed's keys, as save_checkpoint puts it
 
 
 def check_layout(target: DeepSpeedLayout) -> None:
@@ -227,6 +228,7 @@ def _model_file(state: TrainingState, target: DeepSpeedLayout, rank: int | None,
         tree[L.FROZEN_PARAM_SHAPES] = OrderedDict((t.name, TorchSize(t.shape)) for t in frozen)
         tree[L.FROZEN_PARAM_FRAGMENTS] = OrderedDict(
             (t.name, module[t.name] if rank is None else _frozen_part(t, target, rank)) for t in frozen)
+    tree.update((k, v) for k, v in target.client_state.items() if k not in tree)  # (DeepSpeed's keys win, as at load)
     if rank is None:
         return OutputFile(rank_file_name("model", Coord(), per_dp_rank=False), source, tree)
     return OutputFile(rank_file_name("model", Coord(dp=rank)), source, tree)
