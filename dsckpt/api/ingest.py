@@ -103,7 +103,7 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
     if module_dtype is None:
         raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
     folder, out = Path(source), Path(out)
-    check_layout(DeepSpeedLayout(world_size, stage, module_dtype, tag or "x"))
+    check_layout(world_size, stage, module_dtype)
     found, plan, pickled, inputs, root = group.step(lambda: _prepare(folder, world_size, stage, module_dtype, model,
                                                                       group_order, param_groups, trainer_files, tag))
     total = sum(s.nbytes for _, storages in pickled.values() for s in storages)

@@ -170,7 +170,7 @@ def tensor_ranges(tensor: DcpTensor) -> list[tuple[Path, int, int]]:
     for chunk in sorted(tensor.chunks, key=lambda c: c.offsets[:1]):
         if len(chunk.sizes) != len(tensor.shape):
             raise CorruptFileError(f"{where}: a chunk of {len(chunk.sizes)} dims for a {len(tensor.shape)}-dim tensor")
-        if tensor.shape and chunk.offsets[0] != row:  # (checked before this chunk's rows count)
+        if tensor.shape and chunk.offsets[0] != row:
             raise CorruptFileError(f"{where}: chunks do not tile the tensor (row {row} expected, "
                                    f"{chunk.offsets[0]} found)")
         rows = chunk.sizes[0] if tensor.shape else 1

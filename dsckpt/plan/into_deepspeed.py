@@ -60,18 +60,19 @@ class DeepSpeedLayout:
     client_state: dict[str, Any] = field(default_factory=dict)  # beside DeepSpeed's keys, as save_checkpoint puts it
 
 
-def check_layout(target: DeepSpeedLayout) -> None:
-    if target.stage not in (1, 2, 3):
-        raise ConfigError(f"--stage {target.stage}: convert --to deepspeed writes ZeRO stage 1, 2 or 3")
-    if type(target.world_size) is not int or target.world_size < 1:
-        raise ConfigError(f"--world-size {target.world_size!r}: expected a whole number of ranks, 1 or more")
-    if target.dtype not in MODULE_DTYPES:
-        raise ConfigError(f"--dtype {target.dtype}: convert --to deepspeed writes fp32, bf16 or fp16 engines")
+def check_layout(world_size: int, stage: int, dtype: str) -> None:
+    """Refuse a target DeepSpeed cannot run, before the source is read."""
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"--stage {stage}: convert --to deepspeed writes ZeRO stage 1, 2 or 3")
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigError(f"--world-size {world_size!r}: expected a whole number of ranks, 1 or more")
+    if dtype not in MODULE_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: convert --to deepspeed writes fp32, bf16 or fp16 engines")
 
 
 def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: Path) -> ReshardPlan:
     """Every file of ``target``'s tag folder; ``source`` names the input in messages and records."""
-    check_layout(target)
+    check_layout(target.world_size, target.stage, target.dtype)
     by_name = {p.name: p for p in state.params}
     layouts: list[GroupLayout] = []
     for g, group in enumerate(state.groups):
