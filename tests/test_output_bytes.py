@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -38,18 +37,22 @@ CHECKPOINTS = ["z1_ws2_fp32", "z2_ws3_bf16", "z3_ws2_fp32", "z0_ws2_bf16", "moe_
                "tp2_dp2_z3_fp32", "pp2_dp2_z1_fp32"]
 
 
-# what torch's DCP writer puts in ``.metadata`` that differs from run to run: its save id (a uuid4) and the
-# checkpoint id it was given (the staged folder's temp name), each with the pickle's length byte before it
-RUN_NAMES = re.compile(rb".(?:[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
-                       rb"|[^/\x00]*?\.dsckpt-tmp-\d+-[0-9a-f]+)")
+def _metadata_digest(path: Path) -> str:
+    """DCP's ``.metadata`` as what it says (every entry, chunk, byte range and saved path), read through dsckpt's
+    allowlist reader: its pickle also holds the run's save id and staged folder name, which differ every run."""
+    from dsckpt.formats.dcp import read_index
+
+    index = read_index(path.parent)
+    said = ([(k, t.dtype, t.shape, [(c.offsets, c.sizes, c.file.name, c.offset, c.length) for c in t.chunks])
+             for k, t in index.tensors.items()],
+            [(k, v.file.name, v.offset, v.length) for k, v in index.values.items()], sorted(index.paths.items()))
+    return hashlib.sha256(repr(said).encode()).hexdigest()
 
 
 def _digests(out: Path) -> dict[str, str]:
-    """SHA-256 per file, DCP's ``.metadata`` with ``RUN_NAMES`` blanked."""
-    def digest(path: Path) -> str:
-        data = path.read_bytes()
-        return hashlib.sha256(RUN_NAMES.sub(b"<run>", data) if path.name == ".metadata" else data).hexdigest()
-    return {str(p.relative_to(out)): digest(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    """SHA-256 of each file's bytes (DCP's ``.metadata``: of what it says)."""
+    return {str(p.relative_to(out)): _metadata_digest(p) if p.name == ".metadata" else
+            hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def _outcome(ckpt: str, case: str, tmp_path: Path) -> dict[str, str] | str:
