@@ -411,6 +411,42 @@ def test_latest_is_refused_in_the_same_words_at_one_and_two_processes(tmp_path, 
     assert errors[0][0] == expected
 
 
+def test_what_one_process_reads_is_checked_alike_at_two_and_named_as_typed(tmp_path):
+    """One survey rule (#53): a link out of the checkpoint inside a tag folder the run does not read is no concern
+    at 1 or 2 processes; a rank file of the chosen tag linked out is the same refusal at both; a relative CKPT keeps
+    its spelling in every message (a distributed run named it by its absolute path)."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+    shutil.copytree(root / "step3", root / "step1")
+    (tmp_path / "outside.txt").write_text("x")
+    (root / "step1" / "notes.txt").symlink_to(tmp_path / "outside.txt")
+    for n in ("1", "2"):
+        proc = run_cli("consolidate", "ckpt", f"other{n}.safetensors", "--nproc", n, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    rank_file = root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank_file.rename(tmp_path / rank_file.name)
+    rank_file.symlink_to(tmp_path / rank_file.name)
+    answers = []
+    for n in ("1", "2"):
+        proc = run_cli("consolidate", "ckpt", f"chosen{n}.safetensors", "--nproc", n, "--json", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        doc = json.loads(proc.stdout)
+        answers.append((doc["error"], doc["hint"]))
+        assert not (tmp_path / f"chosen{n}.safetensors").exists()
+    assert answers[0] == answers[1], answers
+    assert answers[0][0] == (f"ckpt/step3/{rank_file.name} -> {tmp_path / rank_file.name}: a symlink leading "
+                             "outside the checkpoint ckpt; its files are not copied into an output"), answers
+    rank_file.unlink()
+    (tmp_path / rank_file.name).rename(rank_file)
+    shutil.rmtree(root / "step1")
+    (root / "latest").write_text("step99")
+    for n in ("1", "2"):
+        proc = run_cli("consolidate", "ckpt", f"stale{n}.safetensors", "--nproc", n, "--json", cwd=tmp_path)
+        assert json.loads(proc.stdout)["error"] == "ckpt/latest: names tag 'step99', which is not in ckpt", n
+
+
 def test_list_names_what_other_commands_take(tmp_path):
     """`list` of an HF output_dir names its checkpoint-N (what the other commands take), of a folder of runs the
     runs; OUT in a missing folder says how to make it."""

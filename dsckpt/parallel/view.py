@@ -3,9 +3,11 @@
 Hosts with node-local disks see different files at the same path (each host its own ranks' files; `latest`
 only on rank 0's). ``build_view(group, ckpt, tag, scratch, trust)``:
 1. survey: every process lists the regular files it sees in CKPT and one folder down (the tag folders), with
-   sizes; a symlink leading out of CKPT is refused here, by the host that has it, unless ``trust``;
+   sizes, and what is wrong where (``parallel.survey``);
 2. owners: a file's owner is the lowest process that sees it; all that see it must agree on its size;
-3. the tag: ``tag``, else what `latest` says, else the only tag folder (as ``zero.layout.discover``);
+3. the tag: ``tag``, else what `latest` says, else the only tag folder (``survey.choose_tag``, as
+   ``zero.layout.discover``); a problem is refused only where one process reading alone meets it (``survey.met``:
+   a link in another tag folder is no concern of this run);
 4. the view: a folder in ``scratch`` laid out as CKPT (its top-level files and the tag folder).  A file this
    process sees is a symlink to it (a copy, when small: `latest`, configs); any other is a sparse file of its size holding the owner's metadata bytes
    (a torch zip: everything but its storages' data; a small file: all of it).
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from ..errors import (CheckpointNotFoundError, CorruptFileError, DistributedError, DsckptError, OutputError, TagError,
-                      UnsafeCheckpointError)
+from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, is_torch_zip
 from ..io.remote import RemoteStore, is_url
@@ -35,6 +35,7 @@ from ..plan.segments import Segment
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
 from .group import ONE_PROCESS, Group
+from .survey import choose_tag, met, refuse, survey
 
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
 
@@ -105,62 +106,6 @@ class View:
             raise type(exc)(message, hint=exc.hint) from None
 
 
-def _survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], tuple[type[DsckptError], str] | None]:
-    """Relative path -> size of the regular files seen here (top level and one folder down); a problem."""
-    seen: dict[str, int] = {}
-    if not ckpt.is_dir():
-        return seen, None
-    root = ckpt.resolve()
-    for entry in sorted(os.scandir(ckpt), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            continue
-        problem = _link_problem(Path(entry.path), root, ckpt, trust)
-        if problem:
-            return seen, problem
-        inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
-        for item in inner:
-            path = Path(item.path)
-            problem = _link_problem(path, root, ckpt, trust) or _rank_file_problem(path)
-            if problem:
-                return seen, problem
-            if item.is_file() and not item.name.startswith("."):
-                seen[path.relative_to(ckpt).as_posix()] = item.stat().st_size
-    return seen, None
-
-
-def _rank_file_problem(path: Path) -> tuple[type[DsckptError], str] | None:
-    """A rank file's name on something else (a folder, a FIFO, a loop): in ``zero.layout``'s words."""
-    kind = L.file_kind(path) if L.RANK_FILE_RE.match(path.name) else None
-    return (CheckpointNotFoundError, f"{path}: expected a rank file, found {kind}") if kind else None
-
-
-def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> tuple[type[DsckptError], str] | None:
-    """A symlink leading out of CKPT (unless ``trust``); a loop or a dangling link is left to the reader's words."""
-    if not path.is_symlink() or L.file_kind(path) not in (None, "a directory"):
-        return None
-    if not trust and not L.inside(path.resolve(), root):
-        return UnsafeCheckpointError, f"{path}: a symlink leading outside the checkpoint {ckpt}; its files are not copied"
-    return None
-
-
-def _choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt: Path | _Url) -> str | None:
-    """The tag ``zero.layout.discover`` would choose over these files, refused in its words (one process or many)."""
-    if any(L.RANK_FILE_RE.match(rel) for rel in files):  # rank files at the top: CKPT is a tag folder
-        return None
-    tags = sorted({rel.split("/")[0] for rel in files if "/" in rel and L.RANK_FILE_RE.match(rel.split("/")[1])},
-                  key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
-    latest = latest.strip() if latest else None
-    if not tag and latest and latest not in tags:
-        raise L.stale_latest(ckpt, latest) if len(tags) == 1 else L.several_tags(ckpt, tags)
-    chosen = tag or latest or (tags[0] if len(tags) == 1 else None)
-    if chosen is None and len(tags) > 1:
-        raise L.several_tags(ckpt, tags)
-    if chosen is None or chosen not in tags:
-        raise TagError(f"{ckpt}: {'tag ' + repr(chosen) + ' not found' if chosen else 'no tags'}; tags present: "
-                       f"{', '.join(tags) or 'none'}", hint="--tag TAG names one")
-    return chosen
-
-
 def _read_latest(root: Path) -> str | tuple[str, str | None] | None:
     """``latest`` read as one process reads it (bounded, checked), or its refusal as (message, hint)."""
     try:
@@ -199,10 +144,8 @@ def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: 
         return group.step(lambda: remote_view(group, str(ckpt), tag, Path(scratch_parent)))
     if group.size == 1:
         return View(Path(ckpt), tag, None, Path(ckpt))
-    ckpt, scratch_parent = Path(ckpt).absolute(), Path(scratch_parent).absolute()
-    surveyed = group.gather(_survey(ckpt, trust))
-    for cls, problem in (p for _, p in surveyed if p):
-        raise cls(problem, hint=L.TRUST_HINT if cls is UnsafeCheckpointError else None)
+    ckpt, scratch_parent = Path(ckpt), Path(scratch_parent).absolute()  # (CKPT as typed: messages name it so)
+    surveyed = group.gather(survey(ckpt, trust))
     owners: dict[str, int] = {}
     sizes: dict[str, int] = {}
     for rank, (seen, _) in enumerate(surveyed):
@@ -212,14 +155,17 @@ def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: 
                                        f"process {rank}: the hosts hold different checkpoints at this path")
             owners.setdefault(rel, rank)
             sizes[rel] = size
-    if not sizes:
+    if not sizes and not any(problems for _, problems in surveyed):
         raise DistributedError(f"{ckpt}: no process sees any file there", hint="run the command with the "
                                "checkpoint's path as each host sees it")
     latest = owners.get(L.LATEST_FILE)
     text = group.broadcast(_read_latest(ckpt) if group.rank == latest else None, latest) if latest is not None else None
     if isinstance(text, tuple):  # the owner's read refused it (too long, a link out, not text): all say so
         raise TagError(*text)
-    chosen = _choose_tag(sizes, tag, text, ckpt)
+    problems = sorted((rel, p) for _, found in surveyed for rel, p in found.items())
+    refuse([p for rel, p in problems if "/" not in rel])  # (a top-level file: met before the tag is chosen)
+    chosen = choose_tag(sizes, tag, text, ckpt)
+    refuse([p for rel, p in problems if met(rel, chosen)])
     wanted = sorted(rel for rel in sizes if "/" not in rel or (chosen is not None and rel.split("/")[0] == chosen))
     local = set(surveyed[group.rank][0])
     payloads: dict[str, list[tuple[int, bytes]]] = {}
@@ -231,9 +177,10 @@ def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: 
                 raise DistributedError(f"{payload} [process {owner}]")
             if rel not in local:
                 payloads[rel] = payload
-    scratch = scratch_parent / f".{ckpt.name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    name = ckpt.absolute().name  # (CKPT typed as "." has no name of its own)
+    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
     shared = all(set(wanted) <= set(seen) for seen, _ in surveyed)
-    view = View(scratch / ckpt.name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted),
+    view = View(scratch / name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted),
                 group.rank, shared=shared)
     error = None
     try:  # this process's own files: it alone may fail here, so all agree before going on
@@ -277,7 +224,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \
         if L.LATEST_FILE in sizes else None
     no_ranks = not any(L.RANK_FILE_RE.match(rel.rsplit("/", 1)[-1]) for rel in sizes)  # a weights folder
-    chosen = None if every_tag or no_ranks else _choose_tag(sizes, tag, latest, _Url(store.url))
+    chosen = None if every_tag or no_ranks else choose_tag(sizes, tag, latest, _Url(store.url))
     wanted = sorted(rel for rel in sizes if "/" not in rel or every_tag or
                     (chosen is not None and rel.split("/")[0] == chosen))
     name = store.url.rsplit("/", 1)[-1]

@@ -16,7 +16,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError, UnreadableFileError
+from ..errors import (AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError,
+                      UnreadableFileError, UnsafeCheckpointError)
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
@@ -247,7 +248,7 @@ def inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def links_outside(layout: Layout) -> list[str]:
+def links_outside(layout: Layout) -> list[Path]:
     """The tag folder or rank files that are symlinks resolving outside the checkpoint root.
 
     Reading through them is fine for a look (``inspect`` notes it); copying what they point at into
@@ -260,8 +261,15 @@ def links_outside(layout: Layout) -> list[str]:
         if path.is_symlink() or path == layout.tag_dir:
             target = path.resolve()
             if not inside(target, root):
-                found.append(f"{path} -> {target}")
+                found.append(path)
     return found
+
+
+def leads_out(path: Path, root: Path) -> UnsafeCheckpointError:
+    """The refusal of a link out of the checkpoint ``root``, in one set of words whoever finds it (one process's
+    reader, a distributed run's survey)."""
+    return UnsafeCheckpointError(f"{path} -> {path.resolve()}: a symlink leading outside the checkpoint {root}; "
+                                 "its files are not copied into an output", hint=TRUST_HINT)
 
 
 TRUST_HINT = "if you trust whoever wrote the checkpoint, pass --trust-checkpoint (trust=True in the API)"
@@ -271,10 +279,7 @@ def require_contained(layout: Layout) -> None:
     """Writers' rule: copy nothing into an output through a link that leads out of the checkpoint."""
     outside = links_outside(layout)
     if outside:
-        from ..errors import UnsafeCheckpointError
-
-        raise UnsafeCheckpointError(f"{outside[0]}: a symlink leading outside the checkpoint {layout.root}; "
-                                    "its files are not copied into an output", hint=TRUST_HINT)
+        raise leads_out(outside[0], layout.root)
 
 
 def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
