@@ -146,3 +146,30 @@ def test_the_checker_sees_violations():
     assert "dsckpt.export.registry" in every["dsckpt.api.consolidation"]
     assert layer("dsckpt.cli.app") > layer("dsckpt.api.resharding") > layer("dsckpt.zero.layout")
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+# Module-level containers the write path may hold: caches of what a name or size always means, never a write's state.
+CACHES = {"dsckpt.formats.crc._uses", "dsckpt.formats.pickle_policy._opaque_types", "dsckpt.formats.pickle_policy._SIZES"}
+
+
+def test_a_write_runs_in_its_context_not_in_module_state():
+    """#53: what a write runs with (storage, CRC ledger, streams, durable temps, progress) is handed down in one
+    ``io.context.WriteContext``; no module of the write path keeps an empty list, set or dict at module level to be
+    filled while a write runs (the four registries that did: ``ARRIVING``, ``_RECORDING``, ``_ACTIVE``,
+    ``_durable``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module.split(".")[1:2] not in (["formats"], ["io"], ["parallel"], ["export"], ["api"]):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
+            target, value = node.targets[0] if isinstance(node, ast.Assign) else node.target, node.value
+            empty = (isinstance(value, (ast.List, ast.Set)) and not value.elts) \
+                or (isinstance(value, ast.Dict) and not value.keys) \
+                or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                    and value.func.id in ("list", "set", "dict") and not value.args)
+            if empty and isinstance(target, ast.Name) and f"{module}.{target.id}" not in CACHES:
+                found.append(f"{module}.{target.id}")
+    assert found == []

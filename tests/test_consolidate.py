@@ -168,7 +168,7 @@ def test_copy_range_notes_the_crc_of_what_it_copied(tmp_path, monkeypatch, small
     import zlib
 
     import dsckpt.io.filecopy as filecopy
-    from dsckpt.io.integrity import Ledger, recording
+    from dsckpt.io.integrity import Ledger
 
     monkeypatch.setattr(filecopy, "MAP_WINDOW", 3 * 4096 + 5)
     monkeypatch.setattr(filecopy, "MAPPED_SLICE", 1000)
@@ -177,8 +177,8 @@ def test_copy_range_notes_the_crc_of_what_it_copied(tmp_path, monkeypatch, small
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(data)
     ledger = Ledger()
-    with open(src, "rb") as fi, open(dst, "wb") as fo, recording(ledger):
-        filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        filecopy.copy_range(fi.fileno(), fo.fileno(), 40_000, 130, 7, src, ledger=ledger)
     spans = ledger.spans(lambda path: path.name)["src.bin"]
     assert sum(n for _, n, _ in spans) == 40_000 and (len(spans) > 1) == (small_copy == 0)
     assert all(crc == zlib.crc32(data[offset:offset + n]) for offset, n, crc in spans)
@@ -192,7 +192,7 @@ def test_copy_pieces_writes_segments_and_zero_fills_in_order(tmp_path, monkeypat
     import zlib
 
     import dsckpt.io.filecopy as filecopy
-    from dsckpt.io.integrity import Ledger, recording
+    from dsckpt.io.integrity import Ledger
     from dsckpt.plan.segments import Segment, Zeros
 
     monkeypatch.setattr(filecopy, "BUFFER", 4096 + 5)
@@ -204,9 +204,9 @@ def test_copy_pieces_writes_segments_and_zero_fills_in_order(tmp_path, monkeypat
     expected = one.read_bytes()[77:150_077] + bytes(5) + two.read_bytes()[3:20_003] + one.read_bytes()[:1]
     fds = {p: os.open(p, os.O_RDONLY) for p in (one, two)}
     out, ledger, seen = tmp_path / "out.bin", Ledger(), []
-    with open(out, "wb") as fo, recording(ledger):
+    with open(out, "wb") as fo:
         fo.write(b"head")
-        copied = filecopy.copy_pieces(pieces, fds.__getitem__, fo.fileno(), 4, progress=seen.append)
+        copied = filecopy.copy_pieces(pieces, fds.__getitem__, fo.fileno(), 4, progress=seen.append, ledger=ledger)
     assert copied == (len(expected), zlib.crc32(expected)) and sum(seen) == len(expected)
     assert out.read_bytes() == b"head" + expected
     for path, spans in ledger.spans(lambda path: path).items():

@@ -42,7 +42,7 @@ class RawFormat(registry.Format):
     name, suffixes, summary = "raw-test", (".rawtest",), "test-only raw dump"
     selectable = False  # (not offered by --format in this process)
 
-    def write(self, prepared, path, progress):
+    def write(self, prepared, path, context):
         from dsckpt.io.read import Reader
 
         tensors, index, pos = prepared.plan.tensors, {}, 0
@@ -50,7 +50,7 @@ class RawFormat(registry.Format):
             index[t.name] = [t.dtype, list(t.shape), pos]
             pos += t.nbytes
         head = json.dumps(index).encode()
-        with open(path, "wb") as out, Reader() as reader:
+        with open(path, "wb") as out, Reader(context) as reader:
             out.write(len(head).to_bytes(8, "little") + head)
             for t in tensors:
                 for chunk in reader.chunks(t):
@@ -200,8 +200,10 @@ def test_the_reader_advises_each_files_ranges_joined_and_reads_the_same_bytes(tm
     class Unadvised(storage.LocalStorage):  # a storage that takes no hints reads the same bytes
         def advise(self, name, ranges):
             pass
+    from dsckpt.io.context import WriteContext
+
     for files in (storage.LocalStorage(), Unadvised()):
-        with read.Reader(files) as reader:
+        with WriteContext(files) as context, read.Reader(context) as reader:
             assert reader.read(source) == expected
     assert sorted(advised) == sorted([(0, 8000, os.POSIX_FADV_WILLNEED), (6 << 20, 100, os.POSIX_FADV_WILLNEED),
                                       (64, 546, os.POSIX_FADV_WILLNEED)])
@@ -252,6 +254,7 @@ def test_every_read_and_publish_goes_through_the_storage_seam(tmp_path):
     """A storage that counts its calls sees the one reader's reads, the CRC checks' reads and the commit protocol's
     steps: the seam an object-storage backend implements (docs/architecture.md, "A storage backend")."""
     from dsckpt.formats import storage
+    from dsckpt.io.context import WriteContext
     from dsckpt.io.output import Staging
     from dsckpt.io.read import Reader
     from dsckpt.plan.consolidate import build_plan
@@ -273,7 +276,7 @@ def test_every_read_and_publish_goes_through_the_storage_seam(tmp_path):
             super().flush(name, files)
 
     plan = build_plan(open_checkpoint(FIXTURES / "z2_ws2_fp32"))
-    with Reader(Counting()) as reader:
+    with WriteContext(Counting()) as context, Reader(context) as reader:
         first = reader.read(plan.tensors[0])
     assert ("pread", "zero_pp_rank_0_mp_rank_00_optim_states.pt") in calls and len(first) == plan.tensors[0].nbytes
     stage = Staging(fsync=True, storage=Counting())
@@ -293,6 +296,7 @@ def test_the_ledger_joins_what_a_write_read_and_reads_only_the_rest(tmp_path):
     from dsckpt.errors import CorruptFileError
     from dsckpt.formats import storage
     from dsckpt.io import integrity
+    from dsckpt.io.context import WriteContext
     from dsckpt.io.read import Reader
     from dsckpt.plan.consolidate import build_plan
     from dsckpt.zero.reader import open_checkpoint
@@ -302,7 +306,7 @@ def test_the_ledger_joins_what_a_write_read_and_reads_only_the_rest(tmp_path):
     plan = build_plan(open_checkpoint(root))
     pieces = [p for t in plan.tensors for p in t.pieces]
     ledger = integrity.Ledger()
-    with integrity.recording(ledger), Reader() as reader:
+    with WriteContext(ledger=ledger) as context, Reader(context) as reader:
         for t in plan.tensors:
             reader.read(t)
     read_back = []
@@ -318,7 +322,7 @@ def test_the_ledger_joins_what_a_write_read_and_reads_only_the_rest(tmp_path):
     data[victim.offset] ^= 0x01
     victim.path.write_bytes(bytes(data))
     damaged = integrity.Ledger()
-    with integrity.recording(damaged), Reader() as reader:
+    with WriteContext(ledger=damaged) as context, Reader(context) as reader:
         for t in plan.tensors:
             reader.read(t)
     with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
@@ -373,6 +377,7 @@ def test_processes_pool_what_they_noted_so_the_check_reads_only_what_nobody_read
 
     from dsckpt.formats import storage
     from dsckpt.io import integrity
+    from dsckpt.io.context import WriteContext
     from dsckpt.io.read import Reader
     from dsckpt.plan.consolidate import build_plan
     from dsckpt.zero.reader import open_checkpoint
@@ -384,7 +389,7 @@ def test_processes_pool_what_they_noted_so_the_check_reads_only_what_nobody_read
         plans.append(build_plan(open_checkpoint(root)))
     ledgers = [integrity.Ledger(), integrity.Ledger()]
     for k in range(2):
-        with integrity.recording(ledgers[k]), Reader() as reader:
+        with WriteContext(ledger=ledgers[k]) as context, Reader(context) as reader:
             for t in plans[k].tensors[k::2]:
                 reader.read(t)
 

@@ -248,7 +248,7 @@ def test_a_fill_in_progress_feeds_the_streamed_parts_and_its_crc_failure_stops_t
 def test_a_part_is_the_files_bytes_at_any_edge(tmp_path):
     """``io.stream.part_bytes`` at 1000-byte edges (inside elements of a cast, inside a row-parallel join's rows)
     joins into exactly what the local writer writes."""
-    from dsckpt.formats.storage import LocalStorage
+    from dsckpt.io.context import WriteContext
     from dsckpt.io.stream import part_bytes, part_size
     from dsckpt.io.safetensors_writer import safetensors_header, write_safetensors
     from dsckpt.plan.consolidate import build_plan
@@ -257,11 +257,12 @@ def test_a_part_is_the_files_bytes_at_any_edge(tmp_path):
     for name, dtype in (("z3_ws2_fp32", "bf16"), ("z2_ws3_bf16", "fp32"), ("tp2_dp2_z1_fp32", None)):
         plan = build_plan(open_checkpoint(FIXTURES / name), dtype)
         tensors = list(plan.tensors)
-        write_safetensors(tensors, tmp_path / f"{name}.safetensors", plan.metadata)
+        with WriteContext() as context:
+            write_safetensors(tensors, tmp_path / f"{name}.safetensors", plan.metadata, context)
         expected = (tmp_path / f"{name}.safetensors").read_bytes()
         header, offsets = safetensors_header(tensors, plan.metadata)
-        with LocalStorage() as files:
-            parts = [part_bytes(header, tensors, offsets, lo, min(lo + 1000, len(expected)), files)
+        with WriteContext() as context:
+            parts = [part_bytes(header, tensors, offsets, lo, min(lo + 1000, len(expected)), context)
                      for lo in range(0, len(expected), 1000)]
         assert b"".join(parts) == expected, name
     for total in (10, 8 << 20, 80 << 30, 1 << 40):  # S3: at most 10,000 parts, whole MiB when larger than 8 MiB

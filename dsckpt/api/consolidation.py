@@ -27,16 +27,12 @@ from ..errors import OutputError, VerificationError
 from ..export.registry import Format, Prepared, Request, companion_paths, for_output
 from ..export.sidecar import sidecar_paths, write_sidecar
 from ..formats.positional import read_range
-from ..formats.safetensors_file import INDEX_NAME
+from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
-from ..io.safetensors_writer import create_safetensors, fill_safetensors, safetensors_header, shard, write_sharded
-from ..plan.deal import dealt
 from ..parallel.group import ONE_PROCESS, Group
-from ..io import stream
-from ..io.remote import is_url
 from ..parallel.view import readable
-from .frame import uploading, writing
+from .frame import destination, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
@@ -46,8 +42,6 @@ from ..plan.segments import tree_pieces
 from ..zero.reader import Checkpoint, open_checkpoint
 
 DEFAULT_SHARD = "5GB"
-SPLIT_FORMATS = ("safetensors", "sharded")  # with several writers: one file filled in parts, a folder's shards dealt out
-STREAMED_FORMATS = ("safetensors", "sharded", "hf")  # every tensor byte they write goes through io.stream to a URL
 
 
 @dataclass(frozen=True)
@@ -123,50 +117,48 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
     Raises:
         a ``DsckptError`` subclass naming the file at fault; nothing is left at OUT.
     """
-    if is_url(out):  # staged here (safetensors streamed), uploaded after (frame.uploading)
-        arguments = {k: v for k, v in locals().items() if k != "out"}
-        return uploading(group or ONE_PROCESS, str(out), force, lambda local: consolidate(out=local, **arguments),
-                         stream=not verify)  # (verify re-reads the staged file)
     group = group or ONE_PROCESS
     output_dtype(dtype)  # a dtype no output can have is refused before anything is read
     fmt = for_output(os.fspath(out), form)  # a name that contradicts the format is refused before anything is read
-    if config is not None and fmt.name != "hf":
+    if config is not None and not fmt.takes_config:
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
                       prefixes(strip_prefixes), duplicate_tied, trust, rename_rules(rename))
-    out = Path(out)
-    with writing(group, checkpoint, tag, out, trust) as frame:
-        view = frame.view
-        ckpt, prepared, notes = group.step(lambda: _prepare(view, fmt, dtype, exclude_frozen, request))
-        fmt, plan = prepared.format, prepared.plan
-        inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
-        write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
-        tree = view.real_path(ckpt.layout.root)
-        group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
-        sources = [p for t in plan.tensors for p in t.pieces]
-        sources += tree_pieces(ckpt.client_state) if write_client else []
-        if progress_total:
-            progress_total(plan.nbytes)
-        groups = storage_groups(group, out)
-        staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
-                                    publishing={groups.of[0]}))
-        with frame.checked_reads(sources, check_crc, plan.replicas) as crc_notes:  # damaged bytes: nothing published
-            names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, progress)
-        notes += tuple(crc_notes)
-        if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
-            group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
-        replaced = fmt.replaced_files(out) if group.rank == 0 else ()
-        stale = [out / name for name in replaced if name not in names]
-        if group.rank == 0 and not write_client:  # (with --force) an old sidecar would restore the wrong counters
-            stale += [p for p in sidecar_paths(out, fmt.directory) if os.path.lexists(p)]
-        with write_errors(out):
-            staged.publish(stale)
-    written = [out / name for name in names] if fmt.directory else [out]
-    sidecars = tuple(p for p in sidecar_paths(out, fmt.directory) if p.exists()) if write_client else ()
-    return Result(out, fmt.name, ckpt.layout.tag, len(plan.tensors), plan.nbytes,
-                  tuple(str(p) for p in written + list(sidecars)), sidecars[0] if sidecars else None,
-                  True if verify else None, notes)
+    with destination(group, out, force, stream=not verify) as place:  # (verify re-reads the staged file)
+        out = place.path
+        with writing(group, checkpoint, tag, place, trust) as frame:
+            view = frame.view
+            ckpt, prepared, notes = group.step(lambda: _prepare(view, fmt, dtype, exclude_frozen, request))
+            fmt, plan = prepared.format, prepared.plan
+            inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
+            write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
+            tree = view.real_path(ckpt.layout.root)
+            group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
+            sources = [p for t in plan.tensors for p in t.pieces]
+            sources += tree_pieces(ckpt.client_state) if write_client else []
+            if progress_total:
+                progress_total(plan.nbytes)
+            groups = storage_groups(group, out)
+            staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
+                                        publishing={groups.of[0]}))
+            with frame.checked_reads(sources, check_crc, plan.replicas, progress) as (context, crc_notes):
+                names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context)
+            notes += tuple(crc_notes)
+            if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
+                group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
+            replaced = fmt.replaced_files(out) if group.rank == 0 else ()
+            stale = [out / name for name in replaced if name not in names]
+            if group.rank == 0 and not write_client:  # (with --force) an old sidecar would restore the wrong counters
+                stale += [p for p in sidecar_paths(out, fmt.directory) if os.path.lexists(p)]
+            with write_errors(out):
+                staged.publish(stale)
+        written = [out / name for name in names] if fmt.directory else [out]
+        sidecars = tuple(p for p in sidecar_paths(out, fmt.directory) if p.exists()) if write_client else ()
+        result = Result(out, fmt.name, ckpt.layout.tag, len(plan.tensors), plan.nbytes,
+                        tuple(str(p) for p in written + list(sidecars)), sidecars[0] if sidecars else None,
+                        True if verify else None, notes)
+    return place.named(result)
 
 
 def _prepare(view: View, fmt: Format, dtype: str | None, exclude_frozen: bool,
@@ -196,24 +188,24 @@ def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree
 
 
 def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
-           write_client: bool, out: Path, progress: Callable[[int], None] | None) -> tuple[list[str], list[TensorPlan]]:
+           write_client: bool, out: Path, context: WriteContext) -> tuple[list[str], list[TensorPlan]]:
     """Write OUT's parts into ``staged.tmp``; the names written (the same on every process) and the tensors
     this process wrote.
 
-    The writers are the processes of rank 0's storage group.  A single ``.safetensors`` file with several
-    writers: rank 0 creates it at its final size with its header, each writer fills its tensors (dealt by bytes;
-    streamed to a URL: its run of parts); a sharded folder's shards are dealt out (rank 0 writes the index).  Any
-    other format (``.pt``, ``--hf``, Lightning: their zip CRCs run in one order) and one process: rank 0 writes it
-    whole.  Each writer first receives the source bytes it lacks (``transfer.fetch``; a checkpoint in a bucket
-    written to one: while it writes, ``transfer.fetching``); rank 0 stages the client-state sidecar.
+    The writers are the processes of rank 0's storage group.  A format that splits, with several writers: each
+    writes its share (``Format.share``/``begin``/``write_part``: a single ``.safetensors`` file filled in parts, a
+    sharded folder's shards dealt out).  Any other format (``.pt``, ``--hf``, Lightning: their zip CRCs run in one
+    order) and one process: rank 0 writes it whole.  Each writer first receives the source bytes it lacks
+    (``transfer.fetch``; a checkpoint in a bucket written to one by a format that streams its tensors: while it
+    writes, ``transfer.fetching``); rank 0 stages the client-state sidecar.
     """
     fmt, plan = prepared.format, prepared.plan
     writers = groups.members(groups.of[0])
-    split = fmt.name in SPLIT_FORMATS and len(writers) > 1
+    split = fmt.splits and len(writers) > 1
     part = (writers.index(group.rank), len(writers)) if group.rank in writers else None
-    streamed = fmt.name in STREAMED_FORMATS and stream.target(staged.tmp) is not None
+    streamed = fmt.streams_tensors and context.stream_target(staged.tmp) is not None
     if split and part:
-        mine = _tensors_to_write(plan, fmt, prepared, *part, streamed)
+        mine = fmt.share(prepared, *part, streamed)
     else:
         mine = list(plan.tensors) if group.rank == 0 else []
     extra = companion_paths(prepared.companions) if group.rank == 0 else []
@@ -222,18 +214,17 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
     if streamed:
         # in object storage both ends: the tensors' bytes arrive while the first parts already go up
         fetch(group, view, ranges_held_elsewhere(view, clients, extra))
-        with fetching(group, view, ranges_held_elsewhere(view, tensors)):
-            return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
+        with fetching(group, view, ranges_held_elsewhere(view, tensors), context) as arriving:
+            return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, arriving, part), mine
     fetch(group, view, ranges_held_elsewhere(view, tensors + clients, extra))
-    return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, progress, part), mine
+    return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, context, part), mine
 
 
 def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
-                 write_client: bool, out: Path, progress: Callable[[int], None] | None, part: tuple[int, int] | None) -> list[str]:
+                 write_client: bool, out: Path, context: WriteContext, part: tuple[int, int] | None) -> list[str]:
     """``_write``'s steps once the bytes are there (or arriving): OUT's files, then the client-state sidecar."""
-    fmt, plan = prepared.format, prepared.plan
-    writers = groups.members(groups.of[0])
-    split = fmt.name in SPLIT_FORMATS and len(writers) > 1
+    fmt = prepared.format
+    split = fmt.splits and len(groups.members(groups.of[0])) > 1
 
     def run(step: Callable[[], Any]) -> Any:
         def guarded() -> Any:
@@ -241,37 +232,16 @@ def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared
                 return step()
         return group.step(guarded)
 
-    if split and fmt.name == "sharded":
-        max_bytes = prepared.request.max_shard_bytes
-        names = run(lambda: write_sharded(plan, staged.tmp, max_bytes, progress, part) if part else None)
-        names = group.broadcast(names, 0) + [INDEX_NAME]
-    elif split:
-        upload_id = group.broadcast(run(lambda: create_safetensors(list(plan.tensors), staged.tmp, plan.metadata)
-                                        if group.rank == 0 else None), 0)  # (an upload's id: OUT streamed to a URL)
-        run(lambda: fill_safetensors(list(plan.tensors), staged.tmp, plan.metadata, progress, part, upload_id)
-            if part else None)
-        names = [out.name]
+    if split:
+        begun = group.broadcast(run(lambda: fmt.begin(prepared, staged.tmp, context) if group.rank == 0 else None), 0)
+        names = group.broadcast(run(lambda: fmt.write_part(prepared, staged.tmp, context, part, begun)
+                                    if part else None), 0)
     else:
-        names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, progress) if group.rank == 0 else None), 0)
+        names = group.broadcast(run(lambda: fmt.write(prepared, staged.tmp, context) if group.rank == 0 else None), 0)
     into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
-    run(lambda: write_sidecar(ckpt.client_state, out, staged.own, into) if write_client and group.rank == 0
+    run(lambda: write_sidecar(ckpt.client_state, out, staged.own, context, into) if write_client and group.rank == 0
         else None)
     return names
-
-
-def _tensors_to_write(plan: Plan, fmt: Format, prepared: Prepared, k: int, n: int, streamed: bool) -> list:
-    """The tensors writer ``k`` of ``n`` writes (``io.safetensors_writer.dealt``, by bytes): of one file's tensors, or of its
-    shards'; of a file streamed to a URL, those in its run of parts (``io.stream.my_parts``)."""
-    if streamed and fmt.name == "safetensors":
-        header, offsets = safetensors_header(list(plan.tensors), plan.metadata)
-        total = len(header) + plan.nbytes
-        return stream.tensors_in(header, list(plan.tensors), offsets, stream.my_parts(total, k, n))
-    if fmt.name == "sharded":
-        shards = shard(plan.tensors, prepared.request.max_shard_bytes)
-        owners = dealt([sum(t.nbytes for t in tensors) for tensors in shards], n)
-        return [t for tensors, owner in zip(shards, owners) if owner == k for t in tensors]
-    owners = dealt([t.nbytes for t in plan.tensors], n)
-    return [t for t, owner in zip(plan.tensors, owners) if owner == k]
 
 
 def _notes(ckpt: Checkpoint, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:

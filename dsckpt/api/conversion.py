@@ -21,10 +21,10 @@ from typing import Callable
 
 from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
+from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..parallel.group import ONE_PROCESS, Group
-from ..io.remote import is_url
-from .frame import uploading, writing
+from .frame import destination, writing
 from ..parallel.outputs import Staged, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
@@ -59,37 +59,37 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
     storage read against its CRC-32 (default).  ``group``: the processes of a torchrun run (None: one process).
     Returns a ``ConvertResult`` (the names of ``dsckpt convert --json``).
     """
-    if is_url(out):  # staged here, uploaded after (frame.uploading)
-        arguments = {k: v for k, v in locals().items() if k != "out"}
-        return uploading(group or ONE_PROCESS, str(out), force, lambda local: convert(out=local, **arguments))
     group = group or ONE_PROCESS
     target = target_named(to)
     request = ConvertRequest(weights_only, trust, fsync)
     target.check(request)
-    out = Path(out)
-    with writing(group, checkpoint, tag, out, trust) as frame:
-        view = frame.view
-        ckpt, prepared = group.step(lambda: _prepare(view, target, request))
-        client = bool(ckpt.client_state) and not target.stores_client_state
-        inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
-        tree = view.real_path(ckpt.layout.root)
-        group.step(lambda: check_output(out, inputs, force, directory=True, tree=tree) if group.rank == 0 else None)
-        if progress_total:
-            progress_total(prepared.nbytes)
-        groups = storage_groups(group, out)
-        staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
-        clients = tree_pieces(ckpt.client_state) if client else []
-        wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) if group.rank == 0 else []
-        fetch(group, view, wanted)
-        with frame.checked_reads(list(prepared.pieces) + clients, check_crc) as crc_notes:
-            names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, progress)
-                                               if group.rank == 0 else None), 0)
-        with write_errors(out):
-            staged.publish()
-    notes = prepared.notes + tuple(crc_notes) + ((f"client state (not part of the {target.name} layout) in "
-                               f"{sidecar_paths(out, True)[0]}",) if client else ())
-    return ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,
-                         tuple(str(out / n) for n in names), notes)
+    with destination(group, out, force) as place:
+        out = place.path
+        with writing(group, checkpoint, tag, place, trust) as frame:
+            view = frame.view
+            ckpt, prepared = group.step(lambda: _prepare(view, target, request))
+            client = bool(ckpt.client_state) and not target.stores_client_state
+            inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
+            tree = view.real_path(ckpt.layout.root)
+            group.step(lambda: check_output(out, inputs, force, directory=True, tree=tree) if group.rank == 0 else None)
+            if progress_total:
+                progress_total(prepared.nbytes)
+            groups = storage_groups(group, out)
+            staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
+            clients = tree_pieces(ckpt.client_state) if client else []
+            wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) \
+                if group.rank == 0 else []
+            fetch(group, view, wanted)
+            with frame.checked_reads(list(prepared.pieces) + clients, check_crc, progress=progress) as (context, crc_notes):
+                names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, context)
+                                                   if group.rank == 0 else None), 0)
+            with write_errors(out):
+                staged.publish()
+        notes = prepared.notes + tuple(crc_notes) + ((f"client state (not part of the {target.name} layout) in "
+                                                      f"{sidecar_paths(out, True)[0]}",) if client else ())
+        result = ConvertResult(out, target.name, prepared.tag, ckpt.zero_stage, prepared.tensors, prepared.nbytes,
+                               tuple(str(out / n) for n in names), notes)
+    return place.named(result)
 
 
 def _prepare(view: View, target: Target, request: ConvertRequest) -> tuple[Checkpoint, PreparedConversion]:
@@ -101,10 +101,10 @@ def _prepare(view: View, target: Target, request: ConvertRequest) -> tuple[Check
 
 
 def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt: Checkpoint,
-           progress: Callable[[int], None] | None) -> list[str]:
+           context: WriteContext) -> list[str]:
     with write_errors(out):
-        names = prepared.target.write(prepared, staged.tmp, staged.own, progress)
+        names = prepared.target.write(prepared, staged.tmp, staged.own, context)
         if client:
-            written = write_sidecar(ckpt.client_state, out, staged.own, into=staged.tmp)
+            written = write_sidecar(ckpt.client_state, out, staged.own, context, into=staged.tmp)
             names += [p.name for p in (written, tensors_companion(written)) if p.exists()]
     return names

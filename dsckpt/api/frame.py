@@ -1,12 +1,15 @@
-"""The frame every writing verb (``consolidate``, ``reshard``, ``convert``) runs its steps in, at 1 or N processes.
+"""The frame every writing verb (``consolidate``, ``reshard``, ``convert``, ``into_deepspeed``) runs its steps in,
+at 1 or N processes.
 
-1. OUT's folder exists (before a distributed run makes its view there) and the input is a checkpoint, not a
-   weights file (``paths.require_checkpoint``: the same verdict on every process);
-2. the view of the checkpoint (``parallel.view``: the checkpoint itself for one process);
-3. the verb's own steps, which stage OUT through ``Frame.stage`` and write inside ``Frame.checked_reads``;
+1. ``destination``: where OUT is written - OUT itself, or for a URL a local staging folder, uploaded (what a reader
+   looks for last) when the verb's block ends without error, its safetensors files and zips streamed to the store
+   as they are written (``io.stream``); ``Destination.named`` gives the verb's result the URLs;
+2. ``writing``: OUT's folder exists (before a distributed run makes its view there) and the input is a checkpoint,
+   not a weights file (``paths.require_checkpoint``: the same verdict on every process); the view of the
+   checkpoint (``parallel.view``: the checkpoint itself for one process);
+3. the verb's own steps, which stage OUT through ``Frame.stage`` and write inside ``Frame.checked_reads`` with the
+   ``WriteContext`` it yields (``io.context``: the one context every format, target, writer and reader gets);
 4. on any error the staged output is abandoned; the view is closed either way.
-A checkpoint in object storage is a view like any other; an OUT in object storage is staged and uploaded around
-the verb, its safetensors files streamed to the store as they are written (``uploading``).
 """
 from __future__ import annotations
 
@@ -15,17 +18,19 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Iterator, TypeVar
 
 from ..errors import InconsistentCheckpointError
-from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources, recording
+from ..formats.storage import LocalStorage
+from ..io.context import Progress, WriteContext
+from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources
 from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
 from ..io.remote import is_url
 from ..io.parts import streamable
-from ..io.stream import Streams, streaming
+from ..io.multipart import Streams
 from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from .paths import require_checkpoint
@@ -33,42 +38,68 @@ from .paths import require_checkpoint
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-R = TypeVar("R", bound="DataclassInstance")  # a verb's result: a dataclass whose paths ``uploading`` rewrites
+R = TypeVar("R", bound="DataclassInstance")  # a verb's result: a dataclass whose paths ``Destination.named`` rewrites
+
+
+@dataclass
+class Destination:
+    """Where a writing verb writes OUT (see the module docstring)."""
+    path: Path  # OUT, or the local staging folder of a URL OUT
+    url: str | None = None
+    streams: Streams | None = None  # the multipart uploads OUT's files stream to (a URL OUT in a store that takes parts)
+    files: tuple[str, ...] = ()  # a URL OUT's objects, once uploaded
+
+    def named(self, result: R) -> R:
+        """The verb's result naming what the user typed: the URLs instead of the staging folder's paths."""
+        if self.url is None:
+            return result
+        changes: dict = {"out": self.url, "files": self.files}
+        if getattr(result, "client_state", None) is not None:
+            changes["client_state"] = next((f for f in self.files if ".client_state." in f.rsplit("/", 1)[-1]), None)
+        return dataclasses.replace(result, **changes)
 
 
 @dataclass
 class Frame:
     group: Group
     view: View
+    streams: Streams | None = None
     staged: Staged | None = None
+    storage: LocalStorage = dataclasses.field(default_factory=LocalStorage)  # the checkpoint's, for every read
+
+    def context(self, ledger: Ledger | None = None, progress: Progress | None = None) -> WriteContext:
+        """The write's context (``io.context``): the frame's storage and streams, OUT's staged temp as durable."""
+        durable = self.staged.durable if self.staged is not None else ()
+        return WriteContext(self.storage, ledger, self.streams, durable, progress)
 
     @contextlib.contextmanager
-    def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = ()) -> Iterator[list[str]]:
+    def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = (),
+                      progress: Progress | None = None) -> Iterator[tuple[WriteContext, list[str]]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
-        each process notes what its write reads; after it, processes that see the same files pool their notes and
-        each checks its share of the storages, reading only what nobody read.  Processes that see different files
-        (hosts with node-local disks) each check the files they hold, before writing.  Tensor parallel: the
-        ``replicas`` compared with the copies written first.  Yields the notes to report."""
+        each process notes what its write reads (the context yielded carries the ledger); after it, processes that
+        see the same files pool their notes and each checks its share of the storages, reading only what nobody
+        read.  Processes that see different files (hosts with node-local disks) each check the files they hold,
+        before writing.  Tensor parallel: the ``replicas`` compared with the copies written first.  Yields the
+        write's context and the notes to report."""
         if not enabled:
-            yield [SKIPPED_NOTE]
+            yield self.context(progress=progress), [SKIPPED_NOTE]
             return
         pieces = list(pieces) + [p for r in replicas for p in r.source.pieces]
         if not (self.view.direct or self.view.shared):
             self.group.step(lambda: check_sources(pieces, self.view.owns))
             self.group.step(lambda: check_replicas(replicas, self.view.owns))
-            yield []
+            yield self.context(progress=progress), []
             return
         ledger = Ledger()
 
         def replicas_agree() -> None:
             try:
-                check_replicas(replicas, self.view.owns)
+                check_replicas(replicas, self.view.owns, ledger)
             except InconsistentCheckpointError:
                 ledger.check(pieces)  # a damaged byte is the better answer, when it is one
                 raise
-        with recording(ledger):
-            self.group.step(replicas_agree)
-            yield []
+        self.group.step(replicas_agree)
+        yield self.context(ledger, progress), []
         if self.group.size == 1:
             ledger.check(pieces)
             return
@@ -85,11 +116,12 @@ class Frame:
 
 
 @contextlib.contextmanager
-def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Path, trust: bool) -> Iterator[Frame]:
-    check_parent(out)
+def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Destination,
+            trust: bool) -> Iterator[Frame]:
+    check_parent(out.path)
     group.step(lambda: require_checkpoint(checkpoint))
-    frame = Frame(group, build_view(group, str(checkpoint) if is_url(checkpoint) else Path(checkpoint), tag, out.parent,
-                                    trust))
+    frame = Frame(group, build_view(group, str(checkpoint) if is_url(checkpoint) else Path(checkpoint), tag,
+                                    out.path.parent, trust), out.streams)
     try:
         yield frame
     except BaseException:
@@ -98,13 +130,21 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: P
         raise
     finally:
         frame.view.close()
+        frame.storage.close()
 
 
-def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], stream: bool = True) -> R:
-    """A verb whose OUT is a URL (``io.upload``): ``run(local)`` publishes into a staging folder as it would locally,
-    then rank 0 uploads it (what a reader looks for last) and the result names the URLs.  With ``stream`` (and a
-    store that takes parts: ``io.parts``) its safetensors files and zips go to the store as they are written
-    (``io.stream``): every process's uploads are handed to rank 0, which completes them in that order."""
+@contextlib.contextmanager
+def destination(group: Group, out: str | os.PathLike, force: bool, stream: bool = True) -> Iterator[Destination]:
+    """OUT for the verb's block (see the module docstring).  A URL: rank 0 refuses an existing OUT without ``force``
+    before any work, the block writes into a local staging folder, and when it ends without error rank 0 uploads
+    it (``io.upload``).  With ``stream`` (and a store that takes parts: ``io.parts``) the block's safetensors files
+    and zips go to the store as they are written: every process's uploads are handed to rank 0, which completes
+    them in that order; whatever no process completed is aborted."""
+    if not is_url(out):
+        yield Destination(Path(out))
+        return
+    url = str(out)
+
     def start() -> Upload | None:
         if group.rank != 0:
             return None
@@ -122,19 +162,15 @@ def uploading(group: Group, url: str, force: bool, run: Callable[[Path], R], str
         local = Path(group.broadcast(str(upload.local) if upload else None, 0))
         local.parent.mkdir(parents=True, exist_ok=True)  # (another host's processes do not write; the folder is there)
         streams = Streams(url, local) if stream and streamable(url) else None
-        with streaming(streams) if streams else contextlib.nullcontext():
-            result = run(local)
+        place = Destination(local, url, streams)
+        yield place
         handed = group.gather(streams.handed_over() if streams else [])
         if upload and streams:
             streams.adopt([u for uploads in handed for u in uploads])
             upload.streams = streams
-        files = group.broadcast(group.step(lambda: upload.publish() if upload else None), 0)
+        place.files = tuple(group.broadcast(group.step(lambda: upload.publish() if upload else None), 0))
     finally:
         if streams:
             streams.close()  # (what no process completed: aborted)
         if upload:
             upload.close()
-    changes: dict = {"out": url, "files": tuple(files)}
-    if getattr(result, "client_state", None) is not None:
-        changes["client_state"] = next((f for f in files if ".client_state." in f.rsplit("/", 1)[-1]), None)
-    return dataclasses.replace(result, **changes)

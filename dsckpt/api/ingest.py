@@ -22,6 +22,7 @@ from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
 from ..formats.dcp import METADATA_FILE, read_contents, read_index
 from ..formats.pickle_writer import dumps
+from ..io.context import WriteContext
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..io.output import check_output, write_errors
@@ -38,7 +39,7 @@ from ..plan.training_state import ParamGroup, TrainingState
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
-from .frame import uploading
+from .frame import Destination, destination
 from .paths import classify, weights_in
 from .resharding import Pickled, carry_only_allowed, check_written, write_files
 
@@ -91,19 +92,25 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
     ``force``: write into an existing OUT (``latest`` and the tag replaced).  ``group``: the processes of a
     torchrun run sharing the rank files (None: one process); OUT must be on storage they all see.
     """
-    if is_url(out):
-        arguments = {k: v for k, v in locals().items() if k != "out"}
-        return uploading(group or ONE_PROCESS, str(out), force, lambda local: into_deepspeed(out=local, **arguments))
     group = group or ONE_PROCESS
-    if is_url(source):  # fetched whole into a scratch folder (disk, not memory), removed after
-        arguments = {k: v for k, v in locals().items() if k != "source"}
-        with fetched(str(source), group or ONE_PROCESS) as local:
-            return into_deepspeed(source=local, **arguments)
     module_dtype = BY_LABEL.get(str(dtype))
     if module_dtype is None:
         raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
-    folder, out = Path(source), Path(out)
     check_layout(world_size, stage, module_dtype)
+    with destination(group, out, force) as dest, \
+            (fetched(str(source), group) if is_url(source) else contextlib.nullcontext(Path(source))) as folder:
+        result = _write(folder, dest, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files,
+                        trainer_state, tag, force, fsync, group, progress, progress_total)
+    return dest.named(result)
+
+
+def _write(folder: Path, dest: Destination, world_size: int, stage: int, module_dtype: str, model: ModelNames | None,
+           group_order: tuple[str, ...] | None, param_groups: tuple[ParamGroup, ...] | None, trainer_files: bool,
+           trainer_state: dict[str, Any] | None, tag: str | None, force: bool, fsync: bool, group: Group,
+           progress: Callable[[int], None] | None,
+           progress_total: Callable[[int], None] | None) -> IntoDeepSpeedResult:
+    """``into_deepspeed`` once its source is a local folder (a URL's fetched) and its OUT known."""
+    out = dest.path
     found, plan, pickled, inputs, root = group.step(lambda: _prepare(folder, world_size, stage, module_dtype, model,
                                                                       group_order, param_groups, trainer_files, tag))
     total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
@@ -120,8 +127,9 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
     try:
         with write_errors(out):
             staged.create()
-            group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, progress))
-            group.step(lambda: _finish(staged.tmp, plan, trainer_state) if staged.leads else None)
+            with WriteContext(streams=dest.streams, durable=staged.durable, progress=progress) as context:
+                group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, context))
+                group.step(lambda: _finish(staged.tmp, plan, trainer_state, context) if staged.leads else None)
             staged.publish()
     except BaseException:
         staged.abort()
@@ -180,14 +188,14 @@ def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model
     return found, plan, {f.name: dumps(f.tree) for f in plan.files}, inputs, root
 
 
-def _finish(tmp: Path, plan: ReshardPlan, trainer_state: dict[str, Any] | None) -> None:
+def _finish(tmp: Path, plan: ReshardPlan, trainer_state: dict[str, Any] | None, context: WriteContext) -> None:
     """The leader's last word before publishing: ``latest``, the HF Trainer's files, the result re-read."""
     (tmp / L.LATEST_FILE).write_text(plan.tag)
     scheduler = plan.files[0].tree.get("lr_scheduler")
     if scheduler is not None:
         (tmp / TRAINER_STATE).write_text(json.dumps({**TRAINER_STATE_AT_START, **(trainer_state or {})}))
-        with Reader() as reader:  # the Trainer loads its own scheduler's state (weights_only)
-            write_pickled(tmp / TRAINER_SCHEDULER, dumps(scheduler), reader)
+        with Reader(context) as reader:  # the Trainer loads its own scheduler's state (weights_only)
+            write_pickled(tmp / TRAINER_SCHEDULER, dumps(scheduler), reader, replace(context, progress=None))
     check_written(tmp, plan)
 
 

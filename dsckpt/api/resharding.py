@@ -30,12 +30,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..formats.pickle_writer import StorageOut, dumps
+from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
-from ..io.remote import is_url
-from .frame import uploading, writing
+from .frame import destination, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
@@ -84,43 +84,43 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
     run sharing the work (None: one process); target rank r's files are written on the host of process
     ``r * N // M`` (torchrun numbers processes host by host), or all on rank 0's with ``gather``.
     """
-    if is_url(out_dir):  # staged here, uploaded after (frame.uploading)
-        arguments = {k: v for k, v in locals().items() if k != "out_dir"}
-        return uploading(group or ONE_PROCESS, str(out_dir), force, lambda local: reshard(out_dir=local, **arguments))
     group = group or ONE_PROCESS
-    out = Path(out_dir)
-    with writing(group, checkpoint, tag, out, trust) as frame:
-        view = frame.view
-        ckpt, prepared = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
-        plan = prepared.plan
-        inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
-        group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
-        if progress_total:
-            progress_total(prepared.total)
-        groups = storage_groups(group, out)
-        items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
-        place = Placement(world_size, group, groups, gather)
-        receiving = {g for name, _ in items for g in place.destinations(name)}
-        staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
-        mine = []
-        for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
-            members = groups.members(leader)
-            here = [item for item in items if leader in place.destinations(item[0])]
-            mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
-        files = [obj for _, obj in mine if not isinstance(obj, Copy)]
-        copies = [obj for _, obj in mine if isinstance(obj, Copy)]
-        fetch(group, view, ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
-        everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
-        with write_errors(out):
-            with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc) as crc_notes:
-                group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, progress)
-                           if files or copies else None)
-            group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
-            staged.publish()
-    published = [name for name, _ in items if staged.leader in place.destinations(name)]
-    return ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
-                         tuple(str(out / name) for name in published + [L.LATEST_FILE]), prepared.total,
-                         prepared.notes + tuple(crc_notes), plan.world_size * ckpt.grid.tp * ckpt.grid.pp)
+    with destination(group, out_dir, force) as dest:
+        out = dest.path
+        with writing(group, checkpoint, tag, dest, trust) as frame:
+            view = frame.view
+            ckpt, prepared = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
+            plan = prepared.plan
+            inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
+            group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
+            if progress_total:
+                progress_total(prepared.total)
+            groups = storage_groups(group, out)
+            items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
+            place = Placement(world_size, group, groups, gather)
+            receiving = {g for name, _ in items for g in place.destinations(name)}
+            staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
+            mine = []
+            for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
+                members = groups.members(leader)
+                here = [item for item in items if leader in place.destinations(item[0])]
+                mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
+            files = [obj for _, obj in mine if not isinstance(obj, Copy)]
+            copies = [obj for _, obj in mine if isinstance(obj, Copy)]
+            fetch(group, view, ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
+            everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
+            with write_errors(out):
+                with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc,
+                                         progress=progress) as (context, crc_notes):
+                    group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, context)
+                               if files or copies else None)
+                group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
+                staged.publish()
+        published = [name for name, _ in items if staged.leader in place.destinations(name)]
+        result = ReshardResult(out, plan.tag, plan.stage, ckpt.zero_stage, plan.world_size, plan.source_world_size,
+                               tuple(str(out / name) for name in published + [L.LATEST_FILE]), prepared.total,
+                               prepared.notes + tuple(crc_notes), plan.world_size * ckpt.grid.tp * ckpt.grid.pp)
+    return dest.named(result)
 
 
 def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None,
@@ -215,17 +215,16 @@ def _pickle(f: OutputFile, trust: bool) -> Pickled:
 
 
 def write_files(plan: ReshardPlan, root: Path, files: Sequence[OutputFile], companions: Sequence[Copy],
-                pickled: Mapping[str, Pickled],
-                progress: Callable[[int], None] | None = None) -> None:
+                pickled: Mapping[str, Pickled], context: WriteContext) -> None:
     """``files`` (of ``plan.files``, pickled as ``PreparedReshard.pickled``) under ``root/<tag>/`` and the
-    ``companions`` beside it (root must exist)."""
+    ``companions`` beside it (root must exist), ``WRITE_THREADS`` files at once."""
     tag_dir = root / plan.tag
     tag_dir.mkdir(exist_ok=True)
-    report = _serialized(progress)
+    context = replace(context, progress=_serialized(context.progress))
 
     def write(f: OutputFile) -> None:
-        with Reader() as reader:
-            write_pickled(tag_dir / f.name, pickled[f.name], reader, report)
+        with Reader(context) as reader:
+            write_pickled(tag_dir / f.name, pickled[f.name], reader, context)
     biggest_first = sorted(files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
         for done in [pool.submit(write, f) for f in biggest_first]:

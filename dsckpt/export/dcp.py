@@ -30,6 +30,8 @@ from ..errors import DsckptError, MissingExtraError, OutputError, missing_module
 from .targets import ConvertRequest, PreparedConversion, Target, register_target
 
 if TYPE_CHECKING:  # (the plans and writers load with the first conversion, not with --help)
+    from ..io.context import WriteContext
+    from ..io.output import Staging
     from ..plan.consolidate import TensorPlan
     from ..plan.training_state import TrainingState
 
@@ -129,8 +131,7 @@ def _torch_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **settings}
 
 
-def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] | None = None,
-              fsync: bool = True) -> None:
+def write_dcp(state: TrainingState, out: Path, context: WriteContext, fsync: bool = True) -> None:
     """Write ``state`` as a DCP folder at ``out``."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -158,10 +159,10 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
         def write_data(self, plan, planner):
             name = f"{plan.storage_data.prefix}0{DATA_FILE_SUFFIX}"
             path = Path(self.path) / name
-            streamed = stream.target(path)  # OUT in object storage: the data file goes up as it is written
+            streamed = context.stream_target(path)  # OUT in object storage: the data file goes up as it is written
             window = _SinkWindow if streamed else _Window
             results = []
-            with (stream.ZipSink(*streamed, path) if streamed else open(path, "wb")) as f, Reader() as reader:
+            with (stream.ZipSink(*streamed, path) if streamed else open(path, "wb")) as f, Reader(context) as reader:
                 for item in plan.items:
                     offset = f.tell()
                     planned = sources.get(id(planner.lookup_object(item.index)))
@@ -170,8 +171,7 @@ def write_dcp(state: TrainingState, out: Path, progress: Callable[[int], None] |
                     elif planned is None:  # a tensor made here (a step count that was a number)
                         torch.save(planner.resolve_data(item), window(f))
                     else:
-                        write_archive(window(f), NewTensor(planned.dtype, planned.shape, planned),
-                                      reader, progress)
+                        write_archive(window(f), NewTensor(planned.dtype, planned.shape, planned), reader, context)
                     length = f.tell() - offset
                     results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
                 if fsync and not streamed:
@@ -216,9 +216,9 @@ class DcpTarget(Target):
         notes = ("weights only: no optimizer state written",) if request.weights_only else ()
         return PreparedConversion(self, ckpt.layout.tag_dir.name, tensors, nbytes, notes, pieces, (), state)
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging, progress) -> list[str]:
+    def write(self, prepared: PreparedConversion, tmp: Path, staging: Staging, context: WriteContext) -> list[str]:
         tmp.rmdir()  # torch's writer makes its own folder
-        write_dcp(prepared.detail, tmp, progress, staging.fsync)
+        write_dcp(prepared.detail, tmp, context, staging.fsync)
         return sorted(p.name for p in tmp.iterdir())
 
 

@@ -18,7 +18,8 @@ from ..errors import ConfigError, UnsafeCheckpointError
 from ..formats.json_file import read_json_object
 from ..plan.names import duplicate_aliases
 from ..zero.layout import TRUST_HINT, inside
-from .registry import Format, Listing, Prepared, Progress, Request, by_name, register
+from ..io.context import WriteContext
+from .registry import Format, Listing, Prepared, Request, by_name, register
 from ..formats.safetensors_file import INDEX_NAME
 from .sharded import read_sharded, replaced_shards
 
@@ -162,6 +163,8 @@ class HuggingFaceFormat(Format):
     directory = True
     selectable = False  # chosen by --hf
     reties_aliases = True  # transformers ties them from the config
+    takes_config = True
+    streams_tensors = True
     summary = "a folder from_pretrained loads: sharded safetensors + config, generation config, tokenizer"
 
     def resolve(self, root: Path, request: Request) -> Format:
@@ -177,12 +180,12 @@ class HuggingFaceFormat(Format):
             plan = duplicate_aliases(plan)  # the config unties the head: transformers wants both names stored
         return Prepared(self, plan, request, companions)
 
-    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, folder: Path, context: WriteContext) -> list[str]:
         from ..io.safetensors_writer import write_sharded
 
         plan = prepared.plan
         dtypes = {t.dtype for t in plan.tensors if t.kind != "buffer"} or {"F32"}
-        names = write_sharded(plan, folder, prepared.request.max_shard_bytes, progress)
+        names = write_sharded(plan, folder, prepared.request.max_shard_bytes, context)
         return names + [INDEX_NAME] + write_companions(prepared.companions, folder,
                                                        dtypes.pop() if len(dtypes) == 1 else "F32")
 

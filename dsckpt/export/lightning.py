@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import UnsupportedCheckpointError
 from ..formats.pickle_tree import opaque_class_paths
-from .registry import Format, Listing, Prepared, Progress, Request, register
+from ..io.context import WriteContext
+from .registry import Format, Listing, Prepared, Request, register
 
 WRAPPER_PREFIX = "_forward_module."  # Lightning's _LightningModuleWrapperBase around the user's module
 STATE_DICT = "state_dict"
@@ -73,13 +74,13 @@ class LightningFormat(Format):
                       "does not load (OUT stays loadable with torch.load(weights_only=True))" for k, c in dropped.items())
         return Prepared(self, plan, request, client_state=ckpt.client_state, notes=notes, pickled=pickled)
 
-    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, path: Path, context: WriteContext) -> list[str]:
         """One .ckpt: Lightning's checkpoint dict from the client state, plus ``state_dict``."""
         from ..io.read import Reader
         from ..io.torch_writer import write_pickled
 
-        with Reader() as reader:  # (client-state tensors are copied as stored: their storages' bytes)
-            write_pickled(path, prepared.pickled, reader, progress)
+        with Reader(context) as reader:  # (client-state tensors are copied as stored: their storages' bytes)
+            write_pickled(path, prepared.pickled, reader, context)
         return [path.name]
 
     def read(self, path: Path) -> Listing:

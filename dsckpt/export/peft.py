@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .registry import Format, Listing, Prepared, Progress, Request, register
+from ..io.context import WriteContext
+from .registry import Format, Listing, Prepared, Request, register
 
 if TYPE_CHECKING:  # (the plan's modules load with the first conversion, not with --help)
     from ..plan.consolidate import Plan
@@ -69,13 +70,13 @@ class PeftFormat(Format):
         return Prepared(self, adapter_plan(plan, root), request,
                         (config, find_companions(root, config, request.trust)))  # the tokenizer files
 
-    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, folder: Path, context: WriteContext) -> list[str]:
         import shutil
 
         from ..io.safetensors_writer import write_safetensors
 
         config, companions = prepared.companions
-        write_safetensors(list(prepared.plan.tensors), folder / ADAPTER_WEIGHTS, prepared.plan.metadata, progress)
+        write_safetensors(list(prepared.plan.tensors), folder / ADAPTER_WEIGHTS, prepared.plan.metadata, context)
         shutil.copyfile(config, folder / ADAPTER_CONFIG)
         for path in companions.others:
             shutil.copyfile(path, folder / path.name)

@@ -6,8 +6,15 @@ A format answers four questions, and nothing outside it asks them again:
 * **what it needs from the plan** - ``prepare(ckpt, plan, request)`` returns a ``Prepared``: the plan as
   this format writes it (names stripped, adapters picked, aliases duplicated), the companions it will
   copy, notes for the user; checks that can fail run here, before a byte is written;
-* **how it writes** - ``write(prepared, temp path, progress)`` returns the names written (the caller,
-  ``api.consolidation``, stages, verifies and publishes them: ``io.output``);
+* **how it writes** - ``write(prepared, temp path, context)`` returns the names written (the caller,
+  ``api.consolidation``, stages, verifies and publishes them: ``io.output``); every reader and writer it calls gets
+  ``context`` (``io.context.WriteContext``: the source storage, CRC ledger, streams, write-back, progress);
+* **how several processes write it** - a format that ``splits`` (one file filled in parts, a folder's shards dealt
+  out) answers ``share(prepared, k, n, streamed)``: the tensors writer ``k`` of ``n`` writes; then rank 0 calls
+  ``begin(prepared, temp path, context)`` once (its answer - a streamed file's upload id - is handed to every
+  writer) and each writer ``write_part(prepared, temp path, context, (k, n), begun)``; every writer returns the same
+  names.  A format that ``streams_tensors`` reads every tensor byte through the context's storage, so a checkpoint
+  in object storage may still be arriving while its parts go up;
 * **how it reads back** - ``read(path)`` lists ``Stored`` tensors (name, dtype, shape, absolute byte range)
   for ``--verify``, ``inspect``, ``diff`` and the full-weights reader.
 
@@ -30,10 +37,10 @@ from ..errors import OutputError
 from .plugins import Plugins
 
 if TYPE_CHECKING:
-    from ..plan.consolidate import Plan
+    from ..io.context import WriteContext
+    from ..plan.consolidate import Plan, TensorPlan
     from ..zero.reader import Checkpoint
 
-Progress = Callable[[int], None]
 BUILTIN_MODULES = ("safetensors", "sharded", "torch_file", "hf", "peft", "lightning")  # registration order
 
 
@@ -101,6 +108,9 @@ class Format:
     reties_aliases: bool = False  # loading OUT re-ties tied names itself (shared storage, a config)
     exclude_frozen: bool = False  # its plan leaves frozen parameters out (an adapter)
     duplicates_tied: bool = True  # honours --duplicate-tied (a torch file shares one storage instead)
+    takes_config: bool = False  # writes the model config ``Request.config`` names (``--config``)
+    splits: bool = False  # several writers fill one output (``share``, ``begin``, ``write_part``)
+    streams_tensors: bool = False  # every tensor byte read through the context's storage, streamed to a URL OUT
     summary: str = ""  # one line for --help
 
     def resolve(self, root: Path, request: Request) -> "Format":
@@ -110,7 +120,25 @@ class Format:
     def prepare(self, ckpt: "Checkpoint", plan: "Plan", request: Request) -> Prepared:
         return Prepared(self, plan, request)
 
-    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, path: Path, context: "WriteContext") -> list[str]:
+        raise NotImplementedError
+
+    def share(self, prepared: Prepared, k: int, n: int, streamed: bool) -> list["TensorPlan"]:
+        """The tensors writer ``k`` of ``n`` writes (``streamed``: OUT goes to a bucket as it is written); by
+        default the plan's tensors dealt by bytes (``plan.deal``)."""
+        from ..plan.deal import dealt
+
+        tensors = prepared.plan.tensors
+        owners = dealt([t.nbytes for t in tensors], n)
+        return [t for t, owner in zip(tensors, owners) if owner == k]
+
+    def begin(self, prepared: Prepared, path: Path, context: "WriteContext") -> Any:
+        """Rank 0, before any part is written (a format that splits): what every writer's ``write_part`` gets."""
+        return None
+
+    def write_part(self, prepared: Prepared, path: Path, context: "WriteContext", part: tuple[int, int],
+                   begun: Any) -> list[str]:
+        """Writer ``part[0]`` of ``part[1]``'s share of OUT (a format that splits); the names of all of OUT."""
         raise NotImplementedError
 
     def read(self, path: Path) -> Listing:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptFileError, OutputError
 from ..formats.safetensors_file import INDEX_NAME, INDEX_SUFFIX, SHADOWING_WEIGHTS, check_shard_names, read_index
-from .registry import Format, Listing, Prepared, Progress, register
+from ..io.context import WriteContext
+from .registry import Format, Listing, Prepared, register
 from .safetensors import read_safetensors
+
+if TYPE_CHECKING:
+    from ..plan.consolidate import TensorPlan
 
 
 
@@ -51,11 +56,27 @@ class ShardedFormat(Format):
     directory = True
     default_for_folders = True
     summary = "a folder: sharded safetensors + model.safetensors.index.json"
+    splits = True
+    streams_tensors = True
 
-    def write(self, prepared: Prepared, folder: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, folder: Path, context: WriteContext) -> list[str]:
+        return self.write_part(prepared, folder, context, (0, 1), None)
+
+    def share(self, prepared: Prepared, k: int, n: int, streamed: bool) -> list[TensorPlan]:
+        """Whole shards dealt out by bytes."""
+        from ..io.safetensors_writer import shard
+        from ..plan.deal import dealt
+
+        shards = shard(prepared.plan.tensors, prepared.request.max_shard_bytes)
+        owners = dealt([sum(t.nbytes for t in tensors) for tensors in shards], n)
+        return [t for tensors, owner in zip(shards, owners) if owner == k for t in tensors]
+
+    def write_part(self, prepared: Prepared, folder: Path, context: WriteContext, part: tuple[int, int],
+                   begun: None) -> list[str]:
+        """Writer k's shards, and with k == 0 the index."""
         from ..io.safetensors_writer import write_sharded
 
-        return write_sharded(prepared.plan, folder, prepared.request.max_shard_bytes, progress) + [INDEX_NAME]
+        return write_sharded(prepared.plan, folder, prepared.request.max_shard_bytes, context, part) + [INDEX_NAME]
 
     def read(self, path: Path) -> Listing:
         return read_sharded(path)

@@ -23,6 +23,7 @@ from ..formats import metadata as M
 from ..formats.pickle_policy import Opaque, TensorRef
 
 if TYPE_CHECKING:
+    from ..io.context import WriteContext
     from ..io.output import Staging
 
 JSON_SUFFIX = ".client_state.json"
@@ -107,9 +108,13 @@ def _hashable(v: Any) -> Any:
     return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
 
 
-def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", into: Path | None = None) -> Path:
+def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", context: "WriteContext",
+                  into: Path | None = None) -> Path:
     """Stage OUT's sidecar (JSON, plus a safetensors companion when the state holds tensors): beside a file OUT;
-    ``into``: the staged folder of a folder OUT, written in place there (the folder is published whole)."""
+    ``into``: the staged folder of a folder OUT, written in place there (the folder is published whole).  Its bytes
+    are not counted in ``context``'s progress (OUT's total does not hold them)."""
+    from dataclasses import replace
+
     from ..plan.consolidate import TensorPlan
     from ..plan.segments import ref_segments
     from ..io.safetensors_writer import write_safetensors
@@ -121,7 +126,8 @@ def write_sidecar(client_state: dict[str, Any], out: Path, stage: "Staging", int
            "client_state": encode(client_state, tensors)}
     if tensors:
         plans = [TensorPlan(k, t.shape, t.dtype, t.dtype, "client", ref_segments(t)) for k, t in tensors.items()]
-        write_safetensors(plans, place(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT})
+        write_safetensors(plans, place(tensors_path), {M.FORMAT: M.SIDECAR_TENSORS_FORMAT},
+                          replace(context, progress=None))
     elif into is None and tensors_path.exists():
         stage.remove_on_commit([tensors_path])  # a companion left by an earlier --force run would be misread as ours
     elif into is not None and (out / FOLDER_TENSORS).exists():

@@ -4,18 +4,23 @@ A ``Target`` writes a ZeRO run's training state (``plan.training_state``) as a f
 1. ``check(request)``: refusals that need no checkpoint (an option it does not take, a missing extra);
 2. ``prepare(ckpt, state, request)``: everything decided before a byte moves - what is written, the notes, the
    byte total and the source pieces its writer reads (a distributed run moves those to the writer first);
-3. ``write(prepared, tmp, staging, progress)``: the files into the staged folder ``tmp`` (``staging`` takes
-   files that go beside it); returns the names written under ``tmp``.
+3. ``write(prepared, tmp, staging, context)``: the files into the staged folder ``tmp`` (``staging`` takes
+   files that go beside it), every reader and writer given ``context`` (``io.context.WriteContext``); returns the
+   names written under ``tmp``.
 The built-ins (``universal``, ``dcp``) import themselves on first use; ``register_target`` adds one beside them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import OutputError
 from .plugins import Plugins
+
+if TYPE_CHECKING:
+    from ..io.context import WriteContext
+    from ..io.output import Staging
 
 BUILTIN_MODULES = ("universal", "dcp")
 
@@ -51,8 +56,7 @@ class Target:
     def prepare(self, ckpt, state, request: ConvertRequest) -> PreparedConversion:
         raise NotImplementedError
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging,
-              progress: Callable[[int], None] | None) -> list[str]:
+    def write(self, prepared: PreparedConversion, tmp: Path, staging: "Staging", context: "WriteContext") -> list[str]:
         raise NotImplementedError
 
 

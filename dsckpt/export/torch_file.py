@@ -6,7 +6,8 @@ from pathlib import Path
 
 from ..errors import CorruptFileError
 from ..zero.layout import RANK_FILE_RE
-from .registry import Format, Listing, Prepared, Progress, Stored, register
+from ..io.context import WriteContext
+from .registry import Format, Listing, Prepared, Stored, register
 
 
 def read_torch(path: Path) -> Listing:
@@ -37,10 +38,10 @@ class TorchFormat(Format):
     duplicates_tied = False
     summary = "a torch state dict (loads with weights_only=True)"
 
-    def write(self, prepared: Prepared, path: Path, progress: Progress | None) -> list[str]:
+    def write(self, prepared: Prepared, path: Path, context: WriteContext) -> list[str]:
         from ..io.torch_writer import write_torch
 
-        write_torch(prepared.plan, path, progress)
+        write_torch(prepared.plan, path, context)
         return [path.name]
 
     def read(self, path: Path) -> Listing:

@@ -18,6 +18,8 @@ from .targets import ConvertRequest, PreparedConversion, Target, register_target
 
 if TYPE_CHECKING:  # (the plans and writers load with the first conversion, not with --help)
     from ..formats.pickle_writer import StorageOut
+    from ..io.context import WriteContext
+    from ..io.output import Staging
     from ..plan.universal import UniversalFile, UniversalPlan
 
 
@@ -55,21 +57,21 @@ class UniversalTarget(Target):
         return PreparedConversion(self, plan.tag, tensors, nbytes, tuple(notes), pieces,
                                   tuple(src for src, _ in plan.copies), (plan, pickled))
 
-    def write(self, prepared: PreparedConversion, tmp: Path, staging, progress) -> list[str]:
+    def write(self, prepared: PreparedConversion, tmp: Path, staging: Staging, context: WriteContext) -> list[str]:
         from ..io.read import Reader
         from ..io.torch_writer import write_pickled
 
         plan, pickled = prepared.detail
         tag_dir = tmp / plan.tag
-        with Reader() as reader:
+        with Reader(context) as reader:
             for p in pickled:
                 path = tag_dir / p.file.name
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_pickled(path, (p.data, p.storages), reader, progress)
+                write_pickled(path, (p.data, p.storages), reader, context)
         for source, name in plan.copies:
             shutil.copyfile(source, tag_dir / name)
-            if progress:
-                progress(source.stat().st_size)
+            if context.progress:
+                context.progress(source.stat().st_size)
         (tmp / L.LATEST_UNIVERSAL_FILE).write_text(plan.tag)
         _check_written(tmp, plan)
         return [f"{plan.tag}/{f.name}" for f in plan.files] + [f"{plan.tag}/{n}" for _, n in plan.copies] \

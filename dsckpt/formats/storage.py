@@ -3,9 +3,10 @@
 The plans name bytes as (path, offset, length) - ``plan.segments.Segment`` - and stay as they are; a ``Storage``
 turns such names into bytes and staged outputs into published ones.  ``LocalStorage`` is today's fast path:
 descriptors opened once per file and shared by threads (positional reads need no seek), ``pread``/``preadv``
-into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  The writers'
-kernel-side copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.safetensors_writer``) are local-only and stay
-with them.  Checkpoints in object storage reach these readers as local views filled by ranged GETs (``io.remote``);
+into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  Kernel-side
+copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.filecopy``) are a capability a backend offers
+(``kernel_copies``, through ``fd``).  Checkpoints in object storage reach these readers as local views filled by
+ranged GETs (``io.remote``; ``ArrivingStorage`` while the fill runs);
 outputs in object storage are staged here and uploaded, their safetensors files streamed (``io.stream``).
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any, BinaryIO, Callable, Iterable, Protocol
 
 from .positional import pread_exact
 
-ARRIVING: list = []  # fills in progress (``io.remote.arriving``): a read waits until its range has landed
 TEMP_MARK = ".dsckpt-tmp-"  # in every staged name: `.<name>.dsckpt-tmp-<pid>-<id>` (a run's, until published)
 
 
@@ -71,6 +71,8 @@ class Storage(Protocol):
 class LocalStorage:
     """A POSIX file system (see the module docstring); one instance may be shared by threads."""
 
+    kernel_copies = True  # its files may be copied kernel-side through ``fd`` (``io.filecopy``)
+
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -97,8 +99,6 @@ class LocalStorage:
             return self._fds[name]
 
     def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
-        if ARRIVING:  # a view of a checkpoint in object storage, filled while this reads (``io.remote.Arrivals``)
-            ARRIVING[-1].wait(name, offset, nbytes)
         return pread_exact(self.fd(name), nbytes, offset, name, into)
 
     def advise(self, name: Path, ranges: Iterable[tuple[int, int]]) -> None:

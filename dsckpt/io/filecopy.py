@@ -7,7 +7,8 @@ output, one of three ways:
    ``MAPPED_SLICE`` at a time, each slice checksummed just after it was written (still in the core's cache).
    The kernel's own copy runs at half speed out of step (docs/dev/performance-log.md 17, 27);
 3. otherwise ``copy_file_range`` (kernel to kernel, no user copy).
-What passes through user space is noted for the integrity check (``io.integrity.note``): ways 1 and 2.
+What passes through user space is noted in the write's ``ledger`` for the integrity check (``io.integrity``):
+ways 1 and 2.
 ``copy_pieces`` (several threads each filling a file: reshard's rank files, ``io.read.Reader.copy_storage``)
 writes a source's pieces (``plan.segments``: segments and zero fills) one after another through the thread's own
 ``BUFFER``, read, written and checksummed a buffer at a time, and returns their CRC-32 for the zip entry.
@@ -21,14 +22,16 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
 from ..formats.positional import pwrite_all
 from ..plan.segments import Segment, Zeros
 from . import writeback
-from .integrity import note, recording_now
+
+if TYPE_CHECKING:
+    from .integrity import Ledger
 
 SMALL_COPY = 64 << 10  # up to this: pread and pwrite (most ZeRO-3 pieces of norms and biases are a few KB)
 MAP_WINDOW = 8 << 20  # mapped at a time: page-cache pages, counted in RSS only while mapped
@@ -41,19 +44,20 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: every page mapped up 
 
 
 def copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path,
-               started: writeback.Started = writeback.skip) -> None:
+               started: writeback.Started = writeback.skip, ledger: "Ledger | None" = None) -> None:
     """``nbytes`` from ``src_off`` of one file (``src_path``, named in errors) to ``dst_off`` of another (see the
-    module docstring)."""
+    module docstring); what passes through user space noted in ``ledger``."""
     if nbytes <= SMALL_COPY:
         data = os.pread(src_fd, nbytes, src_off)
         if len(data) < nbytes:
             raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
         pwrite_all(dst_fd, data, dst_off)
-        note(src_path, src_off, data)
+        if ledger is not None:
+            ledger.add(src_path, src_off, data)
         started(dst_off, nbytes)
         return
     if _MAP_POPULATE and (src_off - dst_off) % mmap.PAGESIZE:
-        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path, started)
+        nbytes, src_off, dst_off = _copy_mapped(src_fd, dst_fd, nbytes, src_off, dst_off, src_path, started, ledger)
     while nbytes:
         try:
             n = os.copy_file_range(src_fd, dst_fd, nbytes, src_off, dst_off)
@@ -67,9 +71,9 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int
 
 def copy_pieces(pieces: Iterable[Segment | Zeros], fd: Callable[[Path], int], dst_fd: int, dst_off: int,
                 started: writeback.Started = writeback.skip,
-                progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+                progress: Callable[[int], None] | None = None, ledger: "Ledger | None" = None) -> tuple[int, int]:
     """Each piece (``fd(path)``: its file's descriptor) written after the last from ``dst_off`` of ``dst_fd``; the
-    bytes written and their CRC-32."""
+    bytes written and their CRC-32 (each buffer's noted in ``ledger``)."""
     total, crc = 0, 0
     for piece in pieces:
         if not piece.nbytes:
@@ -79,7 +83,7 @@ def copy_pieces(pieces: Iterable[Segment | Zeros], fd: Callable[[Path], int], ds
             started(dst_off + total, piece.nbytes)
         else:
             piece_crc = _copy_buffered(fd(piece.path), dst_fd, piece.nbytes, piece.offset, dst_off + total,
-                                       piece.path, started)
+                                       piece.path, started, ledger)
         crc = crc32_combine(crc, piece_crc, piece.nbytes) if total else piece_crc
         total += piece.nbytes
         if progress:
@@ -88,7 +92,7 @@ def copy_pieces(pieces: Iterable[Segment | Zeros], fd: Callable[[Path], int], ds
 
 
 def _copy_buffered(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path,
-                   started: writeback.Started) -> int:
+                   started: writeback.Started, ledger: "Ledger | None") -> int:
     """``copy_range`` through this thread's ``BUFFER``; the range's CRC-32 (each buffer's noted)."""
     view = getattr(_THREAD, "buffer", None)
     if view is None:
@@ -100,7 +104,8 @@ def _copy_buffered(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off:
             raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
         pwrite_all(dst_fd, view[:n], dst_off + done)
         part_crc = crc32(view[:n])
-        note(src_path, src_off + done, view[:n], part_crc)
+        if ledger is not None:
+            ledger.add(src_path, src_off + done, view[:n], part_crc)
         started(dst_off + done, n)
         crc = crc32_combine(crc, part_crc, n) if done else part_crc
         done += n
@@ -117,14 +122,14 @@ def _write_zeros(fd: int, nbytes: int, offset: int) -> int:
 
 
 def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int, src_path: Path,
-                 started: writeback.Started) -> tuple[int, int, int]:
-    """Copy through mapped windows of the source, the CRC-32 of each noted where a write is recorded; returns what
+                 started: writeback.Started, ledger: "Ledger | None") -> tuple[int, int, int]:
+    """Copy through mapped windows of the source, the CRC-32 of each noted in ``ledger`` (if any); returns what
     is left (all of it where the source cannot be mapped, or is shorter than the range: the caller's loop then
     copies it, or reports the truncation).
     A page beyond a file truncated meanwhile fails the ``pwrite`` with EFAULT (an OSError), not the process with
     SIGBUS; a slice is checksummed only after its ``pwrite`` went through whole (a file changed while it is read is
     outside the threat model, docs/security.md)."""
-    with_crc = recording_now()
+    with_crc = ledger is not None
     while nbytes:
         n = min(MAP_WINDOW, nbytes)
         start = src_off % mmap.PAGESIZE
@@ -135,9 +140,9 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
             break
         with window, memoryview(window) as view:
             crc = _write_view(dst_fd, view, start, n, dst_off, with_crc)
-            if crc is not None and with_crc:
+            if crc is not None and ledger is not None:
                 with view[start:start + n] as copied:
-                    note(src_path, src_off, copied, crc)
+                    ledger.add(src_path, src_off, copied, crc)
         if crc is None:
             raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
         started(dst_off, n)

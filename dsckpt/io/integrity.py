@@ -6,8 +6,8 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
 * ``check_sources(pieces)``: the storages the pieces overlap (a piece of a ZeRO-1/2 flat partition checks the whole
   partition), each read once more into a reused buffer and checksummed (``formats.crc``: ISA-L where installed),
   files on a few threads.  Before writing: a distributed run's processes check the files they hold this way.
-* ``Ledger`` + ``recording``: while a write runs, the one reader and the mapped copy note the CRC-32 of each range
-  they pass through user space; ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
+* ``Ledger``: while a write runs, the one reader and the copies note there the CRC-32 of each range they pass
+  through user space (the write's context names the ledger: ``io.context``); ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
   and reads only what nobody read (partition padding, ranges copied kernel to kernel).  Several processes that see
   the same files pool what they noted (``spans``/``adopt``) and share the storages out (``share``), so the
   checkpoint is checked once, not once per process, and mostly from CRCs the writes computed anyway.
@@ -15,11 +15,10 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
@@ -84,34 +83,6 @@ class Ledger:
         failures = _run(ranges, stop_at_first=True, noted=self._spans, share=share)
         if failures:
             raise failures[0]
-
-
-_RECORDING: list[Ledger] = []  # the ledger of the write in progress (one per process at a time)
-
-
-@contextlib.contextmanager
-def recording(ledger: Ledger | None) -> Iterator[None]:
-    """Note the CRC of every source range read through user space while the block runs (None: note nothing)."""
-    if ledger is None:
-        yield
-        return
-    _RECORDING.append(ledger)
-    try:
-        yield
-    finally:
-        _RECORDING.remove(ledger)
-
-
-def recording_now() -> bool:
-    """A write is being recorded (a copy that bypasses the readers may note what it copied)."""
-    return bool(_RECORDING)
-
-
-def note(path: Path, offset: int, data, crc: int | None = None) -> None:
-    """Called by the readers with bytes they just read (and their CRC-32, if computed): noted when a write is
-    being recorded."""
-    if _RECORDING:
-        _RECORDING[-1].add(path, offset, data, crc)
 
 
 def check_files(paths: Iterable[Path]) -> None:

@@ -23,7 +23,6 @@ from typing import Iterable, Iterator
 from ..errors import CorruptFileError, OutputError
 from ..formats.safetensors_file import INDEX_SUFFIX
 from ..formats.storage import TEMP_MARK, LocalStorage, Storage
-from . import writeback
 
 
 def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: bool = False,
@@ -151,8 +150,6 @@ class Staging:
         if directory:
             tmp.mkdir()
         self._items.append((tmp, final, directory))
-        if self.fsync:
-            writeback.durable(tmp)
         return tmp
 
     def remove_on_commit(self, paths: Iterable[Path]) -> None:
@@ -165,7 +162,6 @@ class Staging:
 
     def publish(self) -> None:
         for tmp, final, directory in reversed(self._items):
-            writeback.forget(tmp)
             if directory and final.is_dir() and not final.is_symlink():
                 self.storage.merge_into(tmp, final, order=publish_order)
             else:
@@ -180,7 +176,6 @@ class Staging:
 
     def abort(self) -> None:
         for tmp, _, _ in self._items:
-            writeback.forget(tmp)
             self.storage.remove(tmp)
 
 

@@ -12,8 +12,8 @@
 4. ``copy_storage``: a local, uncast storage copied into the caller's file at its offset on the caller's thread
    (``io.filecopy.copy_pieces``), no prefetch hand-off, each buffer checksummed while in cache (a reshard's rank
    files are written this way: docs/dev/performance-log.md 27).
-Bytes come from a ``formats.storage.Storage`` (``LocalStorage``: descriptors opened once per file, shared by
-threads, positional reads).
+Bytes come from the write's context (``io.context.WriteContext``): its storage (``LocalStorage``: descriptors
+opened once per file, shared by threads, positional reads) and its ledger, where what is read is noted.
 
 A yielded chunk is valid until the next one is requested: copy it to keep it (``read`` does).  Reused buffers
 and the prefetch replace a fresh ``bytes`` per chunk read in turn (docs/dev/performance-log.md 12).
@@ -21,17 +21,20 @@ and the prefetch replace a fresh ``bytes`` per chunk read in turn (docs/dev/perf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from ..dtypes import ITEMSIZE, torch_dtype
 from ..errors import InconsistentCheckpointError
 from ..formats.crc import crc32, crc32_combine
 from ..formats.pickle_policy import TensorRef
-from ..formats.storage import ARRIVING, LocalStorage, Storage
+from ..formats.storage import LocalStorage
 from .filecopy import copy_pieces
-from .integrity import note, recording_now
 from .writeback import Started
 from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, storage_source
+
+if TYPE_CHECKING:
+    from .context import WriteContext
+    from .integrity import Ledger
 
 # Per read; two such buffers in flight: small enough to stay in cache for the write and the CRC that follow
 # (docs/dev/performance-log.md 16).
@@ -45,11 +48,13 @@ Chunk = bytes | bytearray | memoryview  # what a read hands a writer (a reused b
 class Reader:
     """Chunks of any ``ByteSource`` (see the module docstring); a context manager owning its files and thread."""
 
-    def __init__(self, files: Storage | None = None, chunk: int = CHUNK):
+    def __init__(self, context: "WriteContext | None" = None, chunk: int = CHUNK):
+        """``context``: the write's storage and ledger (None: a storage of its own, nothing noted)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.files = files or LocalStorage()
-        self._own_files = files is None
+        self.files = context.storage if context is not None else LocalStorage()
+        self.ledger = context.ledger if context is not None else None
+        self._own_files = context is None
         self.chunk = chunk
         self._buffers: tuple[bytearray, bytearray] | None = None  # (made at the first read: many Readers read nothing)
         self._zero_fill: memoryview | None = None
@@ -77,13 +82,13 @@ class Reader:
     def copy_storage(self, storage: Any, fd: int, offset: int, started: Started,
                      progress: Callable[[int], None] | None = None) -> tuple[int, int] | None:
         """A ``pickle_writer.StorageOut``'s bytes written into the file ``fd`` from ``offset`` (step 4): (bytes,
-        CRC-32).  None where it cannot be: a cast, a row-parallel join, files that are not local, a view still
-        arriving from object storage - the caller then streams ``storage_chunks``."""
+        CRC-32).  None where it cannot be: a cast, a row-parallel join, a storage without kernel-side copies (a view
+        still arriving from object storage) - the caller then streams ``storage_chunks``."""
         source = _source_of(storage)
-        if (source.src_dtype != source.dtype or not isinstance(self.files, LocalStorage) or ARRIVING
+        if (source.src_dtype != source.dtype or not self.files.kernel_copies
                 or isinstance(source.pieces, Interleaved)):
             return None
-        return copy_pieces(source.pieces, self.files.fd, fd, offset, started, progress)
+        return copy_pieces(source.pieces, self.files.fd, fd, offset, started, progress, self.ledger)
 
     def _stream(self, key: Any, source: ByteSource, then: Any, crc: bool) -> Iterator[tuple[Any, int | None]]:
         if source.src_dtype != source.dtype:
@@ -178,8 +183,9 @@ class Reader:
                 piece_crc = crc32(part) if crc else None
             else:
                 self.files.pread(piece.path, n, piece.offset + start, into=part)
-                piece_crc = crc32(part) if crc or recording_now() else None
-                note(piece.path, piece.offset + start, part, piece_crc)
+                piece_crc = crc32(part) if crc or self.ledger is not None else None
+                if self.ledger is not None:
+                    self.ledger.add(piece.path, piece.offset + start, part, piece_crc)
             if crc and piece_crc is not None:
                 joined = crc32_combine(joined, piece_crc, n) if pos else piece_crc
             pos += n
@@ -198,7 +204,8 @@ class Reader:
                     out = bytes(n // src_size * dst_size)
                 else:
                     raw = self.files.pread(piece.path, n, piece.offset + start)
-                    note(piece.path, piece.offset + start, raw)
+                    if self.ledger is not None:
+                        self.ledger.add(piece.path, piece.offset + start, raw)
                     out = cast_bytes(raw, source.src_dtype, source.dtype)
                 yield out, crc32(out) if crc else None
 
@@ -215,10 +222,13 @@ def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:
     return notes
 
 
-def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lambda path: True) -> None:
+def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lambda path: True,
+                   ledger: "Ledger | None" = None) -> None:
     """Tensor parallel: each TP rank's copy of a replicated parameter (``plan.consolidate.Replica``) equals the copy
-    written - compared by CRC-32 of the bytes, for the copies whose files ``reads`` accepts."""
+    written - compared by CRC-32 of the bytes, for the copies whose files ``reads`` accepts (what is read: noted in
+    ``ledger``)."""
     from ..formats.crc import crc32
+    from .context import WriteContext
 
     def crc(reader: Reader, source: ByteSource) -> int:
         value = 0
@@ -226,7 +236,7 @@ def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lamb
             value = crc32(chunk, value)
         return value
 
-    with Reader() as reader:
+    with WriteContext(ledger=ledger) as context, Reader(context) as reader:
         for replica in replicas:
             files = [p.path for src in (replica.source, replica.written) for p in src.pieces if isinstance(p, Segment)]
             if files and all(reads(f) for f in files) and crc(reader, replica.source) != crc(reader, replica.written):

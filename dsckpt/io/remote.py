@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import builtins
-import contextlib
 import functools
 import os
 import threading
@@ -29,12 +28,12 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, UnreadableFileError
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
-from ..formats.storage import ARRIVING
+from ..formats.storage import LocalStorage
 from ..plan.deal import dealt
 
 URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
@@ -286,14 +285,19 @@ class Arrivals:
                 raise self._error
 
 
-@contextlib.contextmanager
-def arriving(arrivals: Arrivals) -> Iterator[None]:
-    """Reads through ``LocalStorage.pread`` in the block wait for the ranges ``arrivals`` has not landed yet."""
-    ARRIVING.append(arrivals)
-    try:
-        yield
-    finally:
-        ARRIVING.remove(arrivals)
+class ArrivingStorage(LocalStorage):
+    """A view's files while a fill lands them: each read first waits for its range (``Arrivals.wait``); no
+    kernel-side copies (they would not wait)."""
+
+    kernel_copies = False
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        super().__init__()
+        self.arrivals = arrivals
+
+    def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
+        self.arrivals.wait(name, offset, nbytes)
+        return super().pread(name, nbytes, offset, into)
 
 
 def _merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

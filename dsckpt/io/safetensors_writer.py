@@ -4,7 +4,8 @@ The header is computed from the plan before any data moves; the file is then siz
 offsets.  Same-dtype segments move with ``os.copy_file_range`` (kernel to kernel, no user copy) or, where
 source and destination are out of step within a page, from a mapped window of the source (``io.filecopy``);
 segments that need a cast go through bounded chunks on a few threads; zero fills are already there (the file
-is sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.
+is sized with ``ftruncate``, which reads back as zeros).  Memory stays O(chunk), whatever the size.  The write's
+context (``io.context``) gives the source storage, the CRC ledger, write-back and the streams of a bucket OUT.
 """
 from __future__ import annotations
 
@@ -12,24 +13,22 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from ..dtypes import ITEMSIZE
 from ..formats.positional import pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
-from ..formats.storage import LocalStorage
-from . import stream, writeback
+from . import stream
+from .context import WriteContext
 from .inflight import InFlight
 from .filecopy import copy_range
-from .integrity import note
 from ..plan.consolidate import Plan, TensorPlan
 from ..plan.deal import dealt
 from .read import Reader
 
 CAST_CHUNK_BYTES = 16 << 20  # casts run on a few threads at once; each holds ~3 chunk-sized buffers
 CAST_THREADS = min(4, os.cpu_count() or 1)
-Progress = Callable[[int], None]
 
 
 def _chunks(t: TensorPlan, pos: int, chunk: int) -> Iterator[tuple[Path, int, int, int]]:
@@ -59,17 +58,18 @@ def _cast_pool(needed: bool):
 
 
 def write_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
-                      progress: Progress | None = None) -> None:
-    upload_id = create_safetensors(tensors, path, metadata)
-    fill_safetensors(tensors, path, metadata, progress, upload_id=upload_id)
+                      context: WriteContext) -> None:
+    upload_id = create_safetensors(tensors, path, metadata, context)
+    fill_safetensors(tensors, path, metadata, context, upload_id=upload_id)
 
 
-def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str]) -> str | None:
+def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
+                       context: WriteContext) -> str | None:
     """The file at its final size: header written, data zeros until filled.  Its blocks are allocated up front
     where the filesystem can (several writers filling it out of order would otherwise scatter them).
     A file of a run streaming to object storage (``io.stream``): an empty placeholder, and the multipart upload
     started - its id is returned, for the writers that fill it."""
-    streamed = stream.target(path)
+    streamed = context.stream_target(path)
     if streamed is not None:
         Path(path).touch()
         return streamed[0].start(streamed[1]).upload_id
@@ -88,45 +88,45 @@ def create_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str
     return None
 
 
-def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str],
-                     progress: Progress | None = None, part: tuple[int, int] = (0, 1),
-                     upload_id: str | None = None) -> None:
+def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, str], context: WriteContext,
+                     part: tuple[int, int] = (0, 1), upload_id: str | None = None) -> None:
     """Write the data of a created file: every tensor, or with ``part=(k, n)`` writer k's share (``dealt``: processes
     of a distributed run each fill their part of one file).  Same-dtype tensors: ``copy_file_range`` in this
     thread.  Cast tensors: chunks handed to a few threads (numpy and pread/pwrite release the GIL), each
     writing at its precomputed offset.  Streamed (``upload_id``): writer k uploads the k-th run of the parts."""
     header, offsets = safetensors_header(tensors, metadata)
     k, n = part
-    streamed = stream.target(path) if upload_id is not None else None
+    streamed = context.stream_target(path) if upload_id is not None else None
     if streamed is not None and upload_id is not None:
         streams, key = streamed
         parts = stream.my_parts(len(header) + sum(t.nbytes for t in tensors), k, n)
-        stream.stream_safetensors(streams, streams.join(key, upload_id), header, tensors, offsets, parts, progress)
+        stream.stream_safetensors(context, streams, streams.join(key, upload_id), header, tensors, offsets, parts)
         return
     owners = dealt([t.nbytes for t in tensors], n)
     mine = [(t, rel) for t, rel, owner in zip(tensors, offsets, owners) if owner == k]
     fd = os.open(path, os.O_WRONLY)
-    started = writeback.for_output(path, fd)
+    started = context.started(path, fd)
+    src, ledger, progress = context.storage, context.ledger, context.progress
 
     def cast_chunk(job, t: TensorPlan) -> int:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
         src_path, src_off, n, dst_off = job
         raw = src.pread(src_path, n, src_off)
-        note(src_path, src_off, raw)
+        if ledger is not None:
+            ledger.add(src_path, src_off, raw)
         written = pwrite_all(fd, cast_bytes(raw, t.src_dtype, t.dtype), dst_off)
         started(dst_off, written)
         return n // ITEMSIZE[t.src_dtype] * ITEMSIZE[t.dtype]
 
     try:
-        with LocalStorage() as src, _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool, \
-                Reader(src) as reader:
+        with _cast_pool(any(t.src_dtype != t.dtype for t, _ in mine)) as pool, Reader(context) as reader:
             casts = InFlight(pool, 2 * CAST_THREADS, progress)  # bounded memory: a few chunks in flight
             for t, rel in mine:
                 pos = len(header) + rel
-                if t.src_dtype == t.dtype and isinstance(t.pieces, Interleaved):
-                    # a row-parallel join: a run per row and TP rank, too small to copy one by one - read into
-                    # the reader's buffers, written a buffer at a time
+                if t.src_dtype == t.dtype and (isinstance(t.pieces, Interleaved) or not src.kernel_copies):
+                    # a row-parallel join (a run per row and TP rank, too small to copy one by one) or a storage
+                    # without kernel-side copies: read into the reader's buffers, written a buffer at a time
                     start = pos
                     for chunk in reader.chunks(t):
                         pos += pwrite_all(fd, chunk, pos)
@@ -136,7 +136,7 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
                 elif t.src_dtype == t.dtype:
                     for p in t.pieces:
                         if isinstance(p, Segment):  # (zero fills: see the module docstring)
-                            copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path, started)
+                            copy_range(src.fd(p.path), fd, p.nbytes, p.offset, pos, p.path, started, ledger)
                         pos += p.nbytes
                     if progress:
                         progress(t.nbytes)
@@ -160,7 +160,7 @@ def shard(tensors: tuple[TensorPlan, ...], max_bytes: int) -> list[list[TensorPl
     return shards
 
 
-def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress | None = None,
+def write_sharded(plan: Plan, folder: Path, max_bytes: int, context: WriteContext,
                   part: tuple[int, int] = (0, 1)) -> list[str]:
     """Hugging Face layout: model-0000i-of-0000N.safetensors + model.safetensors.index.json.  With
     ``part=(k, n)`` (a distributed run's writer k of n): writer k's shards (``dealt``), and the index if k == 0."""
@@ -171,7 +171,7 @@ def write_sharded(plan: Plan, folder: Path, max_bytes: int, progress: Progress |
     for i, group in enumerate(groups, 1):
         name = shard_name(i, n)
         if owners[i - 1] == part[0]:
-            write_safetensors(group, folder / name, plan.metadata, progress)
+            write_safetensors(group, folder / name, plan.metadata, context)
         weight_map.update({t.name: name for t in group})
         names.append(name)
     if part[0] == 0:

@@ -1,8 +1,9 @@
 """Outputs written straight into object storage: multipart parts assembled from the plan, or as a zip is written.
 
 A command whose OUT is an ``s3://``, ``gs://`` or ``az://`` URL (``io.parts``) stages OUT locally (``io.upload``),
-but its safetensors files and torch zips are not written there: ``io.safetensors_writer`` and ``io.torch_writer`` hand them
-here, and the staging folder keeps a placeholder under each name.  A safetensors file:
+but its safetensors files and torch zips are not written there: the write's context names the ``Streams``
+(``io.context.WriteContext.streams``), ``io.safetensors_writer`` and ``io.torch_writer`` hand such files here, and the
+staging folder keeps a placeholder under each name.  A safetensors file:
 1. layout: the header, then each tensor's bytes at the offset the header gives; the file cut into parts of
    ``part_size`` bytes, numbered from its start (so the writers of one file each upload their own parts);
 2. a part's bytes: the header's slice and each overlapping tensor's range cut from its pieces
@@ -17,35 +18,19 @@ uploaded after (``io.upload``).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ..dtypes import ITEMSIZE
-from ..errors import Interrupted
-from ..formats.storage import TEMP_MARK, LocalStorage
 from ..plan.consolidate import TensorPlan
 from ..plan.segments import TensorSource, clip
+from .context import WriteContext
 from .inflight import InFlight
+from .multipart import PARTS_IN_FLIGHT, Pending, Streams, chunksize
 from .read import Reader
-from .parts import BACKENDS
-from .remote import filesystem
 
-PART = 8 << 20
-PART_ENV = "DSCKPT_MULTIPART_CHUNKSIZE"  # bytes per part (aws s3's multipart_chunksize; S3 takes 5 MiB or more)
 MAX_PARTS = 10_000  # S3's limit per upload
-PARTS_IN_FLIGHT = 8
 READ_CHUNK = 1 << 20  # each part's reader: two such buffers
-Progress = Callable[[int], None]
-
-
-def chunksize() -> int:
-    return int(os.environ.get(PART_ENV) or PART)
 
 
 def part_size(total: int) -> int:
@@ -57,125 +42,12 @@ def part_size(total: int) -> int:
     return -(-need // (1 << 20)) << 20
 
 
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[Callable[[], None]]:
-    """Ctrl-C (SIGINT, SIGTERM) in the block lands after it (``Interrupted``; in the block: the ``stop()`` it yields):
-    a request in flight on fsspec's own thread would otherwise finish after the clean-up that should undo it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def stop() -> None:
-        if caught:
-            raise Interrupted
-
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    stop()
-
-
-@dataclass
-class Pending:
-    """One started multipart upload: its key, id, and the ETag of each part uploaded so far."""
-    key: str
-    upload_id: str
-    parts: dict[int, str] = field(default_factory=dict)
-
-
-class Streams:
-    """Where this process streams the safetensors files and zips a run stages under ``local`` (OUT's staging
-    path), and the uploads it started that nobody completed yet (aborted by ``close``)."""
-
-    def __init__(self, url: str, local: Path):
-        self.fs, root = filesystem(url)
-        self.parts = BACKENDS[url.split("://", 1)[0].lower()](self.fs)
-        self.parent = root.rstrip("/").rsplit("/", 1)[0]
-        self.scratch = local.parent
-        self.pending: dict[str, Pending] = {}
-        self._lock = threading.Lock()
-
-    def key(self, path: Path) -> str | None:
-        """The object a staged file becomes once published (its temp names undone), None outside the staging."""
-        try:
-            rel = Path(path).relative_to(self.scratch)
-        except ValueError:
-            return None
-        parts = [p[1:p.index(TEMP_MARK)] if TEMP_MARK in p else p for p in rel.parts]
-        return "/".join([self.parent, *parts])
-
-    def start(self, key: str) -> Pending:
-        with signals_deferred():  # an upload the store started is known here before Ctrl-C can land
-            upload = Pending(key, self.parts.start(key))
-            with self._lock:
-                self.pending[key] = upload
-        return upload
-
-    def join(self, key: str, upload_id: str) -> Pending:
-        """An upload another process started (this process uploads some of its parts)."""
-        with self._lock:
-            return self.pending.setdefault(key, Pending(key, upload_id))
-
-    def put(self, upload: Pending, number: int, data) -> None:
-        etag = self.parts.put(upload.key, upload.upload_id, number, data)
-        with self._lock:
-            upload.parts[number] = etag
-
-    def adopt(self, uploads: list[Pending]) -> None:
-        """Another process's uploads (its parts of one file joined): completed or aborted from here."""
-        for upload in uploads:
-            mine = self.pending.setdefault(upload.key, Pending(upload.key, upload.upload_id))
-            mine.parts.update(upload.parts)
-
-    def handed_over(self) -> list[Pending]:
-        """This process's uploads, given to the process that completes them (no longer aborted here)."""
-        with self._lock:
-            out, self.pending = list(self.pending.values()), {}
-        return out
-
-    def complete(self, key: str) -> None:
-        upload = self.pending.pop(key)
-        self.parts.complete(key, upload.upload_id, upload.parts)
-
-    def close(self) -> None:
-        """Abort every upload not completed (best effort: the error that brought us here is the one to report)."""
-        for upload in self.handed_over():
-            with contextlib.suppress(Exception):
-                self.parts.abort(upload.key, upload.upload_id)
-
-
-_ACTIVE: list[Streams] = []
-
-
-@contextlib.contextmanager
-def streaming(streams: Streams) -> Iterator[Streams]:
-    """Safetensors files staged under ``streams``' folder go to the store while the block runs."""
-    _ACTIVE.append(streams)
-    try:
-        yield streams
-    finally:
-        _ACTIVE.remove(streams)
-
-
-def target(path: Path) -> tuple[Streams, str] | None:
-    """The streams and key a safetensors file at ``path`` goes to, or None: written locally."""
-    for streams in reversed(_ACTIVE):
-        key = streams.key(path)
-        if key is not None:
-            return streams, key
-    return None
-
-
 def part_bytes(header: bytes, tensors: list[TensorPlan], offsets: list[int], lo: int, hi: int,
-               files: LocalStorage) -> bytearray:
+               context: WriteContext) -> bytearray:
     """The file's bytes ``[lo, hi)``: the header's slice, then each overlapping tensor's range, read and cast."""
     out = bytearray(header[lo:hi])
     base = len(header)
-    with Reader(files, READ_CHUNK) as reader:
+    with Reader(context, READ_CHUNK) as reader:
         for t, rel in zip(tensors, offsets):
             start, end = base + rel, base + rel + t.nbytes
             if end <= lo or start >= hi or not t.nbytes:
@@ -195,8 +67,8 @@ def part_bytes(header: bytes, tensors: list[TensorPlan], offsets: list[int], lo:
     return out
 
 
-def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors: list[TensorPlan],
-                       offsets: list[int], parts: range | None = None, progress: Progress | None = None) -> None:
+def stream_safetensors(context: WriteContext, streams: Streams, upload: Pending, header: bytes,
+                       tensors: list[TensorPlan], offsets: list[int], parts: range | None = None) -> None:
     """Upload the file's parts (``parts``: part indexes from 0, default all), ``PARTS_IN_FLIGHT`` at once."""
     total = len(header) + sum(t.nbytes for t in tensors)
     size = part_size(total)
@@ -205,11 +77,11 @@ def stream_safetensors(streams: Streams, upload: Pending, header: bytes, tensors
 
     def one(index: int) -> int:
         lo, hi = index * size, min(total, (index + 1) * size)
-        streams.put(upload, index + 1, part_bytes(header, tensors, offsets, lo, hi, files))
+        streams.put(upload, index + 1, part_bytes(header, tensors, offsets, lo, hi, context))
         return max(0, hi - max(lo, len(header)))  # (progress counts tensor bytes)
 
-    with LocalStorage() as files, ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
-        flying = InFlight(pool, PARTS_IN_FLIGHT, progress)
+    with ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
+        flying = InFlight(pool, PARTS_IN_FLIGHT, context.progress)
         try:
             for index in parts:
                 flying.submit(one, index)

@@ -1,6 +1,6 @@
 """Stream object trees into ``torch.save``-compatible zip archives, without torch and without holding tensors.
 
-``write_archive(path, obj, source)`` does, in order:
+``write_archive(path, obj, source, context)`` does, in order:
 1. ``pickle_writer.dumps(obj)``: the pickle and the storages it names (keys "0", "1", ...) - or takes them
    done (``write_pickled``);
 2. the zip entries torch writes - ``data.pkl``, ``.format_version``, ``.storage_alignment``,
@@ -10,6 +10,8 @@
    copied straight in where it can be (``copy_storage``), else streamed from ``storage_chunks(storage, next
    storage)`` - memory stays O(chunk) - with the CRC-32 its chunks come with (``io.read`` steps 3, 4);
 4. ``version``.
+The write's context (``io.context``) says whether ``path`` streams to a bucket, starts its write-back as it goes,
+and whom to tell the bytes written; None: a local file, nothing else.
 Consolidated ``.pt`` files (``write_torch``) and resharded rank files both go through here; the
 results load with torch's weights-only unpickler whenever the tree names only allowlisted globals.
 """
@@ -28,6 +30,7 @@ from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
 from . import stream, writeback
+from .context import WriteContext
 from .read import Chunk, Reader
 
 ALIGN = 64
@@ -96,29 +99,29 @@ def _fileno(fp) -> int | None:
         return None
 
 
-def write_archive(path: Path | BinaryIO, obj: Any, source: StorageBytes,
-                  progress: Callable[[int], None] | None = None, allow_foreign: bool = False) -> list[StorageOut]:
+def write_archive(path: Path | BinaryIO, obj: Any, source: StorageBytes, context: WriteContext | None = None,
+                  allow_foreign: bool = False) -> list[StorageOut]:
     """Write ``obj`` to ``path`` (or an open seekable binary stream, whose ``tell()`` the archive's offsets are
     relative to) as torch.save would; returns the storages written (``allow_foreign``: see ``pickle_writer.dumps``)."""
-    return write_pickled(path, dumps(obj, allow_foreign), source, progress)
+    return write_pickled(path, dumps(obj, allow_foreign), source, context)
 
 
-def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]],
-                  source: StorageBytes,
-                  progress: Callable[[int], None] | None = None) -> list[StorageOut]:
+def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]], source: StorageBytes,
+                  context: WriteContext | None = None) -> list[StorageOut]:
     """``write_archive`` of a tree already pickled (``dumps``' result): a caller that pickled every tree to check
     it before writing (reshard) does not pickle it twice."""
     local = Path(path) if isinstance(path, (str, os.PathLike)) else None
     folder = (local.name.split(".")[0] if local is not None else "") or "archive"  # (torch.save's for a stream)
-    streamed = stream.target(local) if local is not None else None
+    streamed = context.stream_target(local) if local is not None and context is not None else None
     if streamed is None or local is None:
-        return _write_zip(path, folder, pickled, source, progress)
+        return _write_zip(path, folder, pickled, source, context)
     with stream.ZipSink(*streamed, local) as sink:  # a run streaming OUT to object storage (io.stream)
-        return _write_zip(sink, folder, pickled, source, progress)
+        return _write_zip(sink, folder, pickled, source, context)
 
 
 def _write_zip(path: Path | BinaryIO | stream.ZipSink, folder: str, pickled: tuple[bytes, list[StorageOut]],
-               source: StorageBytes, progress: Callable[[int], None] | None) -> list[StorageOut]:
+               source: StorageBytes, context: WriteContext | None) -> list[StorageOut]:
+    progress = context.progress if context is not None else None
     pickle_bytes, storages = pickled
     sink: Any = path if hasattr(path, "hold") else None  # a ZipSink, or a window on one (export.dcp)
     local = isinstance(path, (str, os.PathLike))  # (a file this opens: its descriptor's offsets are the zip's)
@@ -127,7 +130,7 @@ def _write_zip(path: Path | BinaryIO | stream.ZipSink, folder: str, pickled: tup
                            (".storage_alignment", str(ALIGN).encode()), ("byteorder", b"little")):
             with _held(sink, zf):
                 zf.writestr(zipfile.ZipInfo(f"{folder}/{name}", date_time=ZIP_DATE), data)
-        started = writeback.for_output(path, _fileno(zf.fp))
+        started = context.started(path, _fileno(zf.fp)) if context is not None else writeback.skip
         following: list[StorageOut | None] = []  # each storage's next one with bytes (read ahead while it is written)
         then: StorageOut | None = None
         for storage in reversed(storages):
@@ -186,11 +189,11 @@ def _tell(zf: zipfile.ZipFile) -> int:
     return zf.fp.tell()
 
 
-def write_torch(plan: Plan, path: Path, progress: Callable[[int], None] | None = None) -> None:
+def write_torch(plan: Plan, path: Path, context: WriteContext) -> None:
     """A consolidated state dict: ``{name: tensor}`` in plan order; tied aliases share their source's storage."""
     tensors = {t.name: NewTensor(t.dtype, t.shape, t) for t in plan.tensors}
     state = OrderedDict(tensors)
     for alias, src in plan.aliases.items():
         state[alias] = tensors[src]
-    with Reader() as reader:
-        write_archive(path, state, reader, progress)
+    with Reader(context) as reader:
+        write_archive(path, state, reader, context)

@@ -18,7 +18,7 @@ from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .output import publish_order
 from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
-from .stream import PARTS_IN_FLIGHT, Streams, chunksize, signals_deferred
+from .multipart import PARTS_IN_FLIGHT, Streams, chunksize, signals_deferred
 
 def upload_order(names: list[str], last: str | None = None) -> list[str]:
     """``io.output.publish_order``, the local commit's, then ``last`` (a single-file OUT after its sidecars): what
@@ -36,7 +36,7 @@ class Upload:
         self.scratch = scratch_folder(".dsckpt-upload-")
         self.local = self.scratch / Path(self.root).name
         self.uploaded: list[str] = []
-        self.streams: Streams | None = None  # io.stream.Streams: the files already uploaded as parts, completed in order here
+        self.streams: Streams | None = None  # io.multipart.Streams: the files already uploaded as parts, completed in order here
         self.superseded: set[str] = set()
         self.shadowing: list[str] = []  # weights files in an existing OUT that a loader would read before an index
         # s3fs: parts as streamed ones, PARTS_IN_FLIGHT at once (its defaults hold up to 500 MiB in memory)

@@ -2,10 +2,9 @@
 
 1. Written pages wait in the page cache until the kernel's dirty limits, or the fsync at publish, push them
    out: an output below those limits was copied first and reached the disk after, one stage after the other.
-2. ``durable(tmp)``: the commit protocol (``io.output.Staging``, ``parallel.outputs.Staged``) names the temp
-   files and folders it will fsync; ``forget(tmp)`` once they are published or removed.
-3. ``for_output(path, fd)``: a writer's ``started(offset, nbytes)`` for the file it fills - under a durable
-   temp, Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which begins writing that range and does not wait,
+2. The write's context (``io.context.WriteContext.durable``) names the staged temps its commit will fsync.
+3. ``for_output(path, fd, durable)``: a writer's ``started(offset, nbytes)`` for the file it fills - under one of
+   the ``durable`` temps, Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which begins writing that range and does not wait,
    so the copy and the disk overlap; elsewhere (``--no-fsync``: it would only compete with the copy; not Linux)
    nothing.  It makes nothing durable (the fsync still does), and a failure is ignored: it is advice.
 """
@@ -13,33 +12,24 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 Started = Callable[[int, int], None]
 _SYNC_FILE_RANGE_WRITE = 2
-_durable: set[Path] = set()
 _call: Callable[[int, int, int, int], int] | None = None
 _bound = False
-
-
-def durable(tmp: Path) -> None:
-    _durable.add(Path(tmp))
-
-
-def forget(tmp: Path) -> None:
-    _durable.discard(Path(tmp))
 
 
 def skip(offset: int, nbytes: int) -> None:
     """The ``Started`` of an output that is not flushed: nothing to start."""
 
 
-def for_output(path: object, fd: int | None) -> Started:
+def for_output(path: object, fd: int | None, durable: Collection[Path]) -> Started:
     """What the writer of ``path`` (open as ``fd``) calls after each range it wrote."""
-    if fd is None or not isinstance(path, (str, Path)) or not _durable:
+    if fd is None or not isinstance(path, (str, Path)) or not durable:
         return skip
     path = Path(path)
-    if not any(p in _durable for p in (path, *path.parents)):
+    if not any(p in durable for p in (path, *path.parents)):
         return skip
     call = _bind()
     if call is None:

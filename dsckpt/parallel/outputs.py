@@ -19,7 +19,6 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io import writeback
 from ..io.output import TEMP_MARK, Staging, remove_path
 from .group import Group
 
@@ -72,7 +71,7 @@ class Staged:
     def __init__(self, group: Group, groups: StorageGroups, out: Path, directory: bool, fsync: bool,
                  publishing: set[int]):
         """``publishing``: the storage groups (leaders) that receive a part of OUT; the others write nothing."""
-        self.group, self.out, self.directory = group, out, directory
+        self.group, self.out, self.directory, self.fsync = group, out, directory, fsync
         self.leader = groups.of[group.rank]
         self.leads = self.leader == group.rank and self.leader in publishing
         self.staging = Staging(fsync) if self.leads else None  # OUT's temp, and rank 0's sidecars
@@ -80,8 +79,6 @@ class Staged:
         if group.size > 1:
             pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
             self._tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
-            if fsync:  # every member writes into it, the leader flushes it
-                writeback.durable(self._tmp)
 
     @property
     def tmp(self) -> Path:
@@ -97,6 +94,12 @@ class Staged:
             raise RuntimeError("only a publishing group's leader stages OUT")
         return self.staging
 
+    @property
+    def durable(self) -> tuple[Path, ...]:
+        """The temps the commit will fsync (a write's context: ``io.context.WriteContext.durable``); every member
+        writes into OUT's, its leader flushes it."""
+        return (self._tmp,) if self.fsync and self._tmp is not None else ()
+
     def create(self) -> None:
         """The leaders make the temp folder (a file output is created by its writer); all agree."""
         def make() -> None:
@@ -107,8 +110,6 @@ class Staged:
     def publish(self, stale: list[Path] | None = None) -> None:
         """Every part is written (agreed by the caller): leaders flush, all agree, leaders rename into place
         and remove ``stale`` (an existing folder's files the new output supersedes: a previous index's shards)."""
-        if self._tmp is not None:
-            writeback.forget(self._tmp)
         if self.leads:
             self.own.remove_on_commit(stale or ())
         self.group.step(lambda: self.own.flush() if self.leads else None)
@@ -117,9 +118,7 @@ class Staged:
     def abort(self) -> None:
         """Every process removes the temp, each once its own writes have stopped: a member still writing when
         its leader aborted (a Ctrl-C reaches the processes one by one) may have made folders in it again."""
-        if self._tmp is not None:
-            writeback.forget(self._tmp)
-            if self.group.size > 1:
-                remove_path(self._tmp)
+        if self._tmp is not None and self.group.size > 1:
+            remove_path(self._tmp)
         if self.leads:
             self.own.abort()

@@ -11,13 +11,15 @@ writes skipped); the error is raised after it, in ``Group.agree``, so no process
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..formats.positional import pwrite_all
-from ..io.remote import Arrivals, arriving
+from ..io.context import WriteContext
+from ..io.remote import Arrivals, ArrivingStorage
 from ..plan.segments import Segment
 from .group import Group
 from .transport import comm_errors
@@ -57,13 +59,15 @@ def ranges_held_elsewhere(view: View, pieces: Iterable[object], whole_files: Ite
 
 
 @contextlib.contextmanager
-def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> Iterator[None]:
-    """``fetch`` around a block; a checkpoint in object storage is filled on a thread while the block runs, and the
-    block's reads wait for the ranges they need (``io.remote.Arrivals``): a streamed write uploads its first parts
-    while the rest arrive.  Only for blocks whose every read of the view goes through ``LocalStorage.pread``."""
+def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]],
+             context: WriteContext) -> Iterator[WriteContext]:
+    """``fetch`` around a block, which writes with the context yielded; a checkpoint in object storage is filled on
+    a thread while the block runs, and the block's reads wait for the ranges they need (``io.remote.ArrivingStorage``):
+    a streamed write uploads its first parts while the rest arrive.  Only for blocks whose every read of the view
+    goes through the yielded context's storage."""
     if view.store is None:
         fetch(group, view, wanted)
-        yield
+        yield context
         return
     everyone = group.gather(wanted)
     arrivals, failed = Arrivals(), []
@@ -80,8 +84,8 @@ def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> It
     thread = threading.Thread(target=fill, name="dsckpt-fill", daemon=True)
     thread.start()
     try:
-        with arriving(arrivals):
-            yield
+        with ArrivingStorage(arrivals) as storage:
+            yield dataclasses.replace(context, storage=storage)
     except BaseException:
         arrivals.stopped = True
         raise
