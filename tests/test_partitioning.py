@@ -103,3 +103,15 @@ def test_fixture_partitions_match_the_rules():
                 assert all(m.numel == group.fp32.numel for m in group.moments.values())
             checked += 1
     assert checked >= 15
+
+
+def test_one_range_merge_joins_overlapping_and_near_spans_whatever_their_order():
+    """``plan.segments.joined_spans`` is the merge a fetch, a transfer, the read-ahead advice and a fill's arrivals
+    all use (#53: there were four)."""
+    from dsckpt.plan.segments import joined_spans
+
+    spans = [(50, 60), (0, 10), (10, 20), (5, 8), (30, 40), (61, 70)]
+    assert joined_spans(spans) == [(0, 20), (30, 40), (50, 60), (61, 70)]
+    assert joined_spans(spans, gap=1) == [(0, 20), (30, 40), (50, 70)]
+    assert joined_spans(spans, gap=10) == [(0, 40), (50, 70)]
+    assert joined_spans([]) == []

@@ -30,7 +30,7 @@ from ..formats.pickle_policy import TensorRef
 from ..formats.storage import LocalStorage
 from .filecopy import copy_pieces
 from .writeback import Started
-from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, storage_source
+from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, joined_spans, storage_source
 
 if TYPE_CHECKING:
     from .context import WriteContext
@@ -161,16 +161,12 @@ class Reader:
         """Tell the kernel every range this source will read (``POSIX_FADV_WILLNEED``), each file's nearby ranges
         joined: a resharded ZeRO-3 partition is one piece per parameter from each source file in turn, and from a
         cold cache each piece read on its own waited for the disk (see ADVISE_GAP)."""
-        spans: dict[Path, list[list[int]]] = {}
+        spans: dict[Path, list[tuple[int, int]]] = {}
         for piece in getattr(source.pieces, "sources", source.pieces):  # (a row-parallel join: its slices whole)
             if isinstance(piece, Segment) and piece.nbytes:
-                runs = spans.setdefault(piece.path, [])
-                if runs and runs[-1][1] >= piece.offset - ADVISE_GAP:
-                    runs[-1][1] = max(runs[-1][1], piece.offset + piece.nbytes)
-                else:
-                    runs.append([piece.offset, piece.offset + piece.nbytes])
+                spans.setdefault(piece.path, []).append((piece.offset, piece.offset + piece.nbytes))
         for path, runs in spans.items():
-            self.files.advise(path, [(start, end - start) for start, end in runs])
+            self.files.advise(path, [(start, end - start) for start, end in joined_spans(runs, ADVISE_GAP)])
 
     def _read(self, batch: list[tuple[Segment | Zeros, int, int]], buffer: bytearray,
               crc: bool) -> tuple[memoryview, int | None]:

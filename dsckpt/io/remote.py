@@ -35,6 +35,7 @@ from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
 from ..formats.storage import LocalStorage
 from ..plan.deal import dealt
+from ..plan.segments import joined_spans
 
 URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
@@ -166,7 +167,7 @@ class RemoteStore:
             return [(0, head), (tail_start, tail)]
         wanted = [(e.header_offset, min(size, e.header_offset + HEADER_WINDOW +
                                         (0 if "/data/" in e.filename else e.compress_size))) for e in entries]
-        jobs = [(rel, start, end) for start, end in _merged(wanted, gap=MERGE_GAP)
+        jobs = [(rel, start, end) for start, end in joined_spans(wanted, gap=MERGE_GAP)
                 if not (end <= len(head) or start >= tail_start)]
         return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
 
@@ -264,7 +265,7 @@ class Arrivals:
 
     def landed(self, path: Path, offset: int, nbytes: int) -> None:
         with self._cond:
-            self._spans[str(path)] = _merged(self._spans.get(str(path), []) + [(offset, offset + nbytes)], gap=0)
+            self._spans[str(path)] = joined_spans(self._spans.get(str(path), []) + [(offset, offset + nbytes)])
             self._cond.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -298,16 +299,6 @@ class ArrivingStorage(LocalStorage):
     def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
         self.arrivals.wait(name, offset, nbytes)
         return super().pread(name, nbytes, offset, into)
-
-
-def _merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1] + gap:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 class _Tail:

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 from ..formats.positional import pwrite_all
 from ..io.context import WriteContext
 from ..io.remote import Arrivals, ArrivingStorage
-from ..plan.segments import Segment
+from ..plan.segments import Segment, joined_spans
 from .group import Group
 from .transport import comm_errors
 from .view import View, zip_storages
@@ -29,15 +29,12 @@ CHUNK = 16 << 20
 
 
 def merged_ranges(segments: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """(rel, offset, nbytes) ranges sorted, overlapping and adjacent ones joined."""
-    out: list[tuple[str, int, int]] = []
-    for rel, offset, n in sorted(segments):
-        if out and out[-1][0] == rel and offset <= out[-1][1] + out[-1][2]:
-            end = max(out[-1][1] + out[-1][2], offset + n)
-            out[-1] = (rel, out[-1][1], end - out[-1][1])
-        elif n:
-            out.append((rel, offset, n))
-    return out
+    """(rel, offset, nbytes) ranges sorted, overlapping and adjacent ones joined (``plan.segments.joined_spans``)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for rel, offset, n in segments:
+        if n:
+            spans.setdefault(rel, []).append((offset, offset + n))
+    return [(rel, start, end - start) for rel in sorted(spans) for start, end in joined_spans(spans[rel])]
 
 
 def ranges_held_elsewhere(view: View, pieces: Iterable[object], whole_files: Iterable[Path] = ()) -> list[tuple[str, int, int]]:

@@ -182,6 +182,18 @@ def clip(pieces: Iterable[Piece], start: int, nbytes: int) -> tuple[Piece, ...]:
     return tuple(out)
 
 
+def joined_spans(spans: Iterable[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
+    """``(start, end)`` byte spans sorted, those overlapping or at most ``gap`` bytes apart joined: the one range
+    merge (a fetch's requests, a transfer's, the kernel's read-ahead advice, a fill's arrivals)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def merged(pieces: list[Piece]) -> tuple[Piece, ...]:
     """Adjacent byte ranges of one file and adjacent zero fills become one (fewer, larger reads)."""
     out: list[Piece] = []
