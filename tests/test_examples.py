@@ -38,7 +38,7 @@ def documented_examples() -> list[str]:
     from dsckpt.cli import cli
 
     found = []
-    for name, command in cli.commands.items():
+    for name, command in cli.all_commands().items():
         text = (command.help or "").split("Examples:", 1)
         found += [line.strip() for line in text[1].splitlines() if line.strip().startswith("dsckpt ")] if len(text) > 1 else []
     for block in re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S):

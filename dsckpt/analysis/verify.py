@@ -58,10 +58,10 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
     finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.  ``progress``: told
     the bytes of each storage CRC-checked (and, for a URL, of each range fetched).
     """
-    from ..io.remote import is_url
+    from ..formats.storage import is_url
 
     if is_url(path):  # a bucket: a local view of it, every byte fetched (the checks read them all)
-        from ..parallel.view import readable
+        from ..parallel.readable import readable
 
         with readable(path, tag, whole=True, every_tag=all_tags, check=False,
                       progress=progress) as (local, local_tag, *_):

@@ -40,7 +40,7 @@ class Entry:
 
 
 def _local(root: str | os.PathLike, verb: str) -> Path:
-    from ..io.remote import is_url
+    from ..formats.storage import is_url
 
     if is_url(root):
         raise OutputError(f"{root}: {verb} works on a local folder of runs",

@@ -31,7 +31,7 @@ from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
 from ..parallel.group import ONE_PROCESS, Group
-from ..parallel.view import readable
+from ..parallel.readable import readable
 from .frame import destination, writing
 from ..parallel.outputs import Staged, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere

@@ -28,7 +28,7 @@ from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import Staged
-from ..io.remote import is_url
+from ..formats.storage import is_url
 from ..io.parts import streamable
 from ..io.multipart import Streams
 from ..io.upload import Upload

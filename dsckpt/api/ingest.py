@@ -26,7 +26,8 @@ from ..io.context import WriteContext
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..io.output import check_output, write_errors
-from ..io.remote import filesystem, is_url, scratch_folder, typed_error
+from ..formats.storage import is_url
+from ..io.remote import filesystem, scratch_folder, typed_error
 from ..parallel.group import ONE_PROCESS, Group
 from ..parallel.outputs import Staged, storage_groups
 from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state

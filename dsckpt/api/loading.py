@@ -24,7 +24,7 @@ from torch import nn
 
 from ..plan.names import prefixes
 from .keys import compare, state_slots, tie_groups
-from ..parallel.view import Readable, readable
+from ..parallel.readable import Readable, readable
 from .paths import classify
 
 

@@ -45,10 +45,10 @@ def classify(path: str | os.PathLike) -> PathKind:
     Raises ``CheckpointNotFoundError`` when nothing is at ``path``.  A URL (``s3://``...) is classified from its
     objects' names and headers.
     """
-    from ..io.remote import is_url
+    from ..formats.storage import is_url
 
     if is_url(path):
-        from ..parallel.view import readable
+        from ..parallel.readable import readable
 
         with readable(path, None) as opened:
             return classify(opened.path)
@@ -77,7 +77,7 @@ def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None) -> "C
     ``shared``, ``buffers``, ``client_state``, ``problems``).  ``path``: the checkpoint folder, a tag folder or a rank
     file; ``tag``: default what ``latest`` names.  A URL is refused in its own spelling (``CheckpointNotFoundError``):
     the model points into the files, which a bucket's local view would not outlive."""
-    from ..io.remote import is_url
+    from ..formats.storage import is_url
     from ..zero.reader import open_checkpoint
 
     if is_url(path):

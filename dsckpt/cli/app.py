@@ -23,11 +23,33 @@ EXIT_ERROR = 2  # a typed dsckpt error (a failed --verify too) or a usage error
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
+# command -> the module of this package that registers it: only the command run is imported (the CLI's fixed cost)
+COMMANDS = {"check-finite": "check_finite", "consolidate": "consolidate", "convert": "convert", "diff": "diff",
+            "inspect": "inspect", "list": "catalog", "prune": "catalog", "reshard": "reshard", "resume": "resume",
+            "train": "train", "verify": "verify"}
+
+
 class _Group(click.Group):
-    """Lists every command with its whole first docstring line (click cuts them at ~45 characters)."""
+    """Imports a command's module when the command is asked for (``COMMANDS``); lists every command with its whole
+    first docstring line (click cuts them at ~45 characters)."""
+
+    def list_commands(self, ctx: click.Context | None) -> list[str]:
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context | None, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            from importlib import import_module
+
+            import_module(f"{__package__}.{COMMANDS[name]}")
+        return self.commands.get(name)
+
+    def all_commands(self) -> dict[str, click.Command]:
+        """Every command, its module imported (``--help``, the documented examples)."""
+        found = {name: self.get_command(None, name) for name in self.list_commands(None)}
+        return {name: cmd for name, cmd in found.items() if cmd is not None}
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, (cmd.help or "").split("\n")[0].strip()) for name, cmd in sorted(self.commands.items())
+        rows = [(name, (cmd.help or "").split("\n")[0].strip()) for name, cmd in sorted(self.all_commands().items())
                 if not cmd.hidden]
         if rows:
             with formatter.section("Commands"):
@@ -90,9 +112,11 @@ def quiet_rank() -> bool:
 
 def in_launched_rank() -> bool:
     """A rank started by `--nproc` (its launcher already ran the preflight)."""
+    if "LOCAL_RANK" not in os.environ:
+        return False
     from ..runtime.console import ERROR_DIR_ENV
 
-    return ERROR_DIR_ENV in os.environ and "LOCAL_RANK" in os.environ
+    return ERROR_DIR_ENV in os.environ
 
 
 def world_size_for(nproc: int) -> int:
@@ -206,7 +230,8 @@ def run(args: list[str]) -> int:
     them); a command that ends the process itself (``--nproc``'s launcher, exit codes 1 and 3) raises
     ``SystemExit``."""
     as_json = "--json" in args and "--" not in args[:args.index("--json")]
-    _quiet_storage_clients()
+    if any("://" in arg for arg in args):  # (logging is imported for it: only where a store may be reached)
+        _quiet_storage_clients()
     args = args or ["--help"]  # bare `dsckpt`: the help, exit 0 (click's default is the usage, exit 2)
     try:
         cli.main(args, prog_name="dsckpt", standalone_mode=False)

@@ -27,7 +27,7 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
       dsckpt check-finite runs/demo --optimizer --tag step30
     Works on checkpoint folders and consolidated files; exit 2 on unreadable input.
     """
-    from ..parallel.view import readable
+    from ..parallel.readable import readable
 
     with readable(path, tag) as (local, local_tag, fetch, _):
         _check_finite(local, local_tag, optimizer, skip_crc_check, as_json, shown({local: path}), fetch)

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, result_document
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, Precision, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, Precision, byte_bar, parallel_group
 
 
 def _formats():
@@ -79,13 +79,10 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.consolidation"))
-    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
-
     from ..api.consolidation import consolidate as run
 
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate", disable=bar_off, delay=0.5,
-              file=sys.stderr, leave=False) as bar:
+    with byte_bar("consolidate", bar_off) as bar:
         def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 

@@ -8,7 +8,7 @@ import click
 
 from ..errors import ConfigError
 from .app import cli, report_result
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, byte_bar, parallel_group
 
 
 INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.ingest)
@@ -99,13 +99,10 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
         raise ConfigError(f"--world-size, --stage, --model, --group-settings and --group-order are for "
                           f"--to {INTO_DEEPSPEED}")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.conversion"))
-    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
-
     from ..api.conversion import convert as run
 
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {to}", disable=bar_off, delay=0.5,
-              file=sys.stderr, leave=False) as bar:
+    with byte_bar(f"convert to {to}", bar_off) as bar:
         def announce(total: int) -> None:
             bar.total = total
 
@@ -123,8 +120,6 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
         raise ConfigError(f"--to {INTO_DEEPSPEED} writes the whole training state (--weights-only is for the other "
                           "targets)")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.ingest"))
-    from tqdm import tqdm
-
     from ..api.ingest import into_deepspeed
 
     model, param_groups = None, None
@@ -141,8 +136,7 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
             param_groups = weight_groups(module, _json_object(group_settings, "--group-settings"), group_mode)
     order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert to {INTO_DEEPSPEED}", leave=False,
-              disable=bar_off, delay=0.5, file=sys.stderr) as bar:
+    with byte_bar(f"convert to {INTO_DEEPSPEED}", bar_off) as bar:
         def announce(total: int) -> None:
             bar.total = total
 

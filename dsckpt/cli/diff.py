@@ -32,7 +32,7 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
       dsckpt diff runs/demo runs/demo_ws3 --atol 1e-6 --json    # a resharded copy holds the same weights
     Exit 0 when identical (bitwise, or within --atol/--rtol), 1 when not, 2 on errors.
     """
-    from ..parallel.view import readable
+    from ..parallel.readable import readable
 
     with readable(a, tag_a) as (local_a, tag_a, fetch_a, _), readable(b, tag_b) as (local_b, tag_b, fetch_b, _):
         _diff(local_a, local_b, tag_a, tag_b, atol, rtol, optimizer, as_json, plot, skip_crc_check,

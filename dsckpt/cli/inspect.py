@@ -38,7 +38,7 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
       dsckpt inspect s3://bucket/runs/demo          (gs://, az:// too: pip install 'dsckpt[s3]')
     Exit code 1 when problems (missing ranks, truncated files...) are found.
     """
-    from ..parallel.view import readable
+    from ..parallel.readable import readable
 
     with readable(path, tag) as (local, local_tag, fetch, _):
         names = {local: path}

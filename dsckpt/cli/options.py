@@ -148,3 +148,36 @@ def shown(locals_to_given: dict[str, str]):
                 text = text.replace(local, given)
         click.echo(text)
     return echo
+
+
+class _NoBar:
+    """``byte_bar`` where no bar shows: the calls the commands make on a tqdm bar, doing nothing."""
+
+    total: int | None = None
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, desc: str) -> None:
+        pass
+
+    def reset(self, total: int | None = None) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def byte_bar(desc: str, off: bool):
+    """A progress bar of bytes on stderr, shown after half a second; tqdm (~35 ms to import) is loaded only where a
+    bar may show: a terminal, not --quiet or --json, rank 0."""
+    if off:
+        return _NoBar()
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=desc, delay=0.5, file=sys.stderr, leave=False)

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, report_result
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, parallel_group
+from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, byte_bar, parallel_group
 
 
 @cli.command()
@@ -55,15 +55,12 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
                                        (every host: its own rank files in, its target ranks' files out)
     """
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.resharding"))
-    from tqdm import tqdm  # (after: a launcher that starts fresh interpreters needs none of it)
-
     from ..api.resharding import reshard as run
 
     if group is None and gather:
         raise click.UsageError("--gather places files across hosts: it needs --nproc or torchrun")
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=bar_off, delay=0.5,
-              file=sys.stderr, leave=False) as bar:
+    with byte_bar("reshard", bar_off) as bar:
         def announce(total: int) -> None:
             bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
 

@@ -44,8 +44,8 @@ def resume(nproc: int, **kwargs) -> None:
     resumes at its own ZeRO stage unless --stage, --preset or --config say otherwise.
     """
     require_runtime("resume")
-    from ..io.remote import is_url
-    from ..parallel.view import readable
+    from ..formats.storage import is_url
+    from ..parallel.readable import readable
     from ..runtime import commands, console, launch
 
     with contextlib.ExitStack() as local_copies:

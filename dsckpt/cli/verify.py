@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import shown
+from .options import byte_bar, shown
 
 
 @cli.command()
@@ -31,16 +31,13 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
       dsckpt verify runs/demo --all-tags --json
       dsckpt verify out/checkpoint-500 && rm -r /backup/checkpoint-500
     """
-    from ..parallel.view import readable
+    from ..parallel.readable import readable
 
     if tag and all_tags:
         raise click.UsageError("--tag names one tag, --all-tags every one: give one of them")
-    from tqdm import tqdm
+    from ..formats.storage import is_url
 
-    from ..io.remote import is_url
-
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="fetch" if is_url(checkpoint) else "verify",
-              disable=as_json or not sys.stderr.isatty(), delay=0.5, file=sys.stderr, leave=False) as bar:
+    with byte_bar("fetch" if is_url(checkpoint) else "verify", as_json or not sys.stderr.isatty()) as bar:
         with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False,
                       progress=bar.update) as (local, local_tag, *_):
             bar.set_description("verify")

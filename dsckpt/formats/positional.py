@@ -7,13 +7,15 @@ exactly the bytes a plan names: no mmap, whose touched pages would count in the 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 Buffer = bytes | bytearray | memoryview  # what a write takes
 
 from ..errors import CorruptFileError
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 
 def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: Any = None) -> bytes | bytearray:
@@ -72,7 +74,7 @@ def read_range(path: Path | str, offset: int, nbytes: int, into: Any = None) -> 
 # the page cache bounds a GPU resume (docs/dev/performance-log.md 16); smaller ranges are not worth a hand-off.
 PARALLEL_READ_BYTES = 32 << 20
 _PIECE_BYTES = 16 << 20
-_readers: ThreadPoolExecutor | None = None
+_readers: "ThreadPoolExecutor | None" = None
 
 
 def read_range_into(path: Path | str, offset: int, nbytes: int, into: Any) -> None:
@@ -82,6 +84,8 @@ def read_range_into(path: Path | str, offset: int, nbytes: int, into: Any) -> No
     if nbytes < PARALLEL_READ_BYTES or threads < 2:
         read_range(path, offset, nbytes, into)
         return
+    from concurrent.futures import ThreadPoolExecutor, wait  # (logging comes with it: only for a large range)
+
     view = memoryview(into).cast("B")
     piece = max(_PIECE_BYTES, -(-nbytes // threads))
     if _readers is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-import secrets
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Protocol
 
 from .positional import pread_exact
 
+URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)  # object stores (io.remote, through fsspec)
 TEMP_MARK = ".dsckpt-tmp-"  # in every staged name: `.<name>.dsckpt-tmp-<pid>-<id>` (a run's, until published)
 
 
@@ -138,7 +139,7 @@ class LocalStorage:
     def _replace_entry(self, src: Path, dst: Path) -> None:
         """A folder over a folder is swapped (the old one kept until the new one is in)."""
         if src.is_dir() and dst.is_dir() and not dst.is_symlink():
-            old = dst.with_name(f".{dst.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+            old = dst.with_name(f".{dst.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
             os.replace(dst, old)
             os.replace(src, dst)
             self.remove(old)
@@ -165,6 +166,11 @@ class LocalStorage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names objects in a store (``s3://``, ``gs://``, ``az://``...; any case) rather than a file."""
+    return bool(URL_RE.match(str(path)))
 
 
 def storage_for(path: str | os.PathLike) -> LocalStorage:

@@ -22,7 +22,6 @@ import builtins
 import functools
 import os
 import threading
-import re
 import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,6 @@ from ..formats.storage import LocalStorage
 from ..plan.deal import dealt
 from ..plan.segments import joined_spans
 
-URL_RE = re.compile(r"^(s3|gs|gcs|az|abfs|abfss)://", re.IGNORECASE)
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
           "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
 CHUNK = 8 << 20
@@ -49,9 +47,6 @@ TAIL = 1 << 16  # the last bytes (a zip's directory and end records), fetched wi
 MERGE_GAP = 1 << 20  # skeleton ranges closer than this come in one request
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
 
-
-def is_url(path: Any) -> bool:
-    return bool(URL_RE.match(str(path)))
 
 
 def scratch_folder(prefix: str) -> Path:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .. import errors
 from ..errors import DistributedError, DsckptError
-from .transport import HUB_ENV, GlooTransport, LocalTransport, Transport
+
+if TYPE_CHECKING:  # (sockets and challenges load with a group of several: one process starts without them)
+    from .transport import Transport
 
 T = TypeVar("T")
 
@@ -86,6 +88,8 @@ def _describe(error: BaseException) -> tuple[str, str, str | None]:
 def init_group() -> Group:
     """Join the run's group: ``--nproc``'s local hub, else torchrun's over gloo (TCP: the only service it needs)."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from .transport import HUB_ENV, GlooTransport, LocalTransport
+
     hub = os.environ.get(HUB_ENV)
     transport = LocalTransport(rank, size, hub) if hub else GlooTransport()
     return Group(rank, size, int(os.environ.get("GROUP_RANK", "0")), transport)

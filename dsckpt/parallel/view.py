@@ -24,17 +24,17 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Iterator
 
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, is_torch_zip
-from ..io.remote import RemoteStore, is_url
+from ..formats.storage import is_url
+from ..io.remote import RemoteStore
 from ..limits import limit
-from ..plan.segments import Segment
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
-from .group import ONE_PROCESS, Group
+from .group import Group
 from .survey import choose_tag, met, refuse, survey
 
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
@@ -235,7 +235,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
               and L.RANK_FILE_RE.match(rel.split("/")[1])]
     try:
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
-        _write_skeletons(store, view, {rel: sizes[rel] for rel in wanted})
+        write_skeletons(store, view, {rel: sizes[rel] for rel in wanted})
         for rel in others:  # the other tags by name only (empty files): `latest` may name one, `inspect` lists them
             view.path(rel).parent.mkdir(parents=True, exist_ok=True)
             view.path(rel).touch()
@@ -248,7 +248,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     return view
 
 
-def _write_skeletons(store: RemoteStore, view: View, sizes: dict[str, int]) -> None:
+def write_skeletons(store: RemoteStore, view: View, sizes: dict[str, int]) -> None:
     """Each object as a sparse file of its size holding its skeleton (every object's at once: a few round trips)."""
     names = list(sizes)
     with ThreadPoolExecutor(8) as pool:
@@ -267,63 +267,3 @@ def zip_storages(path: Path) -> list:
         return list(StorageIndex(path).storages.values()) if is_torch_zip(path) else []
     except CorruptFileError:
         return []
-
-
-class Readable(NamedTuple):
-    """What ``readable`` hands a reader: the path and tag to open, and how to get the bytes of a plan's pieces
-    (nothing to do for a local path)."""
-    path: str
-    tag: str | None
-    fetch: Callable[[Iterable[object]], None]
-    fetch_all: Callable[[], None]
-
-
-def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
-    for piece in pieces:
-        if isinstance(piece, Segment):
-            yield piece
-        elif hasattr(piece, "sources"):  # a tensor-parallel join's strided runs: the whole source pieces
-            yield from _segments(piece.sources)
-
-
-@contextlib.contextmanager
-def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, every_tag: bool = False,
-             check: bool = True, progress: Callable[[int], None] | None = None) -> Iterator[Readable]:
-    """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
-    or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
-    through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
-    (``verify`` makes its own)."""
-    if not is_url(path):
-        yield Readable(str(path), tag, lambda pieces: None, lambda: None)
-        return
-    from ..io.remote import scratch_folder
-
-    path = str(path)
-    scratch = scratch_folder(".dsckpt-read-")
-    try:
-        parent, name = path.rstrip("/").rsplit("/", 1)
-        size = RemoteStore(path).object_size()
-        if size is not None:  # one object (a consolidated file, a weights file) and its client-state sidecars
-            store = RemoteStore(parent)
-            sizes = {name: size, **store.starting_with(f"{name}.client_state.")}
-            view = View(scratch, None, scratch, scratch, dict.fromkeys(sizes, 0), set(), 0, store)
-        else:
-            view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
-            sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
-        storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
-        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check,  # noqa: E731
-                                            progress=progress)
-
-        def fetch(pieces: Iterable[object]) -> None:
-            wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]
-            view.store.fill(view.root, [w for w in wanted if w[0] is not None], storages, check)
-
-        with view.real_names():
-            if size is not None:
-                _write_skeletons(view.store, view, sizes)
-            if whole:
-                fetch_all()
-            yield Readable(str(view.path(name) if size is not None else view.root),
-                           tag if size is not None else view.tag, fetch, fetch_all)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

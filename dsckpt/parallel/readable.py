@@ -1,0 +1,75 @@
+"""What a reading command opens (``inspect``, ``diff``, ``verify``, ``check-finite``, ``load_state_dict``...): PATH
+itself, or for a URL a local view of it (``parallel.view``), imported only then - a local read starts without the
+view's, the transport's or the object store's modules.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Callable, Iterable, Iterator, NamedTuple
+
+from ..formats.storage import is_url
+from ..plan.segments import Segment
+
+
+class Readable(NamedTuple):
+    """What ``readable`` hands a reader: the path and tag to open, and how to get the bytes of a plan's pieces
+    (nothing to do for a local path)."""
+    path: str
+    tag: str | None
+    fetch: Callable[[Iterable[object]], None]
+    fetch_all: Callable[[], None]
+
+
+def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
+    for piece in pieces:
+        if isinstance(piece, Segment):
+            yield piece
+        elif hasattr(piece, "sources"):  # a tensor-parallel join's strided runs: the whole source pieces
+            yield from _segments(piece.sources)
+
+
+@contextlib.contextmanager
+def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, every_tag: bool = False,
+             check: bool = True, progress: Callable[[int], None] | None = None) -> Iterator[Readable]:
+    """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
+    or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
+    through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
+    (``verify`` makes its own)."""
+    if not is_url(path):
+        yield Readable(str(path), tag, lambda pieces: None, lambda: None)
+        return
+    from ..io.remote import RemoteStore, scratch_folder
+    from .group import ONE_PROCESS
+    from .view import View, remote_view, write_skeletons, zip_storages
+
+    path = str(path)
+    scratch = scratch_folder(".dsckpt-read-")
+    try:
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        size = RemoteStore(path).object_size()
+        if size is not None:  # one object (a consolidated file, a weights file) and its client-state sidecars
+            store = RemoteStore(parent)
+            sizes = {name: size, **store.starting_with(f"{name}.client_state.")}
+            view = View(scratch, None, scratch, scratch, dict.fromkeys(sizes, 0), set(), 0, store)
+        else:
+            view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
+            sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
+        storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
+        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check,  # noqa: E731
+                                            progress=progress)
+
+        def fetch(pieces: Iterable[object]) -> None:
+            wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]
+            view.store.fill(view.root, [w for w in wanted if w[0] is not None], storages, check)
+
+        with view.real_names():
+            if size is not None:
+                write_skeletons(view.store, view, sizes)
+            if whole:
+                fetch_all()
+            yield Readable(str(view.path(name) if size is not None else view.root),
+                           tag if size is not None else view.tag, fetch, fetch_all)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
