@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ROOT, run_cli
+from conftest import FIXTURES, ROOT, run_cli, run_job
 
 BUCKET = "dsckpt-test"
 CKPTS = ("z3_ws2_fp32", "z2_ws3_bf16", "tp2_dp2_z1_fp32")
@@ -639,3 +639,31 @@ def test_a_local_merge_publishes_pointers_last_as_an_upload_does():
     assert publish_order(names)[:3] == ["__0_0.distcp", "client_state.json", "step3"]
     assert publish_order(names)[3:] == ["latest_universal", ".metadata"]
     assert upload_order([f"d/{n}" for n in names]) == [f"d/{n}" for n in publish_order(names)]
+
+
+@pytest.mark.runtime
+def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
+    """#54: ``engine.save_checkpoint("s3://...")`` with dsckpt's engine on 2 ranks (ZeRO-3): every object of the tag
+    is byte for byte the file a local save of the same moment wrote, `latest` goes up last and names the newest
+    tag, the bucket reads as any checkpoint (verify, consolidate); a save into a bucket that does not exist fails at
+    ``wait()`` with the URL named and leaves nothing; DeepSpeed's load of a URL is refused in words."""
+    url = f"s3://{BUCKET}/engine-{tmp_path.name}"
+    env = {key: os.environ[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    run_job("async_bucket.py", 2, 3, url, tmp_path, tmp_path / "report.json", env=env)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    prefix = url[len("s3://"):]
+    assert s3.cat_file(f"{prefix}/latest").decode() == "t2"
+    local = sorted(p.name for p in (tmp_path / "local" / "t1").iterdir())
+    assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/t1")) == local and len(local) == 4
+    for name in local:
+        assert s3.cat_file(f"{prefix}/t1/{name}") == (tmp_path / "local" / "t1" / name).read_bytes(), name
+    assert s3.exists(f"{prefix}/zero_to_fp32.py") and not s3.exists(f"{prefix}/t3")
+    assert "no-such-bucket-" in doc["failure"] and "/t3/" in doc["failure"] and "no such bucket" in doc["failure"]
+    assert "t3" not in [tag for tag, ok, _ in doc["records"] if ok]
+    assert "dsckpt resume" in doc["refused"]
+    ok("verify", url)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    ok("consolidate", url, a, "--tag", "t1")
+    ok("consolidate", tmp_path / "local", b)
+    assert a.read_bytes() == b.read_bytes()

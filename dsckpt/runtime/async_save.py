@@ -14,10 +14,11 @@ Order of calls, every rank:
    copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
 3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` with ``torch.save`` (``staged_files``),
    flushes it, checks its CRC-32s.
-   At the tag's end all ranks agree (a gather over the commit group): every rank renames its temps into place and
-   flushes; after a second agreement rank 0 moves ``latest`` (temp, flush, rename). A crash at any moment leaves
-   ``latest`` on the previous tag; a failure on any rank removes every rank's temps and is raised on every rank at
-   its next save, step or ``wait()``.  Trainers' follow-ups registered with ``then()`` run after the commit.
+   At the tag's end all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into
+   place and flushed; for a ``save_dir`` in a bucket - ``s3://``, ``gs://``, ``az://`` - uploaded from a local
+   staging folder: ``staged_files.target_for``); after a second agreement rank 0 moves ``latest``. A crash at
+   any moment leaves ``latest`` on the previous tag; a failure on any rank removes every rank's temps (and what it
+   uploaded) and is raised on every rank at its next save, step or ``wait()``.  Trainers' follow-ups registered with ``then()`` run after the commit.
 4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
    ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
@@ -35,11 +36,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BackgroundSaveError
-from ..zero.layout import LATEST_FILE
+from ..errors import BackgroundSaveError, ConfigError, DsckptError
+from ..formats.storage import is_url
 from .snapshot import HostPool, Snapshot
 from ..io.output import fsync_path
-from .staged_files import publish_latest, remove_temps, temp_for
+from .staged_files import BucketTarget, LocalTarget, SaveTarget, remove_temps, target_for, temp_for
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
@@ -71,6 +72,15 @@ class _Tag:
     aborted: bool = False
     then: list[Callable[[], None]] = field(default_factory=list)  # run by the writer once the tag is published
     done: bool = False
+    target: SaveTarget | None = None  # where the tag is published (None: the folder DeepSpeed saved into)
+
+    @property
+    def where(self) -> SaveTarget:
+        return self.target or LocalTarget(self.save_dir)
+
+    @property
+    def name(self) -> str:
+        return os.path.join(self.where.name, self.tag)
 
 
 @dataclass
@@ -124,6 +134,8 @@ class AsyncSave:
         self.last: _Tag | None = None
         self.hooks = threading.Lock()
         self.in_save = False
+        self.buckets: dict[str, BucketTarget] = {}  # a bucket's staging folder, reused from save to save
+        self.target: SaveTarget | None = None  # the target of the save in progress
         self.idle = threading.Event()
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
@@ -143,15 +155,19 @@ class AsyncSave:
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
 
         def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+            if self.closed and is_url(save_dir):
+                raise ConfigError(f"{save_dir}: a save into a bucket goes through dsckpt's background engine, "
+                                  "which was closed", hint="save before close(), or into a local folder")
             if self.closed:  # the writer has stopped: DeepSpeed's own blocking save
                 return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
             waited = self._wait_previous()
             start = time.perf_counter()
+            self.target = self._target(save_dir)
             self.current, self.in_save = None, True
             self.idle.clear()
             try:
-                save(save_dir, tag=tag, client_state=client_state, save_latest=False,
+                save(self.target.local, tag=tag, client_state=client_state, save_latest=False,
                      exclude_frozen_parameters=exclude_frozen_parameters)
             except BaseException:
                 if self.current is not None:
@@ -177,6 +193,9 @@ class AsyncSave:
             from .planned_load import load_resharded, other_layout
 
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
+            if is_url(load_dir):
+                raise ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder",
+                                  hint=f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first")
             if other_layout(engine, load_dir, tag):  # another world size or stage: answered from the reshard plan
                 return load_resharded(engine, load_dir, tag, load=load, **kwargs)
             return load(load_dir, tag=tag, **kwargs)
@@ -197,9 +216,17 @@ class AsyncSave:
             self.last = current
             self.queue.put(current)
 
+    def _target(self, save_dir: str | os.PathLike[str]) -> SaveTarget:
+        if not is_url(save_dir):
+            return target_for(save_dir)
+        url = str(save_dir).rstrip("/")
+        if url not in self.buckets:
+            self.buckets[url] = BucketTarget(url)
+        return self.buckets[url]
+
     def _begin(self, save_dir: str, tag: str) -> None:
         if self.in_save:  # DeepSpeed's other saves (save_16bit_model) create/save/commit on their own
-            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0))
+            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0), target=self.target)
 
     def _snapshot(self, state: Any, path: str) -> None:
         if self.current is None:  # a save outside save_checkpoint: written now, as stock does
@@ -254,6 +281,8 @@ class AsyncSave:
         self.idle.wait()
         self.queue.put(None)
         self.thread.join()
+        for bucket in self.buckets.values():
+            bucket.close()
         if self.failure is not None:
             self._raise()
 
@@ -281,16 +310,15 @@ class AsyncSave:
                 else:
                     self._commit(item, error, started)
             except BaseException as exc:  # the commit's own channel broke: the tag is not published
-                self.failure = BackgroundSaveError(f"{os.path.join(item.save_dir, item.tag)}: the background "
-                                                   f"commit failed ({type(exc).__name__}: {exc})")
+                self.failure = BackgroundSaveError(f"{item.name}: the background commit failed "
+                                                   f"({type(exc).__name__}: {exc})")
             with self.hooks:
                 item.done, actions = True, (item.then if item.record.ok else [])
             try:
                 for action in actions:
                     action()
             except BaseException as exc:  # a trainer's follow-up failed: reported like a failed save
-                self.failure = BackgroundSaveError(f"{os.path.join(item.save_dir, item.tag)}: after publishing: "
-                                                   f"{type(exc).__name__}: {exc}")
+                self.failure = BackgroundSaveError(f"{item.name}: after publishing: {type(exc).__name__}: {exc}")
             error, started = None, None
             if self.queue.empty():
                 self.idle.set()
@@ -308,39 +336,37 @@ class AsyncSave:
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
         failed = self._agree(error is None)
+        target = tag.where
         if not failed:
             try:
-                for path in tag.files:
-                    os.replace(temp_for(path), path)
-                remove_temps(tag.files)
-                for folder in sorted({os.path.dirname(p) for p in tag.files}):
-                    fsync_path(Path(folder), files=False)
-            except OSError as exc:
+                target.publish(tag.files, leader=self.rank == 0)
+            except (OSError, DsckptError) as exc:
                 error = exc
             failed = self._agree(error is None)
         if not failed and self.rank == 0 and tag.save_latest:
             try:
-                publish_latest(Path(tag.save_dir), tag.tag)
-            except OSError as exc:
+                target.publish_latest(tag.tag)
+            except (OSError, DsckptError) as exc:
                 error = exc
         if not failed:
             failed = self._agree(error is None)
         tag.record.persist_s = time.perf_counter() - started
         if failed:
             remove_temps(tag.files)
-            latest = Path(tag.save_dir) / LATEST_FILE
-            kept = f"`latest` still names {latest.read_text().strip()!r}" if latest.exists() else "no `latest` written"
+            target.discard(tag.files)
+            latest = target.latest()
+            kept = f"`latest` still names {latest!r}" if latest else "no `latest` written"
             here = f" ({type(error).__name__}: {error})" if error is not None else ""
             self.failure = BackgroundSaveError(
-                f"{os.path.join(tag.save_dir, tag.tag)}: the background save failed on rank(s) "
-                f"{', '.join(map(str, failed))}{here}; its files were removed, {kept}",
-                hint="free space or fix permissions on the checkpoint's disk, then save again")
+                f"{tag.name}: the background save failed on rank(s) {', '.join(map(str, failed))}{here}; its files "
+                f"were removed, {kept}", hint="free space or fix permissions (or a bucket's credentials) where the "
+                "checkpoint goes, then save again")
             return
         tag.record.ok = True
         if self.rank == 0:
             rec = tag.record
             size = f"{rec.nbytes / 1e9:.2f} GB" if rec.nbytes >= 1e8 else f"{rec.nbytes / 1e6:.1f} MB"
-            self.report(f"saved {os.path.join(tag.save_dir, tag.tag)}: training blocked {rec.blocked_s * 1e3:.0f} ms, "
+            self.report(f"saved {tag.name}: training blocked {rec.blocked_s * 1e3:.0f} ms, "
                         f"{size} persisted in {rec.persist_s:.2f} s "
                         f"({rec.nbytes / 1e9 / max(rec.persist_s, 1e-9):.2f} GB/s)")
 

@@ -1,13 +1,25 @@
-"""Where a background save's files wait until every rank has written its own: ``<tag>/.dsckpt-saving/<name>``.
+"""Where a background save's files wait until every rank has written its own, and where they go then.
 
-A temp keeps the final file name (``torch.save`` names its zip's entries after it), so the file renamed into the tag
-folder is byte for byte what a direct save would have written.  ``latest`` is replaced the same way, last.
+A temp keeps the final file name (``torch.save`` names its zip's entries after it): ``<tag>/.dsckpt-saving/<name>``,
+so the file published is byte for byte what a direct save would have written.  A ``SaveTarget`` publishes a tag;
+``target_for(save_dir)`` chooses it once from the path the trainer passed to ``save_checkpoint``:
+* ``LocalTarget``: a folder - each temp renamed into the tag folder, flushed; ``latest`` replaced the same way, last;
+* ``BucketTarget``: ``s3://``, ``gs://``, ``az://`` (DeepSpeed's ``torch.save`` cannot write there) - DeepSpeed
+  saves into a local staging folder; each temp is uploaded as the tag's object (visible only once whole), then
+  removed; ``latest`` is an object written last.
+Order of calls, by the writer thread of every rank, once every rank's temps are durable and CRC-checked:
+``publish(files, leader)`` (each rank its own files; the leader, rank 0, also what DeepSpeed wrote beside the tags),
+all ranks agree, then rank 0 ``publish_latest(tag)``; on a failure anywhere, ``discard(files)`` on every rank.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import Protocol
 
+from ..errors import OutputError
+from ..formats.storage import is_url
 from ..io.output import fsync_path
 from ..zero.layout import LATEST_FILE
 
@@ -39,3 +51,116 @@ def publish_latest(save_dir: Path, tag: str) -> None:
     fsync_path(temp)
     os.replace(temp, save_dir / LATEST_FILE)
     fsync_path(save_dir, files=False)
+
+
+class SaveTarget(Protocol):
+    name: str  # what the trainer passed: messages name it
+    local: str  # the folder DeepSpeed saves into
+
+    def publish(self, files: list[str], leader: bool) -> None: ...
+
+    def publish_latest(self, tag: str) -> None: ...
+
+    def discard(self, files: list[str]) -> None: ...
+
+    def latest(self) -> str | None:
+        """The tag `latest` names now (None: there is none)."""
+
+    def close(self) -> None: ...
+
+
+class LocalTarget:
+    def __init__(self, save_dir: str):
+        self.name = self.local = str(save_dir)
+
+    def publish(self, files: list[str], leader: bool) -> None:
+        for path in files:
+            os.replace(temp_for(path), path)
+        remove_temps(files)
+        for folder in sorted({os.path.dirname(p) for p in files}):
+            fsync_path(Path(folder), files=False)
+
+    def publish_latest(self, tag: str) -> None:
+        publish_latest(Path(self.local), tag)
+
+    def discard(self, files: list[str]) -> None:
+        pass  # the temps are all there is (removed by the caller)
+
+    def latest(self) -> str | None:
+        path = Path(self.local) / LATEST_FILE
+        return path.read_text().strip() if path.exists() else None
+
+    def close(self) -> None:
+        pass
+
+
+class BucketTarget:
+    def __init__(self, url: str):
+        from ..io.remote import filesystem, scratch_folder
+
+        self.name = url.rstrip("/")
+        self.fs, self.root = filesystem(self.name)
+        self.scratch = scratch_folder(".dsckpt-save-")
+        self.local = str(self.scratch / self.root.rstrip("/").rsplit("/", 1)[-1])
+        os.makedirs(self.local, exist_ok=True)
+        self.uploaded: list[str] = []
+
+    def _key(self, path: str) -> str:
+        return f"{self.root.rstrip('/')}/{Path(path).relative_to(self.local).as_posix()}"
+
+    def _put(self, local: str, key: str) -> None:
+        from ..io.remote import typed_error
+
+        where = f"{self.name}/{key[len(self.root.rstrip('/')) + 1:]}"
+        try:
+            self.fs.put_file(local, key)
+        except FileNotFoundError:  # (the store's answer for a bucket that is not there)
+            raise OutputError(f"{where}: uploading failed: no such bucket") from None
+        except Exception as exc:  # the store's own errors, named by the URL the trainer passed
+            raise typed_error(where, exc, "uploading") from None
+        self.uploaded.append(key)
+
+    def publish(self, files: list[str], leader: bool) -> None:
+        self.uploaded = []
+        for path in files:
+            self._put(temp_for(path), self._key(path))
+        remove_temps(files)
+        for path in files:
+            with_tag = os.path.dirname(path)
+            if os.path.isdir(with_tag) and not os.listdir(with_tag):
+                os.rmdir(with_tag)
+        if leader:  # what DeepSpeed wrote beside the tags itself (its zero_to_fp32.py)
+            for entry in os.scandir(self.local):
+                if entry.is_file() and entry.name != LATEST_FILE and not entry.name.startswith("."):
+                    self._put(entry.path, self._key(entry.path))
+                    os.remove(entry.path)
+
+    def publish_latest(self, tag: str) -> None:
+        from ..io.remote import typed_error
+
+        try:
+            self.fs.pipe_file(f"{self.root.rstrip('/')}/{LATEST_FILE}", tag.encode())
+        except Exception as exc:
+            raise typed_error(f"{self.name}/{LATEST_FILE}", exc, "writing") from None
+
+    def discard(self, files: list[str]) -> None:
+        for key in self.uploaded:  # best effort: the failure that brought us here is the one to report
+            try:
+                self.fs.rm_file(key)
+            except Exception:
+                pass
+        self.uploaded = []
+
+    def latest(self) -> str | None:
+        try:
+            return self.fs.cat_file(f"{self.root.rstrip('/')}/{LATEST_FILE}").decode().strip()
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def target_for(save_dir: str | os.PathLike[str]) -> LocalTarget | BucketTarget:
+    """The target of a ``save_checkpoint(save_dir)``, chosen once from the path."""
+    return BucketTarget(str(save_dir)) if is_url(save_dir) else LocalTarget(str(save_dir))
