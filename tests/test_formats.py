@@ -421,3 +421,32 @@ def test_work_is_dealt_by_bytes_the_same_on_every_process():
     loads = [sum(s for s, o in zip(sizes, owners) if o == k) for k in range(2)]
     assert abs(loads[0] - loads[1]) <= max(sizes) and owners == dealt(list(sizes), 2)
     assert dealt(sizes, 1) == [0] * len(sizes) and dealt([], 3) == []
+
+
+def test_a_row_parallel_join_is_read_a_chunk_of_rows_at_a_time_and_noted(tmp_path):
+    """``Reader`` step 5: a join of two slices (one spanning two partitions and a zero fill, rows of different widths)
+    read a few rows at a time yields exactly the rows' bytes in order, and every byte it read is in the ledger."""
+    import os
+
+    from dsckpt.io import integrity
+    from dsckpt.io.context import WriteContext
+    from dsckpt.io.read import Reader
+    from dsckpt.plan.segments import Interleaved, Segment, TensorSource, Zeros
+
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(os.urandom(5000))
+    b.write_bytes(os.urandom(5000))
+    rows = 37
+    left = [Segment(a, 11, 20 * 24), Segment(b, 3, 10 * 24), Zeros(7 * 24)]  # 24-byte rows: 37 of them
+    right = [Segment(b, 900, rows * 40)]  # 40-byte rows
+    joined = Interleaved([left, right], [(0, 0, 24), (1, 0, 40)], [24, 40], rows)
+    expected = b"".join(b"".join(a.read_bytes()[p.offset:p.offset + p.nbytes] if p.path == a else
+                                 b.read_bytes()[p.offset:p.offset + p.nbytes] for p in [seg])
+                        if isinstance(seg, Segment) else bytes(seg.nbytes) for seg in joined)
+    assert len(expected) == rows * 64
+    ledger = integrity.Ledger()
+    with WriteContext(ledger=ledger) as context, Reader(context, chunk=200) as reader:  # 3 rows a chunk
+        chunks = [bytes(c) for c in reader.chunks(TensorSource("U8", "U8", joined))]
+    assert b"".join(chunks) == expected and len(chunks) == -(-rows // 3)
+    noted = ledger.spans(lambda path: path.name)
+    assert sum(n for _, n, _ in noted["a.bin"]) == 20 * 24 and sum(n for _, n, _ in noted["b.bin"]) == 10 * 24 + rows * 40

@@ -38,7 +38,7 @@ from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan
 from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
-from ..plan.segments import tree_pieces
+from ..plan.segments import read_pieces, tree_pieces
 from ..zero.reader import Checkpoint, open_checkpoint
 
 DEFAULT_SHARD = "5GB"
@@ -135,7 +135,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
             tree = view.real_path(ckpt.layout.root)
             group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
-            sources = [p for t in plan.tensors for p in t.pieces]
+            sources = [p for t in plan.tensors for p in read_pieces(t)]
             sources += tree_pieces(ckpt.client_state) if write_client else []
             if progress_total:
                 progress_total(plan.nbytes)
@@ -210,7 +210,7 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
         mine = list(plan.tensors) if group.rank == 0 else []
     extra = companion_paths(prepared.companions) if group.rank == 0 else []
     clients = tree_pieces(ckpt.client_state) if group.rank == 0 else []
-    tensors = [p for t in mine for p in t.pieces]
+    tensors = [p for t in mine for p in read_pieces(t)]
     if streamed:
         # in object storage both ends: the tensors' bytes arrive while the first parts already go up
         fetch(group, view, ranges_held_elsewhere(view, clients, extra))
@@ -289,7 +289,7 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
     """
     with readable(checkpoint, tag) as source:  # (a URL: a local view, the plan's storages fetched)
         plan = build_plan(open_checkpoint(source.path, source.tag), dtype, exclude_frozen=exclude_frozen, state=state)
-        source.fetch(p for t in plan.tensors for p in t.pieces)
+        source.fetch(p for t in plan.tensors for p in read_pieces(t))
         check_plan(plan, skip=not check_crc)
         return torch_state_dict(plan)
 
@@ -304,7 +304,7 @@ def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
     """
     with readable(checkpoint, tag) as source:
         plan = build_plan(open_checkpoint(source.path, source.tag), dtype)
-        source.fetch(p for t in plan.tensors for p in t.pieces)
+        source.fetch(p for t in plan.tensors for p in read_pieces(t))
         check_plan(plan, skip=not check_crc)
         for t in plan.tensors:
             yield t.name, torch_state_dict(plan, only={t.name})[t.name]

@@ -33,6 +33,7 @@ from ..io.parts import streamable
 from ..io.multipart import Streams
 from ..io.upload import Upload
 from ..parallel.view import View, build_view
+from ..plan.segments import read_pieces
 from .paths import require_checkpoint
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Frame:
         if not enabled:
             yield self.context(progress=progress), [SKIPPED_NOTE]
             return
-        pieces = list(pieces) + [p for r in replicas for p in r.source.pieces]
+        pieces = list(pieces) + [p for r in replicas for p in read_pieces(r.source)]
         if not (self.view.direct or self.view.shared):
             self.group.step(lambda: check_sources(pieces, self.view.owns))
             self.group.step(lambda: check_replicas(replicas, self.view.owns))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..plan.names import prefixes
+from ..plan.segments import read_pieces
 from .keys import compare, state_slots, tie_groups
 from ..parallel.readable import Readable, readable
 from .paths import classify
@@ -50,7 +51,7 @@ class _Source:
             from ..zero.reader import open_checkpoint
 
             plan = build_plan(open_checkpoint(path, tag))
-            source.fetch(p for t in plan.tensors for p in t.pieces)
+            source.fetch(p for t in plan.tensors for p in read_pieces(t))
             check_plan(plan)
             by_name = {t.name: t for t in plan.tensors}
             targets = {**{n: n for n in by_name}, **plan.aliases}

@@ -207,12 +207,13 @@ class DcpTarget(Target):
 
     def prepare(self, ckpt, state: TrainingState, request: ConvertRequest) -> PreparedConversion:
         from ..plan.consolidate import TensorPlan
+        from ..plan.segments import read_pieces
 
         moments = [t for p in state.params for t in p.moments.values()]
         steps = [s for p in state.params if isinstance(s := step_plan(p.step), TensorPlan)]
         tensors = len(state.model.tensors) + sum(1 + len(p.moments) for p in state.params)
         nbytes = state.model.nbytes + sum(t.nbytes for t in moments)
-        pieces = tuple(piece for t in list(state.model.tensors) + moments + steps for piece in t.pieces)
+        pieces = tuple(piece for t in list(state.model.tensors) + moments + steps for piece in read_pieces(t))
         notes = ("weights only: no optimizer state written",) if request.weights_only else ()
         return PreparedConversion(self, ckpt.layout.tag_dir.name, tensors, nbytes, notes, pieces, (), state)
 

@@ -11,7 +11,10 @@
    byte is checksummed once, on the prefetch thread, for both;
 4. ``copy_storage``: a local, uncast storage copied into the caller's file at its offset on the caller's thread
    (``io.filecopy.copy_pieces``), no prefetch hand-off, each buffer checksummed while in cache (a reshard's rank
-   files are written this way: docs/dev/performance-log.md 27).
+   files are written this way: docs/dev/performance-log.md 27);
+5. a row-parallel join (``plan.segments.Interleaved``: a tensor-parallel weight split along its rows' width) is
+   read a chunk of rows at a time: each slice's run of those rows in one pass, the blocks interleaved by numpy -
+   not one read per row and slice, which for narrow slices cost Python's overhead per few hundred bytes.
 Bytes come from the write's context (``io.context.WriteContext``): its storage (``LocalStorage``: descriptors
 opened once per file, shared by threads, positional reads) and its ledger, where what is read is noted.
 
@@ -30,7 +33,7 @@ from ..formats.pickle_policy import TensorRef
 from ..formats.storage import LocalStorage
 from .filecopy import copy_pieces
 from .writeback import Started
-from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, joined_spans, storage_source
+from ..plan.segments import ByteSource, Interleaved, Segment, Zeros, joined_spans, read_pieces, storage_source
 
 if TYPE_CHECKING:
     from .context import WriteContext
@@ -94,6 +97,9 @@ class Reader:
         if source.src_dtype != source.dtype:
             yield from self._cast_chunks(source, crc)
             return
+        if _rows_joinable(source.pieces):
+            yield from self._joined_chunks(source.pieces, crc)  # type: ignore[arg-type]
+            return
         if not any(piece.nbytes for piece in source.pieces):  # (an empty storage leaves a read-ahead in place)
             return
         ahead, self._ahead = self._ahead, None
@@ -113,7 +119,7 @@ class Reader:
 
     def _start(self, source: ByteSource, crc: bool) -> tuple[list, Any] | None:
         """The read jobs of an uncast ``source`` and the first one submitted (None: nothing to read)."""
-        if source.src_dtype != source.dtype:
+        if source.src_dtype != source.dtype or _rows_joinable(source.pieces):
             return None
         jobs = list(self._batches(source))
         if not jobs:
@@ -187,6 +193,43 @@ class Reader:
             pos += n
         return view[:pos], joined if crc else None
 
+    def _joined_chunks(self, joined: Interleaved, crc: bool) -> Iterator[tuple[Chunk, int | None]]:
+        """Step 5: ``chunk`` bytes of joined rows at a time (at least one row)."""
+        import numpy as np
+
+        width = sum(n for _, _, n in joined.blocks)
+        rows = max(1, self.chunk // width)
+        used = sorted({part for part, _, _ in joined.blocks})
+        for first in range(0, joined.count, rows):
+            k = min(rows, joined.count - first)
+            runs = {}
+            for part in used:
+                period = joined.periods[part]
+                run = bytearray(k * period)
+                span = (k - 1) * period + max(start + n for p, start, n in joined.blocks if p == part)
+                self._fill(joined.parts[part].cut(first * period, span), memoryview(run)[:span])
+                runs[part] = np.frombuffer(run, np.uint8).reshape(k, period)
+            out: Any = np.empty((k, width), np.uint8)
+            col = 0
+            for part, start, n in joined.blocks:
+                out[:, col:col + n] = runs[part][:, start:start + n]
+                col += n
+            flat = memoryview(out).cast("B")
+            yield flat, crc32(flat) if crc else None
+
+    def _fill(self, pieces: Iterable[Segment | Zeros], into: memoryview) -> None:
+        """``pieces`` read one after another into ``into`` (zero fills zeroed), each read noted in the ledger."""
+        pos = 0
+        for piece in pieces:
+            part = into[pos:pos + piece.nbytes]
+            if isinstance(piece, Zeros):
+                part[:] = bytes(piece.nbytes)
+            else:
+                self.files.pread(piece.path, piece.nbytes, piece.offset, into=part)
+                if self.ledger is not None:
+                    self.ledger.add(piece.path, piece.offset, part)
+            pos += piece.nbytes
+
     def _cast_chunks(self, source: ByteSource, crc: bool) -> Iterator[tuple[Chunk, int | None]]:
         from ..formats.cast import cast_bytes  # numpy only when a cast is needed
 
@@ -211,7 +254,7 @@ def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:
     (``integrity.check_sources``), and tensor parallel's replicated copies against each other."""
     from .integrity import check_sources
 
-    notes = check_sources([p for t in plan.tensors for p in t.pieces] + [p for r in plan.replicas for p in r.source.pieces],
+    notes = check_sources([p for t in plan.tensors for p in read_pieces(t)] + [p for r in plan.replicas for p in read_pieces(r.source)],
                           skip=skip)
     if not skip:
         check_replicas(plan.replicas)
@@ -240,6 +283,12 @@ def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lamb
                 raise InconsistentCheckpointError(
                     f"{where}: {replica.axis} {replica.rank}'s copy of the replicated parameter {replica.name!r} "
                     f"differs from the one written", hint="the ranks drifted apart, or the files come from two runs")
+
+
+def _rows_joinable(pieces: object) -> bool:
+    """A row-parallel join read by ``_joined_chunks``: each block within its slice's period (a row of it)."""
+    return isinstance(pieces, Interleaved) and pieces.count > 0 and any(n for _, _, n in pieces.blocks) and all(
+        start + n <= pieces.periods[part] for part, start, n in pieces.blocks)
 
 
 def _source_of(storage: Any) -> ByteSource:

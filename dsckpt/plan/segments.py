@@ -109,6 +109,13 @@ class Interleaved:
                     yield from self.parts[part].cut(at, n)
 
 
+def read_pieces(source: "ByteSource") -> tuple[Piece, ...]:
+    """The pieces ``source`` reads, for checks and fetches: a row-parallel join's slices whole (every byte of them is
+    read), not its rows one by one."""
+    pieces = source.pieces
+    return pieces.sources if isinstance(pieces, Interleaved) else tuple(pieces)
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """A nameless tensor's bytes (a reshard partition, an unchanged storage): segments + cast."""
