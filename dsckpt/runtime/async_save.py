@@ -16,9 +16,10 @@ Order of calls, every rank:
    flushes it, checks its CRC-32s.
    At the tag's end all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into
    place and flushed; for a ``save_dir`` in a bucket - ``s3://``, ``gs://``, ``az://`` - uploaded from a local
-   staging folder: ``staged_files.target_for``); after a second agreement rank 0 moves ``latest``. A crash at
+   staging folder: ``staged_files.Targets``); after a second agreement rank 0 moves ``latest``. A crash at
    any moment leaves ``latest`` on the previous tag; a failure on any rank removes every rank's temps (and what it
-   uploaded) and is raised on every rank at its next save, step or ``wait()``.  Trainers' follow-ups registered with ``then()`` run after the commit.
+   uploaded) and is raised on every rank at its next save, step or ``wait()``.  Trainers' follow-ups registered
+   with ``then()`` run after the commit.
 4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
    ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
@@ -36,11 +37,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BackgroundSaveError, ConfigError, DsckptError
-from ..formats.storage import is_url
+from ..errors import BackgroundSaveError, DsckptError
 from .snapshot import HostPool, Snapshot
 from ..io.output import fsync_path
-from .staged_files import BucketTarget, LocalTarget, SaveTarget, remove_temps, target_for, temp_for
+from .staged_files import LocalTarget, SaveTarget, Targets, local_only, remove_temps, temp_for
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
@@ -72,15 +72,11 @@ class _Tag:
     aborted: bool = False
     then: list[Callable[[], None]] = field(default_factory=list)  # run by the writer once the tag is published
     done: bool = False
-    target: SaveTarget | None = None  # where the tag is published (None: the folder DeepSpeed saved into)
-
-    @property
-    def where(self) -> SaveTarget:
-        return self.target or LocalTarget(self.save_dir)
+    target: SaveTarget | None = None  # where the tag is published
 
     @property
     def name(self) -> str:
-        return os.path.join(self.where.name, self.tag)
+        return os.path.join(self.target.name if self.target else self.save_dir, self.tag)
 
 
 @dataclass
@@ -134,8 +130,8 @@ class AsyncSave:
         self.last: _Tag | None = None
         self.hooks = threading.Lock()
         self.in_save = False
-        self.buckets: dict[str, BucketTarget] = {}  # a bucket's staging folder, reused from save to save
-        self.target: SaveTarget | None = None  # the target of the save in progress
+        self.targets = Targets()  # where the save in progress goes (a bucket's staging folder reused)
+        self.target: SaveTarget | None = None
         self.idle = threading.Event()
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
@@ -155,15 +151,14 @@ class AsyncSave:
         engine.checkpoint_engine = AsyncCheckpointEngine(self)
 
         def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-            if self.closed and is_url(save_dir):
-                raise ConfigError(f"{save_dir}: a save into a bucket goes through dsckpt's background engine, "
-                                  "which was closed", hint="save before close(), or into a local folder")
-            if self.closed:  # the writer has stopped: DeepSpeed's own blocking save
+            if self.closed:  # the writer has stopped: DeepSpeed's own blocking save, into a folder
+                local_only(save_dir, "a save into a bucket needs dsckpt's background engine, which was closed",
+                           "save before close(), or into a local folder")
                 return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
             waited = self._wait_previous()
             start = time.perf_counter()
-            self.target = self._target(save_dir)
+            self.target = self.targets.for_path(save_dir)
             self.current, self.in_save = None, True
             self.idle.clear()
             try:
@@ -193,9 +188,8 @@ class AsyncSave:
             from .planned_load import load_resharded, other_layout
 
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
-            if is_url(load_dir):
-                raise ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder",
-                                  hint=f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first")
+            local_only(load_dir, "DeepSpeed's load_checkpoint reads a local folder",
+                       f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first")
             if other_layout(engine, load_dir, tag):  # another world size or stage: answered from the reshard plan
                 return load_resharded(engine, load_dir, tag, load=load, **kwargs)
             return load(load_dir, tag=tag, **kwargs)
@@ -216,17 +210,10 @@ class AsyncSave:
             self.last = current
             self.queue.put(current)
 
-    def _target(self, save_dir: str | os.PathLike[str]) -> SaveTarget:
-        if not is_url(save_dir):
-            return target_for(save_dir)
-        url = str(save_dir).rstrip("/")
-        if url not in self.buckets:
-            self.buckets[url] = BucketTarget(url)
-        return self.buckets[url]
-
     def _begin(self, save_dir: str, tag: str) -> None:
         if self.in_save:  # DeepSpeed's other saves (save_16bit_model) create/save/commit on their own
-            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0), target=self.target)
+            target = self.target or LocalTarget(save_dir)
+            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0), target=target)
 
     def _snapshot(self, state: Any, path: str) -> None:
         if self.current is None:  # a save outside save_checkpoint: written now, as stock does
@@ -281,8 +268,7 @@ class AsyncSave:
         self.idle.wait()
         self.queue.put(None)
         self.thread.join()
-        for bucket in self.buckets.values():
-            bucket.close()
+        self.targets.close()
         if self.failure is not None:
             self._raise()
 
@@ -336,7 +322,7 @@ class AsyncSave:
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
         failed = self._agree(error is None)
-        target = tag.where
+        target = tag.target or LocalTarget(tag.save_dir)
         if not failed:
             try:
                 target.publish(tag.files, leader=self.rank == 0)

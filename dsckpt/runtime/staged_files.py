@@ -2,7 +2,7 @@
 
 A temp keeps the final file name (``torch.save`` names its zip's entries after it): ``<tag>/.dsckpt-saving/<name>``,
 so the file published is byte for byte what a direct save would have written.  A ``SaveTarget`` publishes a tag;
-``target_for(save_dir)`` chooses it once from the path the trainer passed to ``save_checkpoint``:
+``Targets.for_path(save_dir)`` chooses it once from the path the trainer passed to ``save_checkpoint``:
 * ``LocalTarget``: a folder - each temp renamed into the tag folder, flushed; ``latest`` replaced the same way, last;
 * ``BucketTarget``: ``s3://``, ``gs://``, ``az://`` (DeepSpeed's ``torch.save`` cannot write there) - DeepSpeed
   saves into a local staging folder; each temp is uploaded as the tag's object (visible only once whole), then
@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import OutputError
+from ..errors import ConfigError, OutputError
 from ..formats.storage import is_url
 from ..io.output import fsync_path
 from ..zero.layout import LATEST_FILE
@@ -161,6 +161,27 @@ class BucketTarget:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def target_for(save_dir: str | os.PathLike[str]) -> LocalTarget | BucketTarget:
-    """The target of a ``save_checkpoint(save_dir)``, chosen once from the path."""
-    return BucketTarget(str(save_dir)) if is_url(save_dir) else LocalTarget(str(save_dir))
+def local_only(path: str | os.PathLike[str], what: str, hint: str) -> None:
+    """Refuse a URL where only a folder will do (DeepSpeed's own load, or its blocking save)."""
+    if is_url(path):
+        raise ConfigError(f"{path}: {what}", hint=hint)
+
+
+class Targets:
+    """The target of each ``save_checkpoint(save_dir)``, chosen from the path; a bucket's (its staging folder) kept
+    from save to save, removed by ``close``."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, BucketTarget] = {}
+
+    def for_path(self, save_dir: str | os.PathLike[str]) -> LocalTarget | BucketTarget:
+        if not is_url(save_dir):
+            return LocalTarget(str(save_dir))
+        url = str(save_dir).rstrip("/")
+        if url not in self.buckets:
+            self.buckets[url] = BucketTarget(url)
+        return self.buckets[url]
+
+    def close(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.close()
