@@ -450,3 +450,9 @@ def test_a_row_parallel_join_is_read_a_chunk_of_rows_at_a_time_and_noted(tmp_pat
     assert b"".join(chunks) == expected and len(chunks) == -(-rows // 3)
     noted = ledger.spans(lambda path: path.name)
     assert sum(n for _, n, _ in noted["a.bin"]) == 20 * 24 and sum(n for _, n, _ in noted["b.bin"]) == 10 * 24 + rows * 40
+    from dsckpt.io.read import _interleave
+
+    runs = {0: bytearray(os.urandom(3 * 24)), 1: bytearray(os.urandom(3 * 40))}
+    by_loop, by_numpy = (bytes(_interleave(runs, joined, 3, 64, numpy)) for numpy in (False, True))
+    assert by_loop == by_numpy == b"".join(bytes(runs[0][r * 24:(r + 1) * 24] + runs[1][r * 40:(r + 1) * 40])
+                                           for r in range(3))

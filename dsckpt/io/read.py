@@ -13,8 +13,9 @@
    (``io.filecopy.copy_pieces``), no prefetch hand-off, each buffer checksummed while in cache (a reshard's rank
    files are written this way: docs/dev/performance-log.md 27);
 5. a row-parallel join (``plan.segments.Interleaved``: a tensor-parallel weight split along its rows' width) is
-   read a chunk of rows at a time: each slice's run of those rows in one pass, the blocks interleaved by numpy -
-   not one read per row and slice, which for narrow slices cost Python's overhead per few hundred bytes.
+   read a chunk of rows at a time: each slice's run of those rows in one pass, the blocks interleaved by slice
+   copies (by numpy where it is loaded already or the join has more than ``NUMPY_BLOCKS`` blocks: its import costs
+   ~80 ms) - not one read per row and slice, which for narrow slices cost Python's overhead per few hundred bytes.
 Bytes come from the write's context (``io.context.WriteContext``): its storage (``LocalStorage``: descriptors
 opened once per file, shared by threads, positional reads) and its ledger, where what is read is noted.
 
@@ -45,6 +46,7 @@ CHUNK = 4 << 20
 # Each source's ranges are announced to the kernel (POSIX_FADV_WILLNEED) before its first read: cold reads start
 # sooner (docs/dev/performance-log.md 15).
 ADVISE_GAP = 1 << 20  # ranges closer than this are advised as one
+NUMPY_BLOCKS = 1 << 18  # a row-parallel join with more blocks is interleaved by numpy (step 5)
 Chunk = bytes | bytearray | memoryview  # what a read hands a writer (a reused buffer's view, or new bytes)
 
 
@@ -195,11 +197,12 @@ class Reader:
 
     def _joined_chunks(self, joined: Interleaved, crc: bool) -> Iterator[tuple[Chunk, int | None]]:
         """Step 5: ``chunk`` bytes of joined rows at a time (at least one row)."""
-        import numpy as np
+        import sys
 
         width = sum(n for _, _, n in joined.blocks)
         rows = max(1, self.chunk // width)
         used = sorted({part for part, _, _ in joined.blocks})
+        by_numpy = "numpy" in sys.modules or joined.count * len(joined.blocks) > NUMPY_BLOCKS
         for first in range(0, joined.count, rows):
             k = min(rows, joined.count - first)
             runs = {}
@@ -208,13 +211,8 @@ class Reader:
                 run = bytearray(k * period)
                 span = (k - 1) * period + max(start + n for p, start, n in joined.blocks if p == part)
                 self._fill(joined.parts[part].cut(first * period, span), memoryview(run)[:span])
-                runs[part] = np.frombuffer(run, np.uint8).reshape(k, period)
-            out: Any = np.empty((k, width), np.uint8)
-            col = 0
-            for part, start, n in joined.blocks:
-                out[:, col:col + n] = runs[part][:, start:start + n]
-                col += n
-            flat = memoryview(out).cast("B")
+                runs[part] = run
+            flat = _interleave(runs, joined, k, width, by_numpy)
             yield flat, crc32(flat) if crc else None
 
     def _fill(self, pieces: Iterable[Segment | Zeros], into: memoryview) -> None:
@@ -283,6 +281,28 @@ def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lamb
                 raise InconsistentCheckpointError(
                     f"{where}: {replica.axis} {replica.rank}'s copy of the replicated parameter {replica.name!r} "
                     f"differs from the one written", hint="the ranks drifted apart, or the files come from two runs")
+
+
+def _interleave(runs: dict[int, bytearray], joined: Interleaved, k: int, width: int, by_numpy: bool) -> memoryview:
+    """``k`` joined rows of ``width`` bytes from each slice's run of ``k`` periods."""
+    if by_numpy:
+        import numpy as np
+
+        out: Any = np.empty((k, width), np.uint8)
+        col = 0
+        for part, start, n in joined.blocks:
+            out[:, col:col + n] = np.frombuffer(runs[part], np.uint8).reshape(k, -1)[:, start:start + n]
+            col += n
+        return memoryview(out).cast("B")
+    joined_rows = bytearray(k * width)
+    view, pos = memoryview(joined_rows), 0
+    blocks = [(memoryview(runs[part]), joined.periods[part], start, n) for part, start, n in joined.blocks]
+    for row in range(k):
+        for run, period, start, n in blocks:
+            at = row * period + start
+            view[pos:pos + n] = run[at:at + n]
+            pos += n
+    return view
 
 
 def _rows_joinable(pieces: object) -> bool:
