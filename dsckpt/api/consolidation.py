@@ -11,7 +11,7 @@
    deal a folder's shards out; the bytes a writer lacks are sent to it first), the client state beside a file
    OUT or inside a folder OUT; every storage read CRC-checked (``Frame.checked_reads``); with ``verify``, re-read
    and compared with the shards;
-5. publish (``parallel.outputs.Staged`` over ``io.output.Staging``); with ``fsync`` (the default) OUT is flushed
+5. publish (``parallel.outputs.GroupStaging`` over ``io.output.Staging``); with ``fsync`` (the default) OUT is flushed
    before the rename and its folder after it.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..io.read import Reader, check_plan, torch_state_dict
 from ..parallel.group import ONE_PROCESS, Group
 from ..parallel.readable import readable
 from .frame import destination, writing
-from ..parallel.outputs import Staged, StorageGroups, storage_groups
+from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.consolidate import Plan, TensorPlan, build_plan
@@ -140,7 +140,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
             if progress_total:
                 progress_total(plan.nbytes)
             groups = storage_groups(group, out)
-            staged = frame.stage(Staged(group, groups, out, directory=fmt.directory, fsync=fsync,
+            staged = frame.stage(GroupStaging(group, groups, out, directory=fmt.directory, fsync=fsync,
                                         publishing={groups.of[0]}))
             with frame.checked_reads(sources, check_crc, plan.replicas, progress) as (context, crc_notes):
                 names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context)
@@ -187,7 +187,7 @@ def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree
         check_output(path, inputs, force)
 
 
-def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
+def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, prepared: Prepared, staged: GroupStaging,
            write_client: bool, out: Path, context: WriteContext) -> tuple[list[str], list[TensorPlan]]:
     """Write OUT's parts into ``staged.tmp``; the names written (the same on every process) and the tensors
     this process wrote.
@@ -220,7 +220,7 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
     return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, context, part), mine
 
 
-def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared: Prepared, staged: Staged,
+def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared: Prepared, staged: GroupStaging,
                  write_client: bool, out: Path, context: WriteContext, part: tuple[int, int] | None) -> list[str]:
     """``_write``'s steps once the bytes are there (or arriving): OUT's files, then the client-state sidecar."""
     fmt = prepared.format

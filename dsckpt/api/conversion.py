@@ -9,7 +9,7 @@ Steps (one process, or every process of a torchrun run with ``group``: the same 
 2. check OUT (not an input, not existing unless ``force``; the client-state sidecar's paths too);
 3. rank 0 receives the source bytes it lacks (``parallel.transfer``) and writes into a temp folder beside OUT
    (``Target.write``), plus the client-state sidecar for targets that do not hold it;
-4. publish (``parallel.outputs.Staged`` over ``io.output.Staging``: with ``fsync``, the default, everything
+4. publish (``parallel.outputs.GroupStaging`` over ``io.output.Staging``: with ``fsync``, the default, everything
    flushed first).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..parallel.group import ONE_PROCESS, Group
 from .frame import destination, writing
-from ..parallel.outputs import Staged, storage_groups
+from ..parallel.outputs import GroupStaging, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.segments import tree_pieces
@@ -75,7 +75,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
             if progress_total:
                 progress_total(prepared.nbytes)
             groups = storage_groups(group, out)
-            staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
+            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
             clients = tree_pieces(ckpt.client_state) if client else []
             wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) \
                 if group.rank == 0 else []
@@ -100,7 +100,7 @@ def _prepare(view: View, target: Target, request: ConvertRequest) -> tuple[Check
         return ckpt, target.prepare(ckpt, state, request)
 
 
-def _write(prepared: PreparedConversion, staged: Staged, out: Path, client: bool, ckpt: Checkpoint,
+def _write(prepared: PreparedConversion, staged: GroupStaging, out: Path, client: bool, ckpt: Checkpoint,
            context: WriteContext) -> list[str]:
     with write_errors(out):
         names = prepared.target.write(prepared, staged.tmp, staged.own, context)

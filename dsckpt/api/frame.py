@@ -27,7 +27,7 @@ from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources
 from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
-from ..parallel.outputs import Staged
+from ..parallel.outputs import GroupStaging
 from ..formats.storage import is_url
 from ..io.parts import streamable
 from ..io.multipart import Streams
@@ -65,7 +65,7 @@ class Frame:
     group: Group
     view: View
     streams: Streams | None = None
-    staged: Staged | None = None
+    staged: GroupStaging | None = None
     storage: LocalStorage = dataclasses.field(default_factory=LocalStorage)  # the checkpoint's, for every read
 
     def context(self, ledger: Ledger | None = None, progress: Progress | None = None) -> WriteContext:
@@ -109,7 +109,7 @@ class Frame:
                 ledger.adopt(spans, self.view.path)
         self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
 
-    def stage(self, staged: Staged) -> Staged:
+    def stage(self, staged: GroupStaging) -> GroupStaging:
         """Create OUT's temp (every process agrees) and abandon it if the verb fails."""
         self.staged = staged
         staged.create()

@@ -29,7 +29,7 @@ from ..io.output import check_output, write_errors
 from ..formats.storage import is_url
 from ..io.remote import filesystem, scratch_folder, typed_error
 from ..parallel.group import ONE_PROCESS, Group
-from ..parallel.outputs import Staged, storage_groups
+from ..parallel.outputs import GroupStaging, storage_groups
 from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state
 from ..plan.consolidate import TensorPlan
 from ..plan.from_universal import build_universal_state
@@ -122,7 +122,7 @@ def _write(folder: Path, dest: Destination, world_size: int, stage: int, module_
     if len(groups.leaders) > 1:
         raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems there; "
                                          "convert --to deepspeed writes on storage every process shares")
-    staged = Staged(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
+    staged = GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
     biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
     mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
     try:

@@ -36,7 +36,7 @@ from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
 from .frame import destination, writing
-from ..parallel.outputs import Staged, StorageGroups, storage_groups
+from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.moves import OutputFile, ReshardPlan
@@ -99,7 +99,7 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
             items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
             place = Placement(world_size, group, groups, gather)
             receiving = {g for name, _ in items for g in place.destinations(name)}
-            staged = frame.stage(Staged(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
+            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
             mine = []
             for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
                 members = groups.members(leader)

@@ -128,7 +128,7 @@ def fsync_path(path: Path, *, files: bool = True) -> None:
 class Staging:
     """Outputs written to temp paths beside their destinations and published together: the one commit
     protocol, for one process (``staged``) and for each storage group's leader of a distributed run
-    (``parallel.outputs.Staged``, which agrees between the phases).
+    (``parallel.outputs.GroupStaging``, which agrees between the phases).
 
     ``temp_for(final)`` hands out a temp path; ``flush()`` flushes every temp (with ``fsync``);
     ``publish()`` renames each temp to its destination (a folder into an existing one: merged), the first

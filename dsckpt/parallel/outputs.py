@@ -6,7 +6,7 @@ names: the lowest unassigned process creates a probe folder beside OUT named wit
 that sees it joins that group, until all are assigned.  Each group's leader (its lowest process) owns the
 group's temp output and publishes it.
 
-``Staged``: one temp path per storage group, the same name everywhere (from rank 0), written by the
+``GroupStaging``: one temp path per storage group, the same name everywhere (from rank 0), written by the
 group's members; published by the leaders (``io.output.Staging``, the one commit protocol) only after every
 process has agreed that every part is written and flushed - so an interrupted run publishes nothing.  On
 error every process removes its group's temp.  One process is one group of one: no probe, Staging's own temp name.
@@ -64,7 +64,7 @@ def storage_groups(group: Group, out: Path) -> StorageGroups:
     return StorageGroups(tuple(of))  # type: ignore[arg-type]
 
 
-class Staged:
+class GroupStaging:
     """OUT's temp path in this process's storage group, committed by ``io.output.Staging`` (see the module
     docstring): the leader of each publishing group owns a ``Staging``; every phase ends in agreement."""
 
@@ -84,7 +84,7 @@ class Staged:
     def tmp(self) -> Path:
         """OUT's temp path (named once ``create`` has run, at one process)."""
         if self._tmp is None:
-            raise RuntimeError("Staged.tmp read before create()")
+            raise RuntimeError("GroupStaging.tmp read before create()")
         return self._tmp
 
     @property
