@@ -163,11 +163,17 @@ def _tiny_dcp(folder: Path, names: tuple[str, ...] = ("w", "b")) -> None:
 
 
 def _refused(tmp_path, src: Path, *extra) -> str:
+    """The refusal, the same words at 1 and 2 processes (every check runs in the shared preparation step), nothing
+    left at OUT or beside it."""
     out = tmp_path / "out"
-    proc = run_cli("convert", src, out, "--to", "deepspeed", "-w", 2, "--stage", 3, "-q", *extra)
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr and not out.exists()
-    assert not [p for p in tmp_path.iterdir() if "dsckpt-tmp" in p.name]
+    said = []
+    for nproc in (1, 2):
+        proc = run_cli("convert", src, out, "--to", "deepspeed", "-w", 2, "--stage", 3, "-q", "--nproc", nproc, *extra)
+        assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and not out.exists()
+        assert not [p for p in tmp_path.iterdir() if "dsckpt-tmp" in p.name or "dsckpt-probe" in p.name]
+        said.append([line for line in proc.stderr.splitlines() if line.startswith(("dsckpt: error", "hint"))])
+    assert said[0] == said[1] and said[0], said
     return proc.stderr
 
 
