@@ -18,7 +18,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 
 from ..errors import InconsistentCheckpointError
 from ..formats.storage import LocalStorage
@@ -54,7 +54,7 @@ class Destination:
         """The verb's result naming what the user typed: the URLs instead of the staging folder's paths."""
         if self.url is None:
             return result
-        changes: dict = {"out": self.url, "files": self.files}
+        changes: dict[str, object] = {"out": self.url, "files": self.files}
         if getattr(result, "client_state", None) is not None:
             changes["client_state"] = next((f for f in self.files if ".client_state." in f.rsplit("/", 1)[-1]), None)
         return dataclasses.replace(result, **changes)
@@ -74,7 +74,7 @@ class Frame:
         return WriteContext(self.storage, ledger, self.streams, durable, progress)
 
     @contextlib.contextmanager
-    def checked_reads(self, pieces: list, enabled: bool, replicas: tuple = (),
+    def checked_reads(self, pieces: Sequence[object], enabled: bool, replicas: tuple[Any, ...] = (),
                       progress: Progress | None = None) -> Iterator[tuple[WriteContext, list[str]]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
         each process notes what its write reads (the context yielded carries the ledger); after it, processes that
@@ -117,7 +117,7 @@ class Frame:
 
 
 @contextlib.contextmanager
-def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: Destination,
+def writing(group: Group, checkpoint: str | os.PathLike[str], tag: str | None, out: Destination,
             trust: bool) -> Iterator[Frame]:
     check_parent(out.path)
     group.step(lambda: require_checkpoint(checkpoint))
@@ -135,7 +135,7 @@ def writing(group: Group, checkpoint: str | os.PathLike, tag: str | None, out: D
 
 
 @contextlib.contextmanager
-def destination(group: Group, out: str | os.PathLike, force: bool, stream: bool = True) -> Iterator[Destination]:
+def destination(group: Group, out: str | os.PathLike[str], force: bool, stream: bool = True) -> Iterator[Destination]:
     """OUT for the verb's block (see the module docstring).  A URL: rank 0 refuses an existing OUT without ``force``
     before any work, the block writes into a local staging folder, and when it ends without error rank 0 uploads
     it (``io.upload``).  With ``stream`` (and a store that takes parts: ``io.parts``) the block's safetensors files

@@ -91,7 +91,7 @@ class Streams:
         with self._lock:
             return self.pending.setdefault(key, Pending(key, upload_id))
 
-    def put(self, upload: Pending, number: int, data) -> None:
+    def put(self, upload: Pending, number: int, data: bytearray) -> None:
         etag = self.parts.put(upload.key, upload.upload_id, number, data)
         with self._lock:
             upload.parts[number] = etag

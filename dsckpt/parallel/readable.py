@@ -31,7 +31,7 @@ def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
 
 
 @contextlib.contextmanager
-def readable(path: str | os.PathLike, tag: str | None, whole: bool = False, every_tag: bool = False,
+def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False, every_tag: bool = False,
              check: bool = True, progress: Callable[[int], None] | None = None) -> Iterator[Readable]:
     """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces

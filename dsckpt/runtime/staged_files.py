@@ -153,7 +153,8 @@ class BucketTarget:
 
     def latest(self) -> str | None:
         try:
-            return self.fs.cat_file(f"{self.root.rstrip('/')}/{LATEST_FILE}").decode().strip()
+            data: bytes = self.fs.cat_file(f"{self.root.rstrip('/')}/{LATEST_FILE}")
+            return data.decode().strip()
         except Exception:
             return None
 
