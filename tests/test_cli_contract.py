@@ -502,3 +502,19 @@ def test_temps_of_dead_processes_are_cleaned_at_any_process_count(tmp_path, npro
     proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", out, "--nproc", nproc)
     assert proc.returncode == 0, proc.stderr
     assert not stale.exists() and out.is_file()
+
+
+def test_the_writing_commands_take_one_set_of_writing_options():
+    """#53: consolidate, reshard and convert declare --trust-checkpoint, --skip-crc-check, --no-fsync, --nproc,
+    --quiet and --json once (``cli.options.writing_options``): the same names, defaults and words in each."""
+    from dsckpt.cli import cli
+
+    shared = ("trust_checkpoint", "skip_crc_check", "no_fsync", "nproc", "quiet", "as_json")
+    commands = cli.all_commands()
+    seen = []
+    for name in ("consolidate", "reshard", "convert"):
+        params = {p.name: p for p in commands[name].params}
+        assert set(shared) <= set(params), name
+        seen.append([(p, params[p].opts, params[p].default, (params[p].help or "").replace("OUT_DIR", "OUT"))
+                     for p in shared])
+    assert seen[0] == seen[1] == seen[2]

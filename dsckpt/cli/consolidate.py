@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, result_document
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, Precision, byte_bar, parallel_group
+from .options import LazyHelp, Registered, Precision, byte_bar, parallel_group, writing_options
 
 
 def _formats():
@@ -40,13 +40,8 @@ def _formats():
               help="With --hf: the model's config.json, when CHECKPOINT has none beside it.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT; into an existing folder only the files dsckpt "
               "writes are replaced, everything else there stays.")
-@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
-@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
-@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT to disk before and after the rename (scratch work).")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@writing_options("OUT")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix, rename,
                 max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, skip_crc_check,
                 no_fsync, nproc, quiet, as_json) -> None:

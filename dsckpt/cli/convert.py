@@ -8,7 +8,7 @@ import click
 
 from ..errors import ConfigError
 from .app import cli, report_result
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, LazyHelp, Registered, byte_bar, parallel_group
+from .options import LazyHelp, Registered, byte_bar, parallel_group, writing_options
 
 
 INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.ingest)
@@ -53,12 +53,7 @@ def _targets():
 @click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
               "everything else there stays.")
-@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
-@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
-@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before the rename (scratch work).")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@writing_options("OUT_DIR")
 def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, model_spec, group_settings, group_mode,
             trainer_state, group_order, weights_only: bool, tag, force, trust_checkpoint, skip_crc_check, no_fsync, nproc, quiet, as_json) -> None:
     """Write a ZeRO-1/2/3 run's weights and optimizer state as DCP (FSDP2) or a universal checkpoint - or,

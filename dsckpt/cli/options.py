@@ -1,11 +1,14 @@
-"""Options shared by the commands: the precision vocabulary, and the runtime's (train, resume) knobs."""
+"""Options shared by the commands: the writing commands' (``writing_options``), the precision vocabulary, and the
+runtime's (train, resume) knobs."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 import click
 
 from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
+
+F = TypeVar("F", bound=Callable[..., Any])  # a click command function
 
 SKIP_CRC_HELP = ("Do not check each storage read against the CRC-32 in its zip record (checked by default: a "
                  "damaged byte is refused, naming the file); a note says it was skipped.")
@@ -181,3 +184,21 @@ def byte_bar(desc: str, off: bool):
     from tqdm import tqdm
 
     return tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=desc, delay=0.5, file=sys.stderr, leave=False)
+
+
+def writing_options(out: str) -> Callable[[F], F]:
+    """The options every writing command (consolidate, reshard, convert) takes, in one order and one wording:
+    --trust-checkpoint, --skip-crc-check, --no-fsync, --nproc, --quiet, --json.  ``out``: how its help names OUT."""
+    options = [click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP),
+               click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP),
+               click.option("--no-fsync", is_flag=True,
+                            help=f"Skip flushing {out} to disk before and after the rename (scratch work)."),
+               click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP),
+               click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+               click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")]
+
+    def add(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return add

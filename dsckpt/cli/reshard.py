@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, report_result
-from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, byte_bar, parallel_group
+from .options import byte_bar, parallel_group, writing_options
 
 
 @cli.command()
@@ -22,14 +22,9 @@ from .options import NPROC_HELP, SKIP_CRC_HELP, TRUST_HELP, byte_bar, parallel_g
 @click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")
-@click.option("--trust-checkpoint", is_flag=True, help=TRUST_HELP)
-@click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
-@click.option("--no-fsync", is_flag=True, help="Skip flushing OUT_DIR to disk before and after the rename (scratch work).")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help=NPROC_HELP)
 @click.option("--gather", is_flag=True, help="Under torchrun on several hosts: write every target rank's files on rank "
               "0's host (default: each target rank's files on the host that will run it).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@writing_options("OUT_DIR")
 def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag, force, trust_checkpoint, skip_crc_check,
             no_fsync, nproc, gather, quiet, as_json) -> None:
     """Rewrite a ZeRO-1/2/3 checkpoint for --world-size data-parallel ranks (and --stage).
