@@ -34,7 +34,21 @@ class Entry:
 
 
 class Storage(Protocol):
-    """The operations a backend implements (paths are the names plans carry)."""
+    """The operations a backend implements (paths are the names plans carry).
+
+    Order of calls in a writing command (the reads through ``io.context.WriteContext.storage``, the commit through
+    ``io.output.Staging``):
+    1. every process: ``list``, ``size``, ``open`` while the checkpoint is surveyed and parsed (``parallel.survey``,
+       ``zero.reader``);
+    2. every process that writes a part: ``advise``, then ``pread`` from several threads at once for the bytes its
+       part reads; a backend with ``kernel_copies`` also hands out ``fd`` for copies that never reach user space;
+    3. each storage group's leader, once every process agreed its part is written: ``flush`` of each staged temp,
+       ``replace`` or ``merge_into`` in ``io.output.publish_order`` (what points at others last), ``flush`` of the
+       folders; on a failure anywhere, ``remove`` of every temp instead;
+    4. whoever made it: ``close``.
+    """
+
+    kernel_copies: bool  # its files may be copied kernel-side through a descriptor (``io.filecopy``)
 
     def list(self, prefix: Path) -> list[Entry]:
         """Regular files directly below ``prefix`` and one folder down, with their sizes."""
