@@ -141,11 +141,11 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: s
                 progress_total(plan.nbytes)
             groups = storage_groups(group, out)
             staged = frame.stage(GroupStaging(group, groups, out, directory=fmt.directory, fsync=fsync,
-                                        publishing={groups.of[0]}))
+                                              publishing={groups.of[0]}))
             with frame.checked_reads(sources, check_crc, plan.replicas, progress) as (context, crc_notes):
                 names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context)
             notes += tuple(crc_notes)
-            if verify:  # before the rename: a failed check leaves nothing at OUT; each writer reads back its own tensors
+            if verify:  # before the rename (a failed check leaves nothing at OUT); each writer reads back its own
                 group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
             replaced = fmt.replaced_files(out) if group.rank == 0 else ()
             stale = [out / name for name in replaced if name not in names]

@@ -75,12 +75,14 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, t
             if progress_total:
                 progress_total(prepared.nbytes)
             groups = storage_groups(group, out)
-            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]}))
+            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync,
+                                              publishing={groups.of[0]}))
             clients = tree_pieces(ckpt.client_state) if client else []
             wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) \
                 if group.rank == 0 else []
             fetch(group, view, wanted)
-            with frame.checked_reads(list(prepared.pieces) + clients, check_crc, progress=progress) as (context, crc_notes):
+            with frame.checked_reads(list(prepared.pieces) + clients, check_crc,
+                                     progress=progress) as (context, crc_notes):
                 names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, context)
                                                    if group.rank == 0 else None), 0)
             with write_errors(out):

@@ -47,7 +47,7 @@ class Destination:
     """Where a writing verb writes OUT (see the module docstring)."""
     path: Path  # OUT, or the local staging folder of a URL OUT
     url: str | None = None
-    streams: Streams | None = None  # the multipart uploads OUT's files stream to (a URL OUT in a store that takes parts)
+    streams: Streams | None = None  # where OUT's files stream (a URL OUT in a store that takes parts)
     files: tuple[str, ...] = ()  # a URL OUT's objects, once uploaded
 
     def named(self, result: R) -> R:

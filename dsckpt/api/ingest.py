@@ -40,7 +40,7 @@ from ..plan.training_state import ParamGroup, TrainingState
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
-from .frame import Destination, destination
+from .frame import destination
 from .paths import classify, weights_in
 from .resharding import Pickled, carry_only_allowed, check_written, write_files
 
@@ -100,52 +100,44 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
     check_layout(world_size, stage, module_dtype)
     with destination(group, out, force) as dest, \
             (fetched(str(source), group) if is_url(source) else contextlib.nullcontext(Path(source))) as folder:
-        result = _write(folder, dest, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files,
-                        trainer_state, tag, force, fsync, group, progress, progress_total)
+        out = dest.path
+        found, plan, pickled, inputs, root = group.step(lambda: _prepare(
+            folder, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files, tag))
+        total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
+        group.step(lambda: check_output(out, inputs, force, directory=True, tree=root) if group.rank == 0 else None)
+        if progress_total:
+            progress_total(total)
+        groups = storage_groups(group, out)
+        if len(groups.leaders) > 1:
+            raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems "
+                                             "there; convert --to deepspeed writes on storage every process shares")
+        staged = GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
+        biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
+        mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
+        try:
+            with write_errors(out):
+                staged.create()
+                with WriteContext(streams=dest.streams, durable=staged.durable, progress=progress) as context:
+                    group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, context))
+                    group.step(lambda: _finish(staged.tmp, plan, trainer_state, context) if staged.leads else None)
+                staged.publish()
+        except BaseException:
+            staged.abort()
+            raise
+        names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
+        scheduler = plan.files[0].tree.get("lr_scheduler")
+        names += [TRAINER_STATE, TRAINER_SCHEDULER] if scheduler is not None else []
+        tensors = sum(len(storages) for _, storages in pickled.values())
+        if module_dtype == "F16" and stage == 3:
+            found = replace(found, notes=found.notes + ("the fp16 loss scaler starts at DeepSpeed's defaults (2**16, "
+                                                        "window 1000, hysteresis 2): a ZeRO-3 load replaces the "
+                                                        "engine's own",))
+        notes = found.notes + (() if scheduler else (
+            "no learning-rate scheduler state is written: load with load_lr_scheduler_states=False when the engine "
+            "has a scheduler",))
+        result = IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label,
+                                     found.step, tensors, total, tuple(str(out / n) for n in names), notes)
     return dest.named(result)
-
-
-def _write(folder: Path, dest: Destination, world_size: int, stage: int, module_dtype: str, model: ModelNames | None,
-           group_order: tuple[str, ...] | None, param_groups: tuple[ParamGroup, ...] | None, trainer_files: bool,
-           trainer_state: dict[str, Any] | None, tag: str | None, force: bool, fsync: bool, group: Group,
-           progress: Callable[[int], None] | None,
-           progress_total: Callable[[int], None] | None) -> IntoDeepSpeedResult:
-    """``into_deepspeed`` once its source is a local folder (a URL's fetched) and its OUT known."""
-    out = dest.path
-    found, plan, pickled, inputs, root = group.step(lambda: _prepare(folder, world_size, stage, module_dtype, model,
-                                                                      group_order, param_groups, trainer_files, tag))
-    total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
-    group.step(lambda: check_output(out, inputs, force, directory=True, tree=root) if group.rank == 0 else None)
-    if progress_total:
-        progress_total(total)
-    groups = storage_groups(group, out)
-    if len(groups.leaders) > 1:
-        raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems there; "
-                                         "convert --to deepspeed writes on storage every process shares")
-    staged = GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
-    biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
-    mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
-    try:
-        with write_errors(out):
-            staged.create()
-            with WriteContext(streams=dest.streams, durable=staged.durable, progress=progress) as context:
-                group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, context))
-                group.step(lambda: _finish(staged.tmp, plan, trainer_state, context) if staged.leads else None)
-            staged.publish()
-    except BaseException:
-        staged.abort()
-        raise
-    names = [f"{plan.tag}/{f.name}" for f in plan.files] + [L.LATEST_FILE]
-    scheduler = plan.files[0].tree.get("lr_scheduler")
-    names += [TRAINER_STATE, TRAINER_SCHEDULER] if scheduler is not None else []
-    tensors = sum(len(storages) for _, storages in pickled.values())
-    if module_dtype == "F16" and stage == 3:
-        found = replace(found, notes=found.notes + ("the fp16 loss scaler starts at DeepSpeed's defaults (2**16, window "
-                                                    "1000, hysteresis 2): a ZeRO-3 load replaces the engine's own",))
-    notes = found.notes + (() if scheduler else ("no learning-rate scheduler state is written: load with "
-                                                  "load_lr_scheduler_states=False when the engine has a scheduler",))
-    return IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label, found.step,
-                               tensors, total, tuple(str(out / n) for n in names), notes)
 
 
 @contextlib.contextmanager

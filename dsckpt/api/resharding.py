@@ -107,7 +107,8 @@ def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_siz
                 mine += [item for i, item in enumerate(here) if members[i % len(members)] == group.rank]
             files = [obj for _, obj in mine if not isinstance(obj, Copy)]
             copies = [obj for _, obj in mine if isinstance(obj, Copy)]
-            fetch(group, view, ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies]))
+            wanted = ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies])
+            fetch(group, view, wanted)
             everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
             with write_errors(out):
                 with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc,

@@ -7,10 +7,11 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
   partition), each read once more into a reused buffer and checksummed (``formats.crc``: ISA-L where installed),
   files on a few threads.  Before writing: a distributed run's processes check the files they hold this way.
 * ``Ledger``: while a write runs, the one reader and the copies note there the CRC-32 of each range they pass
-  through user space (the write's context names the ledger: ``io.context``); ``Ledger.check`` then joins those per storage (``crc32_combine``, in offset order)
-  and reads only what nobody read (partition padding, ranges copied kernel to kernel).  Several processes that see
-  the same files pool what they noted (``spans``/``adopt``) and share the storages out (``share``), so the
-  checkpoint is checked once, not once per process, and mostly from CRCs the writes computed anyway.
+  through user space (the write's context names the ledger: ``io.context``); ``Ledger.check`` then joins those
+  per storage (``crc32_combine``, in offset order) and reads only what nobody read (partition padding, ranges
+  copied kernel to kernel).  Several processes that see the same files pool what they noted (``spans``/``adopt``)
+  and share the storages out (``share``), so the checkpoint is checked once, not once per process, and mostly
+  from CRCs the writes computed anyway.
 ``--skip-crc-check`` skips both (a note says so).
 """
 from __future__ import annotations

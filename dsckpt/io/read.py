@@ -216,13 +216,11 @@ class Reader:
             yield flat, crc32(flat) if crc else None
 
     def _fill(self, pieces: Iterable[Segment | Zeros], into: memoryview) -> None:
-        """``pieces`` read one after another into ``into`` (zero fills zeroed), each read noted in the ledger."""
+        """``pieces`` read one after another into the fresh (zeroed) ``into``, each read noted in the ledger."""
         pos = 0
         for piece in pieces:
             part = into[pos:pos + piece.nbytes]
-            if isinstance(piece, Zeros):
-                part[:] = bytes(piece.nbytes)
-            else:
+            if isinstance(piece, Segment):  # (a zero fill: already zeros)
                 self.files.pread(piece.path, piece.nbytes, piece.offset, into=part)
                 if self.ledger is not None:
                     self.ledger.add(piece.path, piece.offset, part)
@@ -252,8 +250,8 @@ def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:
     (``integrity.check_sources``), and tensor parallel's replicated copies against each other."""
     from .integrity import check_sources
 
-    notes = check_sources([p for t in plan.tensors for p in read_pieces(t)] + [p for r in plan.replicas for p in read_pieces(r.source)],
-                          skip=skip)
+    sources = list(plan.tensors) + [r.source for r in plan.replicas]
+    notes = check_sources([p for source in sources for p in read_pieces(source)], skip=skip)
     if not skip:
         check_replicas(plan.replicas)
     return notes

@@ -4,8 +4,8 @@
    out: an output below those limits was copied first and reached the disk after, one stage after the other.
 2. The write's context (``io.context.WriteContext.durable``) names the staged temps its commit will fsync.
 3. ``for_output(path, fd, durable)``: a writer's ``started(offset, nbytes)`` for the file it fills - under one of
-   the ``durable`` temps, Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which begins writing that range and does not wait,
-   so the copy and the disk overlap; elsewhere (``--no-fsync``: it would only compete with the copy; not Linux)
+   the ``durable`` temps, Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which begins writing that range and
+   does not wait, so the copy and the disk overlap; elsewhere (``--no-fsync``: it would only compete with the copy; not Linux)
    nothing.  It makes nothing durable (the fsync still does), and a failure is ignored: it is advice.
 """
 from __future__ import annotations
