@@ -175,8 +175,8 @@ class _NoBar:
 
 
 def byte_bar(desc: str, off: bool):
-    """A progress bar of bytes on stderr, shown after half a second; tqdm (~35 ms to import) is loaded only where a
-    bar may show: a terminal, not --quiet or --json, rank 0."""
+    """A progress bar of bytes on stderr, shown after half a second; tqdm (a large part of a command's start-up:
+    docs/dev/performance-log.md 29) is loaded only where a bar may show: a terminal, not --quiet or --json, rank 0."""
     if off:
         return _NoBar()
     import sys

@@ -14,8 +14,8 @@
    files are written this way: docs/dev/performance-log.md 27);
 5. a row-parallel join (``plan.segments.Interleaved``: a tensor-parallel weight split along its rows' width) is
    read a chunk of rows at a time: each slice's run of those rows in one pass, the blocks interleaved by slice
-   copies (by numpy where it is loaded already or the join has more than ``NUMPY_BLOCKS`` blocks: its import costs
-   ~80 ms) - not one read per row and slice, which for narrow slices cost Python's overhead per few hundred bytes.
+   copies (by numpy where it is loaded already or the join has more than ``NUMPY_BLOCKS`` blocks: its import is a
+   small run's largest cost, docs/dev/performance-log.md 29) - not one read per row and slice.
 Bytes come from the write's context (``io.context.WriteContext``): its storage (``LocalStorage``: descriptors
 opened once per file, shared by threads, positional reads) and its ledger, where what is read is noted.
 
