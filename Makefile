@@ -54,7 +54,7 @@ demo: setup
 	$(DS) list runs/demo
 	$(DS) inspect runs/demo
 
-# The type checker first (pyproject.toml's [tool.mypy]: the whole package, the newest modules strictly; ~8 s).
+# The type checker first (pyproject.toml's [tool.mypy]: the whole package; api/, formats/, plan/ strictly; ~8 s).
 MYPY = $(BIN)/python -m mypy
 
 test: setup

@@ -39,7 +39,7 @@ class Entry:
     name: str = ""  # what the other commands take: the tag, or an HF output_dir's checkpoint-N
 
 
-def _local(root: str | os.PathLike, verb: str) -> Path:
+def _local(root: str | os.PathLike[str], verb: str) -> Path:
     from ..formats.storage import is_url
 
     if is_url(root):
@@ -49,7 +49,7 @@ def _local(root: str | os.PathLike, verb: str) -> Path:
     return Path(root)
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
     """Every checkpoint under ``root`` (a DeepSpeed save folder or an HF ``output_dir``), oldest first."""
     root = _local(root, "list")
     if not root.is_dir():
@@ -77,7 +77,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Entry]:
     return sorted(entries, key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.tag))
 
 
-def prune(root: str | os.PathLike, keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
+def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
     """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept)."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"keep={keep!r}: at least 1")

@@ -74,11 +74,11 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * scale[unit])
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
+def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str | int = DEFAULT_SHARD,
                 client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
-                form: str | None = None, config: str | os.PathLike | None = None, trust: bool = False,
+                form: str | None = None, config: str | os.PathLike[str] | None = None, trust: bool = False,
                 check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
                 progress_total: Callable[[int], None] | None = None) -> Result:
     """Gather a ZeRO 0-3 checkpoint's shards into one file or folder (what ``dsckpt consolidate`` does).
@@ -241,7 +241,8 @@ def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared
     into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
     run(lambda: write_sidecar(ckpt.client_state, out, staged.own, context, into) if write_client and group.rank == 0
         else None)
-    return names
+    written: list[str] = names
+    return written
 
 
 def _notes(ckpt: Checkpoint, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -278,7 +279,7 @@ def verify_output(plan: Plan, out: Path, fmt: Format, only: set[str] | None = No
         raise VerificationError(f"{out}: {len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}")
 
 
-def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype: str | None = None,
+def load_state_dict(checkpoint: str | os.PathLike[str], tag: str | None = None, dtype: str | None = None,
                     exclude_frozen: bool = False, state: str = "fp32", check_crc: bool = True) -> dict[str, Any]:
     """The consolidated state dict as torch tensors in memory (tied names share one tensor).
 
@@ -294,7 +295,7 @@ def load_state_dict(checkpoint: str | os.PathLike, tag: str | None = None, dtype
         return torch_state_dict(plan)
 
 
-def iter_state_dict(checkpoint: str | os.PathLike, tag: str | None = None,
+def iter_state_dict(checkpoint: str | os.PathLike[str], tag: str | None = None,
                     dtype: str | None = None, check_crc: bool = True) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, tensor)``, one full consolidated tensor at a time, then each tied alias under its own name.
 

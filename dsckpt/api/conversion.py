@@ -46,7 +46,7 @@ class ConvertResult:
     notes: tuple[str, ...] = ()
 
 
-def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, to: str, *, tag: str | None = None,
+def convert(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *, tag: str | None = None,
             weights_only: bool = False, force: bool = False, fsync: bool = True, trust: bool = False,
             check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
             progress_total: Callable[[int], None] | None = None) -> ConvertResult:

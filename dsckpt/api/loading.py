@@ -68,7 +68,7 @@ class _Source:
             self.read = weights.get
 
 
-def load_into(model: nn.Module, source: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
+def load_into(model: nn.Module, source: str | os.PathLike[str], *, strict: bool = True, tag: str | None = None,
               strip_prefixes: str | tuple[str, ...] = ()) -> LoadReport:
     """Fill ``model``'s parameters and buffers from a checkpoint or a weights file, one tensor at a time.
 

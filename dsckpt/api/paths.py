@@ -36,7 +36,7 @@ class PathKind:
         return self.format
 
 
-def classify(path: str | os.PathLike) -> PathKind:
+def classify(path: str | os.PathLike[str]) -> PathKind:
     """What ``path`` is: ``PathKind("deepspeed")`` for a DeepSpeed checkpoint (a rank file, a tag folder, a folder of
     tags - also an HF ``checkpoint-N`` folder with weights beside its tags), ``PathKind("weights", format)`` for a
     weights file or folder a registered format reads (``.safetensors``, ``.pt``/``.bin``, a sharded folder, a
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from ..zero.reader import Checkpoint
 
 
-def open_local_checkpoint(path: str | os.PathLike, tag: str | None = None) -> "Checkpoint":
+def open_local_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> "Checkpoint":
     """``dsckpt.open_checkpoint``: a local DeepSpeed checkpoint's metadata - no tensor data - as a typed ``Checkpoint``
     (``zero.reader.open_checkpoint``: ``zero_stage``, ``world_size``, ``precision``, ``param_groups``, ``frozen``,
     ``shared``, ``buffers``, ``client_state``, ``problems``).  ``path``: the checkpoint folder, a tag folder or a rank
@@ -99,7 +99,7 @@ def weights_in(path: Path) -> Path | None:
     return None
 
 
-def require_checkpoint(path: str | os.PathLike) -> None:
+def require_checkpoint(path: str | os.PathLike[str]) -> None:
     """A weights file or folder where a DeepSpeed checkpoint is needed (``consolidate``, ``reshard``, ``convert``):
     say what it is and what takes it.  A path absent here (a host without that folder) is left to the reader."""
     p = Path(path)

@@ -70,7 +70,7 @@ class ReshardResult:
     processes: int = 0  # the resumed job's ranks: world_size x tensor parallel x pipeline stages
 
 
-def reshard(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
+def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int, *, tag: str | None = None,
             stage: int | None = None, ep_size: int | None = None, force: bool = False, fsync: bool = True,
             trust: bool = False, check_crc: bool = True, group: Group | None = None, gather: bool = False,
             progress: Callable[[int], None] | None = None,

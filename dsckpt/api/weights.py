@@ -52,16 +52,17 @@ class WeightsFile:
         self.source = {strip_name(n, strip_prefixes): n for n in list(self.entries) + list(self.aliases)}
 
     # -- access -------------------------------------------------------------------------------
-    def embedded_state(self) -> dict:
+    def embedded_state(self) -> dict[str, Any]:
         """What a ``.pt`` training checkpoint holds beside ``state_dict`` (Lightning: ``epoch``,
         ``global_step``, ``hyper_parameters``...), as plain values: tensors read, objects of classes
         dsckpt does not load kept as ``{"__opaque__": "module.Class"}``."""
         from ..export.sidecar import decode, encode
 
-        refs: dict = {}
+        refs: dict[str, Any] = {}
         encoded = encode(self._beside, refs)
         tensors = {key: self._read_ref(ref) for key, ref in refs.items()}
-        return decode(encoded, tensors)
+        state: dict[str, Any] = decode(encoded, tensors)
+        return state
 
     @staticmethod
     def _read_ref(ref: TensorRef) -> torch.Tensor:

@@ -9,15 +9,18 @@ from ..dtypes import numpy_dtype  # bf16 travels as its uint16 bit pattern
 
 def to_f32(raw: np.ndarray, src: str) -> np.ndarray:
     if src == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.astype(np.float32, copy=False)
+        widened: np.ndarray = raw.astype(np.uint32) << 16
+        return widened.view(np.float32)
+    same: np.ndarray = raw.astype(np.float32, copy=False)
+    return same
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """As torch does it: round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0."""
     u: np.ndarray = x.view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    out: np.ndarray = np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    return out
 
 
 def cast_bytes(data: bytes | bytearray | memoryview, src: str, dst: str) -> bytes | bytearray | memoryview:

@@ -68,11 +68,11 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if uses <= TABLE_AFTER:
         return _multmodp(_shift(len_b), crc_a) ^ crc_b
     t0, t1, t2, t3 = _tables(len_b)
-    return t0[crc_a & 255] ^ t1[crc_a >> 8 & 255] ^ t2[crc_a >> 16 & 255] ^ t3[crc_a >> 24] ^ crc_b
+    return int(t0[crc_a & 255] ^ t1[crc_a >> 8 & 255] ^ t2[crc_a >> 16 & 255] ^ t3[crc_a >> 24] ^ crc_b)
 
 
 @lru_cache(maxsize=256)
-def _tables(nbytes: int) -> tuple[array, ...]:
+def _tables(nbytes: int) -> tuple["array[int]", ...]:
     """Appending ``nbytes`` bytes as four 256-entry tables (4 KiB), one per byte of the CRC (it is linear): a join is
     then four lookups, not a 32-step multiplication (performance log 27)."""
     shift = _shift(nbytes)

@@ -161,7 +161,7 @@ def opaque_type(module: str, name: str) -> type[Opaque]:
     return _opaque_types[path]
 
 
-class TorchSize(tuple):
+class TorchSize(tuple[int, ...]):
     """A ``torch.Size`` as read: a tuple that remembers it was one."""
 
 

@@ -94,7 +94,7 @@ class _Writer:
             raise ValueError(f"an integer of {v.bit_length()} bits is too large to write")
         self.out += b"\x8a" + bytes([len(raw)]) + raw  # LONG1
 
-    def call(self, module: str, name: str, args: tuple) -> None:
+    def call(self, module: str, name: str, args: tuple[Any, ...]) -> None:
         """``module.name(*args)``: GLOBAL, the args tuple, REDUCE."""
         self.global_(module, name)
         self.save(tuple(args))

@@ -23,6 +23,7 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: Any =
     buffer: bytearray, memoryview) is filled in place when given (one buffer, no copy)."""
     if offset < 0 or nbytes < 0:
         raise CorruptFileError(f"{path}: read of {nbytes} bytes at offset {offset} is out of range")
+    data: bytes | bytearray
     if into is not None:
         view, got = memoryview(into).cast("B"), 0
         while got < nbytes:  # Linux returns at most 0x7ffff000 bytes per call: a 4 GB tensor takes two

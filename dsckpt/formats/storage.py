@@ -187,6 +187,6 @@ def is_url(path: object) -> bool:
     return bool(URL_RE.match(str(path)))
 
 
-def storage_for(path: str | os.PathLike) -> LocalStorage:
+def storage_for(path: str | os.PathLike[str]) -> LocalStorage:
     """The storage a path lives on: a local file system today (object-store URLs come with their backend)."""
     return LocalStorage()

@@ -41,7 +41,7 @@ class StorageIndex:
     (checked as the directory is read: entries inside the file, disjoint, stored).  The pickle is not read: what
     the CRC check and the storage maps need costs a tenth of ``TorchFile``'s parse."""
 
-    def __init__(self, path: str | os.PathLike, span: tuple[int, int] | None = None):
+    def __init__(self, path: str | os.PathLike[str], span: tuple[int, int] | None = None):
         """``span``: (offset, length) of an archive inside a larger file (a DCP ``.distcp`` item); offsets
         reported stay absolute in ``path``."""
         self.path = Path(path)
@@ -130,7 +130,7 @@ class _Slice:
     def read(self, n: int = -1) -> bytes:
         n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
         self.fh.seek(self.base + self.pos)
-        data = self.fh.read(n)
+        data: bytes = self.fh.read(n)
         self.pos += len(data)
         return data
 

@@ -53,7 +53,7 @@ def check_sources(pieces: Iterable[object], reads: Callable[[Path], bool] = lamb
 class Ledger:
     """CRC-32s of source ranges as a write read them (see the module docstring); safe from several threads."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._spans: dict[Path, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
 

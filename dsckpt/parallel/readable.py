@@ -57,8 +57,9 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
             view = remote_view(ONE_PROCESS, path, tag, scratch, every_tag)
             sizes = {rel: view.path(rel).stat().st_size for rel in view.owners}
         storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
-        fetch_all = lambda: view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check,  # noqa: E731
-                                            progress=progress)
+
+        def fetch_all() -> None:
+            view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check, progress=progress)
 
         def fetch(pieces: Iterable[object]) -> None:
             wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]

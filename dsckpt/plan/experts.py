@@ -79,7 +79,8 @@ def moved_expert_groups(groups: list[FlatGroup], experts: dict[str, int], new_ep
     return out
 
 
-def rewritten_shapes(param_shapes: list, groups: dict[int, tuple[str, ...]], shapes: dict[str, tuple[int, ...]]) -> list:
+def rewritten_shapes(param_shapes: list[Any], groups: dict[int, tuple[str, ...]],
+                     shapes: dict[str, tuple[int, ...]]) -> list[Any]:
     """Rank 0's ``param_shapes`` with each moved expert group listing ep rank 0's new local experts."""
     out = list(param_shapes)
     for g, names in groups.items():
@@ -88,7 +89,7 @@ def rewritten_shapes(param_shapes: list, groups: dict[int, tuple[str, ...]], sha
     return out
 
 
-def renamed_groups(param_groups: list, groups: dict[int, int]) -> list:
+def renamed_groups(param_groups: list[Any], groups: dict[int, int]) -> list[Any]:
     """The torch optimizer's param groups with each moved expert group named for its new ep_size."""
     out = []
     for g, group in enumerate(param_groups):

@@ -110,7 +110,7 @@ def stage12_moves(ckpt: Checkpoint, world_size: int, ep_size: int | None = None)
     return moves
 
 
-def _moved_experts(ckpt: Checkpoint, groups: list, ep_size: int, world_size: int) -> list[GroupMove]:
+def _moved_experts(ckpt: Checkpoint, groups: list[Any], ep_size: int, world_size: int) -> list[GroupMove]:
     """One expert group at another ep_size (``plan.experts``): per new ep rank, its experts from wherever they were."""
     from .experts import joined_source, moved_expert_groups
 
@@ -240,7 +240,7 @@ def state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupM
     return ref
 
 
-def slice_mappings_at(move: GroupMove, rank: int, existing: list) -> dict:
+def slice_mappings_at(move: GroupMove, rank: int, existing: list[Any]) -> dict[str, Any]:
     """``param_slice_mappings``: name -> fragment_address(numel, start) of each parameter piece on ``rank``."""
     kind = next((v for group in existing for v in group.values() if isinstance(v, Opaque)), None)
     cls = type(kind) if kind is not None else opaque_type(*FRAGMENT_ADDRESS)

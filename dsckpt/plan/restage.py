@@ -137,8 +137,8 @@ def _frozen_partition(ckpt: Checkpoint, full: TensorRef, name: str, world_size: 
                        partition_segments(move, rank, [FlatSpace([full])], move.target.partition_numel, where))
 
 
-def _moved_partitions(ckpt: Checkpoint, moves: list[GroupMove], rank: int, torch_state: dict,
-                      trimmed: Callable[[GroupMove], int]) -> tuple[list[NewTensor], dict]:
+def _moved_partitions(ckpt: Checkpoint, moves: list[GroupMove], rank: int, torch_state: dict[str, Any],
+                      trimmed: Callable[[GroupMove], int]) -> tuple[list[NewTensor], dict[int, dict[str, Any]]]:
     """Target ``rank``'s fp32 flat partition per group (``trimmed(move)`` elements short: stage 1/2's last
     rank) and the torch optimizer's state with every per-element tensor (Adam's moments) in the new layout;
     scalars (Adam's step) kept."""

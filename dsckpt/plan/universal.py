@@ -91,10 +91,10 @@ def _untrained(ckpt: Checkpoint, state: TrainingState) -> list[UniversalFile]:
     return out
 
 
-def _optimizer_state(ckpt: Checkpoint) -> dict:
+def _optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
     osd = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT]
     if ckpt.zero_stage == 3:
-        out = type(osd)(osd)
+        out: dict[str, Any] = type(osd)(osd)
         out[L.UNIVERSAL_PARAM_GROUPS] = osd[L.OPTIMIZER_STATE_DICT][L.UNIVERSAL_PARAM_GROUPS]
     else:
         out = type(osd)((k, v) for k, v in osd.items() if k not in STAGE12_PARTITIONS)
