@@ -65,6 +65,16 @@ BOUNDS: dict[str, float | None] = {  # ratio -> the largest median accepted (Non
 COLD = False
 
 
+def opts(**given) -> dict:
+    """The writing options as the API takes them: one ``WriteOptions`` (an older commit, run alternating against
+    this one: keyword arguments)."""
+    try:
+        from dsckpt.api.options import WriteOptions
+    except ImportError:
+        return given
+    return {"options": WriteOptions(**given)}
+
+
 def _files(path: Path) -> list[Path]:
     return [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
 
@@ -145,10 +155,10 @@ def main() -> int:
     # deterministic), so that cp does not depend on the run before it and the two sides can swap places.
     refs = {f"r{stage}": scratch / f"ref_r{stage}" for stage in ckpts} | {"c": scratch / "ref_c.safetensors"}
     for stage, ckpt in ckpts.items():
-        dsckpt.reshard(ckpt, refs[f"r{stage}"], 3, fsync=False)
-    dsckpt.consolidate(ckpts[3], refs["c"], fsync=False, client_state=False)
+        dsckpt.reshard(ckpt, refs[f"r{stage}"], 3, **opts(fsync=False))
+    dsckpt.consolidate(ckpts[3], refs["c"], client_state=False, **opts(fsync=False))
     refs["t"] = scratch / "ref_t.safetensors"
-    dsckpt.consolidate(tp_ckpt, refs["t"], fsync=False, client_state=False)
+    dsckpt.consolidate(tp_ckpt, refs["t"], client_state=False, **opts(fsync=False))
     inputs = tuple(ckpts.values()) + (tp_ckpt,) + tuple(refs.values())
     sizes = {f"reshard z{stage}": sum(f.stat().st_size for f in _files(refs[f"r{stage}"])) for stage in ckpts}
     sizes["consolidate z3"] = refs["c"].stat().st_size
@@ -160,21 +170,23 @@ def main() -> int:
             return timed(lambda: fn(out), reads, inputs)
         return run
     jobs = {  # name -> a timed run
-        **{f"reshard z{s}": job(scratch / f"r{s}", c, lambda o, c=c: dsckpt.reshard(c, o, 3, fsync=False))
+        **{f"reshard z{s}": job(scratch / f"r{s}", c,
+                                lambda o, c=c: dsckpt.reshard(c, o, 3, **opts(fsync=False)))
            for s, c in ckpts.items()},
         **{f"cp r{s}": job(scratch / f"r{s}_cp", refs[f"r{s}"], lambda o, s=s: cp(refs[f"r{s}"], o)) for s in ckpts},
-        "reshard z3 fsync": job(scratch / "r3", ckpts[3], lambda o: dsckpt.reshard(ckpts[3], o, 3, fsync=True)),
+        "reshard z3 fsync": job(scratch / "r3", ckpts[3],
+                                lambda o: dsckpt.reshard(ckpts[3], o, 3, **opts(fsync=True))),
         "consolidate": job(scratch / "c.safetensors", ckpts[3],
-                           lambda o: dsckpt.consolidate(ckpts[3], o, fsync=False, client_state=False)),
+                           lambda o: dsckpt.consolidate(ckpts[3], o, client_state=False, **opts(fsync=False))),
         "consolidate fsync": job(scratch / "c.safetensors", ckpts[3],
-                                 lambda o: dsckpt.consolidate(ckpts[3], o, fsync=True, client_state=False)),
+                                 lambda o: dsckpt.consolidate(ckpts[3], o, client_state=False, **opts(fsync=True))),
         "consolidate no-crc": job(scratch / "c.safetensors", ckpts[3], lambda o: dsckpt.consolidate(
-            ckpts[3], o, fsync=False, client_state=False, check_crc=False)),
-        "reshard z3 no-crc": job(scratch / "r3", ckpts[3], lambda o: dsckpt.reshard(ckpts[3], o, 3, fsync=False,
-                                                                                   check_crc=False)),
+            ckpts[3], o, client_state=False, **opts(fsync=False, check_crc=False))),
+        "reshard z3 no-crc": job(scratch / "r3", ckpts[3],
+                                 lambda o: dsckpt.reshard(ckpts[3], o, 3, **opts(fsync=False, check_crc=False))),
         "cp c": job(scratch / "c_cp.safetensors", refs["c"], lambda o: cp(refs["c"], o)),
         "consolidate tp": job(scratch / "t.safetensors", tp_ckpt,
-                              lambda o: dsckpt.consolidate(tp_ckpt, o, fsync=False, client_state=False)),
+                              lambda o: dsckpt.consolidate(tp_ckpt, o, client_state=False, **opts(fsync=False))),
         "cp t": job(scratch / "t_cp.safetensors", refs["t"], lambda o: cp(refs["t"], o)),
         "cp+sync r3": job(scratch / "r3_cps", refs["r3"], lambda o: cp_synced(refs["r3"], o)),
         "cp+sync c": job(scratch / "c_cps.safetensors", refs["c"], lambda o: cp_synced(refs["c"], o)),

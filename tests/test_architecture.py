@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
 LAYERS = ("base", "formats", "zero", "plan", "io", "parallel", "export", "api", "analysis", "runtime", "cli")
-BASE = {"errors", "limits", "dtypes", "_version", "jsondoc"}
+BASE = {"errors", "limits", "dtypes", "_version", "jsondoc", "progress"}
 ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
 MAX_LINES = 400
 

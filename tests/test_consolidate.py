@@ -6,6 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FIXTURE_NAMES, FIXTURES, run_cli
+from dsckpt.api.options import WriteOptions
+from dsckpt.progress import Phase, Tally
 from dsckpt import consolidate, iter_state_dict, load_state_dict
 from dsckpt.errors import OutputError
 
@@ -120,7 +122,7 @@ def test_output_refusals(tmp_path, fixture_copy):
     root = fixture_copy("z2_ws2_fp32")
     victim = root / "step3" / "mp_rank_00_model_states.pt"
     with pytest.raises(OutputError, match="refusing to write over an input"):
-        consolidate(root, victim, force=True)
+        consolidate(root, victim, options=WriteOptions(force=True))
     proc = run_cli("consolidate", root, tmp_path / "missing" / "m.safetensors")
     assert proc.returncode == 2 and "folder" in proc.stderr and "does not exist" in proc.stderr
 
@@ -325,16 +327,17 @@ def test_stale_sidecar_is_removed_when_out_is_replaced_without_one(tmp_path):
     out = tmp_path / "m.safetensors"
     consolidate(FIXTURES / "z3_ws2_fp32", out)
     assert (tmp_path / "m.safetensors.client_state.json").exists()
-    consolidate(FIXTURES / "z3_ws2_fp32", out, force=True, client_state=False)
+    consolidate(FIXTURES / "z3_ws2_fp32", out, client_state=False, options=WriteOptions(force=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
 
 
 def test_new_user_trial_notes_and_refusals(tmp_path, fixture_copy):
     """Notes where a user would otherwise be left guessing; OUT = the checkpoint folder named as such."""
-    totals, done = [], []
+    tally = Tally()
     result = consolidate(FIXTURES / "z3_ws2_fp32", tmp_path / "m.safetensors", strip_prefixes=("nothing.",),
-                         progress=done.append, progress_total=totals.append)
-    assert totals == [result.bytes] and sum(done) == result.bytes  # the bar has a total and reaches it
+                         options=WriteOptions(progress=tally))
+    (step,) = tally.steps  # the bar has a total and reaches it
+    assert step.phase is Phase.WRITE and step.total == step.done == result.bytes
     assert any("--strip-prefix 'nothing.' matched no tensor name" in n for n in result.notes)
     assert any("tied weights are stored once (head.weight = embed.weight)" in n and "--duplicate-tied" in n
                for n in result.notes)
@@ -342,7 +345,7 @@ def test_new_user_trial_notes_and_refusals(tmp_path, fixture_copy):
     assert plain.notes == ()
     root = fixture_copy("z3_ws2_fp32")
     with pytest.raises(OutputError, match="is the checkpoint folder itself"):
-        consolidate(root, root, force=True)
+        consolidate(root, root, options=WriteOptions(force=True))
     proc = run_cli("consolidate", FIXTURES / "z3_ws2_fp32", tmp_path / "c.safetensors", "--strip-prefix", "x.")
     assert proc.returncode == 0 and "note: --strip-prefix 'x.' matched no tensor name" in proc.stderr
 

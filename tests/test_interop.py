@@ -114,9 +114,10 @@ def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
 def test_hf_trainer_checkpoint_reshards(hf_run, tmp_path):
     """The HF Trainer's two param groups (with and without weight decay) at another world size."""
     from dsckpt.api.consolidation import load_state_dict
+    from dsckpt.api.options import WriteOptions
     from dsckpt.api.resharding import reshard
 
-    reshard(hf_run / "checkpoint-3", tmp_path / "ws3", 3, fsync=False)
+    reshard(hf_run / "checkpoint-3", tmp_path / "ws3", 3, options=WriteOptions(fsync=False))
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
         a, b = load_state_dict(hf_run / "checkpoint-3", state=state), load_state_dict(tmp_path / "ws3", state=state)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

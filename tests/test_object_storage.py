@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import dsckpt
+
 from conftest import FIXTURES, ROOT, run_cli, run_job
 
 BUCKET = "dsckpt-test"
@@ -619,14 +621,43 @@ def test_convert_to_deepspeed_reads_and_writes_buckets_as_it_does_folders(s3, tm
 
 
 def test_verify_of_a_bucket_reports_what_it_fetches_and_checks(s3):
-    """`dsckpt verify s3://...` shows progress: the bytes fetched (every object) and then those CRC-checked."""
+    """`dsckpt verify s3://...` shows progress: a fetch of every object's bytes (its total known before the first
+    byte), then the bytes CRC-checked."""
     from dsckpt.analysis.verify import verify
+    from dsckpt.progress import Phase, Tally
 
-    seen: list[int] = []
-    (report,) = verify(f"s3://{BUCKET}/z3_ws2_fp32", progress=seen.append)
+    tally = Tally()
+    (report,) = verify(f"s3://{BUCKET}/z3_ws2_fp32", progress=tally)
     assert not report.problems
     objects = sum(info["size"] for info in s3.find(f"{BUCKET}/z3_ws2_fp32", detail=True).values())
-    assert sum(seen) > objects  # everything fetched, then the storages checked on top
+    fetched, checked = tally.steps
+    assert (fetched.phase, checked.phase) == (Phase.FETCH, Phase.VERIFY)
+    assert 0 < fetched.total == fetched.done <= objects  # (the zips' directories came first, with the listing)
+    assert 0 < checked.done < objects
+
+
+def test_writing_verbs_report_a_buckets_fetch_then_their_write(s3, tmp_path):
+    """#56/#53: consolidate, reshard and convert of a bucket's checkpoint tell one ``Progress`` a ``FETCH`` (its
+    total known before the first byte) and then the ``WRITE`` of what they write; a local checkpoint only the
+    ``WRITE``."""
+    from dsckpt.api.options import WriteOptions
+    from dsckpt.progress import Phase, Tally
+
+    url = f"s3://{BUCKET}/z3_ws2_fp32"
+    verbs = {"consolidate": lambda src, out, o: dsckpt.consolidate(src, out / "m.safetensors", options=o),
+             "reshard": lambda src, out, o: dsckpt.reshard(src, out / "r", 3, options=o),
+             "convert": lambda src, out, o: dsckpt.convert(src, out / "u", "universal", options=o)}
+    for verb, run in verbs.items():
+        tallies = {}
+        for where, src in (("bucket", url), ("local", FIXTURES / "z3_ws2_fp32")):
+            tallies[where] = Tally()
+            (tmp_path / verb / where).mkdir(parents=True)
+            result = run(src, tmp_path / verb / where, WriteOptions(progress=tallies[where]))
+        fetched, written = tallies["bucket"].steps
+        assert (fetched.phase, written.phase) == (Phase.FETCH, Phase.WRITE), verb
+        assert fetched.total == fetched.done > 0 and written.total == result.bytes, verb
+        (local,) = tallies["local"].steps
+        assert local.phase is Phase.WRITE and local.total == written.total and local.done == written.done, verb
 
 
 def test_a_local_merge_publishes_pointers_last_as_an_upload_does():

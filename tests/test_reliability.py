@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import FIXTURES, ROOT, demo_counts, run_cli, run_job
 from malformed import cases, run_case
+from dsckpt.api.options import WriteOptions
 from dsckpt.io.output import TEMP_MARK
 
 CASES = cases()
@@ -167,6 +168,6 @@ def test_durable_outputs_start_their_writeback_as_they_go(tmp_path, monkeypatch)
     size = (tmp_path / "model.safetensors").stat().st_size
     assert sum(n for name, _, n, _ in started if name.startswith(".model.")) > size // 2  # the data, not the header
     started.clear()
-    dsckpt.consolidate(src, tmp_path / "fast.safetensors", fsync=False)
-    dsckpt.reshard(src, tmp_path / "fast_ws3", 3, fsync=False)
+    dsckpt.consolidate(src, tmp_path / "fast.safetensors", options=WriteOptions(fsync=False))
+    dsckpt.reshard(src, tmp_path / "fast_ws3", 3, options=WriteOptions(fsync=False))
     assert started == []

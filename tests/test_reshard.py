@@ -24,6 +24,8 @@ import pytest
 from conftest import (FIXTURES, ODD_OFFLOAD as OFFLOAD, ODD_PRECISIONS as PRECISIONS, ODD_STAGES as STAGES,
                       ODD_STEPS as STEPS, ODD_SUBGROUPS as SUBGROUPS, _capabilities, odd_run_combos, run_cli, run_job,
                       skip_beyond_devices, tree_differences)
+from dsckpt.api.options import WriteOptions
+from dsckpt.progress import Tally
 from dsckpt.errors import ConfigError, MissingRankError, OutputError, UnsupportedCheckpointError
 from dsckpt.formats.torchzip import TorchFile
 from dsckpt.plan.reshard import build_reshard_plan
@@ -223,8 +225,8 @@ def test_there_and_back_gives_the_original_files(name, tmp_path):
     """N -> N+2 -> N rewrites every file to its original tree and bytes, padding aside (the plan loses nothing)."""
     src = open_checkpoint(FIXTURES / name)
     n = src.world_size
-    reshard(FIXTURES / name, tmp_path / "up", n + 2, fsync=False)
-    reshard(tmp_path / "up", tmp_path / "back", n, fsync=False)
+    reshard(FIXTURES / name, tmp_path / "up", n + 2, options=WriteOptions(fsync=False))
+    reshard(tmp_path / "up", tmp_path / "back", n, options=WriteOptions(fsync=False))
     tag = src.layout.tag
     names = sorted(os.listdir(src.layout.tag_dir))
     assert sorted(os.listdir(tmp_path / "back" / tag)) == names
@@ -241,7 +243,7 @@ def test_gathered_state_is_unchanged_at_any_world_size(name, world_size, tmp_pat
     from dsckpt.api.consolidation import load_state_dict
 
     out = tmp_path / "out"
-    result = reshard(FIXTURES / name, out, world_size, fsync=False)
+    result = reshard(FIXTURES / name, out, world_size, options=WriteOptions(fsync=False))
     ckpt = open_checkpoint(out)
     assert ckpt.world_size == world_size == result.world_size and not ckpt.problems
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -294,10 +296,10 @@ def test_foreign_client_classes_are_left_out_or_carried_on_trust_never_run(tmp_p
     marker = tmp_path / "pwned"
     payload = opaque_type("os", "system")(f"touch {marker}")  # recorded as `os.system("touch ...")`
     rewrite_tree(next(ckpt_dir.glob("*/mp_rank_00_model_states.pt")), lambda tree: {**tree, "payload": payload})
-    result = reshard(ckpt_dir, tmp_path / "ws3", 3, fsync=False)
+    result = reshard(ckpt_dir, tmp_path / "ws3", 3, options=WriteOptions(fsync=False))
     assert "payload" not in TorchFile(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt").obj
     assert result.notes and "'payload' left out: it holds objects of os.system" in result.notes[0]
-    result = reshard(ckpt_dir, tmp_path / "trusted", 3, fsync=False, trust=True)
+    result = reshard(ckpt_dir, tmp_path / "trusted", 3, options=WriteOptions(fsync=False, trust=True))
     written = TorchFile(tmp_path / "trusted" / "step3" / "mp_rank_00_model_states.pt").obj["payload"]
     assert written.class_path == "os.system" and written.args == (f"touch {marker}",) and written.via == "reduce"
     assert "--trust-checkpoint" in result.notes[0]
@@ -370,8 +372,9 @@ def test_rank_files_written_on_several_threads_are_the_same_bytes(tmp_path, monk
     outs, counted = {}, {}
     for threads in (1, 3):
         monkeypatch.setattr(resharding, "WRITE_THREADS", threads)
-        seen = []
-        result = reshard(FIXTURES / fixture, tmp_path / f"t{threads}", 2, progress=seen.append)
+        tally = Tally()
+        result = reshard(FIXTURES / fixture, tmp_path / f"t{threads}", 2, options=WriteOptions(progress=tally))
+        seen = tally.steps[-1].pieces
         outs[threads] = {p.relative_to(tmp_path / f"t{threads}"): p.read_bytes()
                          for p in sorted((tmp_path / f"t{threads}").rglob("*")) if p.is_file()}
         counted[threads] = (sum(seen), result.bytes)
@@ -390,9 +393,9 @@ def test_storages_copied_straight_in_are_the_streamed_bytes(tmp_path, monkeypatc
     copied = []
     real = Reader.copy_storage
     monkeypatch.setattr(Reader, "copy_storage", lambda *a, **k: copied.append(real(*a, **k)) or copied[-1])
-    reshard(FIXTURES / fixture, tmp_path / "copied", 5, fsync=False)
+    reshard(FIXTURES / fixture, tmp_path / "copied", 5, options=WriteOptions(fsync=False))
     monkeypatch.setattr(Reader, "copy_storage", lambda *a, **k: None)
-    reshard(FIXTURES / fixture, tmp_path / "streamed", 5, fsync=False)
+    reshard(FIXTURES / fixture, tmp_path / "streamed", 5, options=WriteOptions(fsync=False))
     files = sorted(p.relative_to(tmp_path / "copied") for p in (tmp_path / "copied").rglob("*") if p.is_file())
     assert copied and all(c is not None for c in copied) and len(files) >= 6
     for name in files:

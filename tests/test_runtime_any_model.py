@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import _capabilities, fit_ranks, run_cli, run_job, skip_beyond_devices
+from dsckpt.api.options import WriteOptions
 from dsckpt.errors import UnsupportedPrecisionError
 from dsckpt.analysis.inspect import summarize
 from dsckpt.zero.reader import open_checkpoint
@@ -234,7 +235,7 @@ def test_consolidate_fsyncs_unless_told_not_to(monkeypatch, tmp_path):
     assert any(c.endswith("m.safetensors") or ".m.safetensors.dsckpt-tmp-" in c for c in calls)
     assert str(tmp_path) in calls  # the folder, after the rename
     calls.clear()
-    dsckpt.consolidate("fixtures/z2_ws2_fp32", tmp_path / "n.safetensors", fsync=False)
+    dsckpt.consolidate("fixtures/z2_ws2_fp32", tmp_path / "n.safetensors", options=WriteOptions(fsync=False))
     assert calls == []
 
 

@@ -106,10 +106,12 @@ def test_verify_reports_its_progress_in_bytes():
     """The bar `dsckpt verify` shows: every storage's bytes, once, as its CRC is checked."""
     from dsckpt.analysis.verify import verify
     from dsckpt.formats.torchzip import StorageIndex
+    from dsckpt.progress import Phase, Tally
 
     ckpt = FIXTURES / "z2_ws2_fp32"
-    seen: list[int] = []
-    (report,) = verify(ckpt, progress=seen.append)
+    tally = Tally()
+    (report,) = verify(ckpt, progress=tally)
     assert not report.problems
     expected = [loc.nbytes for p in sorted((ckpt / "step3").iterdir()) for loc in StorageIndex(p).storages.values()]
-    assert sorted(seen) == sorted(expected) and sum(seen) > 0
+    (step,) = tally.steps
+    assert step.phase is Phase.VERIFY and sorted(step.pieces) == sorted(expected) and step.done > 0

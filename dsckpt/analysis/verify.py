@@ -25,6 +25,7 @@ from ..plan.segments import Segment
 from ..formats.torchzip import StorageIndex
 from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
+from ..progress import Phase, Progress, advancing, begin
 from ..zero.companions import TRAINER_STATE
 from ..zero.reader import Checkpoint, open_checkpoint
 from .sources import Source
@@ -51,12 +52,12 @@ class TagReport:
 
 
 def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
-           progress: Callable[[int], None] | None = None) -> list[TagReport]:
+           progress: Progress | None = None) -> list[TagReport]:
     """``dsckpt verify``: one ``TagReport`` per tag - ``tag``'s, what ``latest`` names, or every one with
     ``all_tags`` - listing the problems found by each check (``structure``, ``crc``, ``finite``, ``companions``,
     each described at the top of this module).  An empty ``problems`` list everywhere means the checkpoint is whole, undamaged,
-    finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.  ``progress``: told
-    the bytes of each storage CRC-checked (and, for a URL, of each range fetched).
+    finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.  ``progress``
+    (``dsckpt.progress``): a bucket's ``FETCH``, then a ``VERIFY`` of the bytes of each storage CRC-checked.
     """
     from ..formats.storage import is_url
 
@@ -68,7 +69,8 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
             return verify(local, local_tag, all_tags, progress)
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
-    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None, progress) for t in tags]
+    begin(progress, Phase.VERIFY, None)
+    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None, advancing(progress)) for t in tags]
 
 
 def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callable[[int], None] | None) -> TagReport:

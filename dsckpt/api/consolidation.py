@@ -32,7 +32,9 @@ from ..io.output import check_output, write_errors
 from ..io.read import Reader, check_plan, torch_state_dict
 from ..parallel.group import ONE_PROCESS, Group
 from ..parallel.readable import readable
+from ..progress import Phase, Progress, begin
 from .frame import destination, writing
+from .options import DEFAULTS, WriteOptions
 from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
@@ -77,10 +79,8 @@ def parse_size(text: str | int) -> int:
 def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None,
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str | int = DEFAULT_SHARD,
-                client_state: bool = True, force: bool = False, verify: bool = False, fsync: bool = True,
-                form: str | None = None, config: str | os.PathLike[str] | None = None, trust: bool = False,
-                check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
-                progress_total: Callable[[int], None] | None = None) -> Result:
+                client_state: bool = True, verify: bool = False, form: str | None = None,
+                config: str | os.PathLike[str] | None = None, options: WriteOptions = DEFAULTS) -> Result:
     """Gather a ZeRO 0-3 checkpoint's shards into one file or folder (what ``dsckpt consolidate`` does).
 
     Args:
@@ -98,17 +98,15 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
             HF architecture's ``model.layers.2.mlp.up_proj.weight``; applied after ``strip_prefixes``.
         max_shard_size: for folder outputs, e.g. ``"5GB"``, ``"500MiB"``, or a number of bytes.
         client_state: write the client state beside OUT (``OUT.client_state.json``) for formats that do not hold it.
-        force: replace an existing OUT; in an existing folder only the files dsckpt writes are replaced.
         verify: re-read OUT and compare it byte for byte with the shards before publishing it.
-        fsync: flush OUT to disk before and after the rename (the default).
         form: a registered format by name: ``"safetensors"``, ``"torch"``, ``"sharded"``, ``"hf"`` (a folder
             ``from_pretrained`` loads; ``config``: its ``config.json`` when none is beside the checkpoint),
             ``"peft"``, ``"lightning"``.
-        trust: follow links out of the checkpoint and copy pickled objects of any class.
-        check_crc: check every storage read against its zip CRC-32 (the default).
-        group: the processes of a torchrun run sharing the work (``dsckpt.parallel.group.init_group()``); None is
-            one process.  Every process gets the same result or the same error.
-        progress, progress_total: callbacks with bytes written, and the total before the first byte.
+        options: ``WriteOptions`` - ``force`` (replace an existing OUT; in a folder only the files dsckpt
+            writes), ``fsync``, ``trust`` (follow links out of the checkpoint, copy pickled objects of any class),
+            ``check_crc``, ``group`` (the processes of a torchrun run: ``dsckpt.parallel.group.init_group()``;
+            every process gets the same result or the same error), ``progress`` (``dsckpt.progress.Progress``:
+            a bucket's ``FETCH``, then the ``WRITE`` of OUT's tensor bytes).
 
     Returns:
         ``Result``: ``out``, ``form``, ``tensors`` (count), ``bytes``, ``files`` written, ``client_state`` (the
@@ -117,7 +115,7 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
     Raises:
         a ``DsckptError`` subclass naming the file at fault; nothing is left at OUT.
     """
-    group = group or ONE_PROCESS
+    group, force, trust = options.group or ONE_PROCESS, options.force, options.trust
     output_dtype(dtype)  # a dtype no output can have is refused before anything is read
     fmt = for_output(os.fspath(out), form)  # a name that contradicts the format is refused before anything is read
     if config is not None and not fmt.takes_config:
@@ -137,13 +135,13 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
             group.step(lambda: _check_out(out, inputs, force, fmt.directory, tree) if group.rank == 0 else None)
             sources = [p for t in plan.tensors for p in read_pieces(t)]
             sources += tree_pieces(ckpt.client_state) if write_client else []
-            if progress_total:
-                progress_total(plan.nbytes)
             groups = storage_groups(group, out)
-            staged = frame.stage(GroupStaging(group, groups, out, directory=fmt.directory, fsync=fsync,
+            staged = frame.stage(GroupStaging(group, groups, out, directory=fmt.directory, fsync=options.fsync,
                                               publishing={groups.of[0]}))
-            with frame.checked_reads(sources, check_crc, plan.replicas, progress) as (context, crc_notes):
-                names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context)
+            with frame.checked_reads(sources, options.check_crc, plan.replicas, options.progress) \
+                    as (context, crc_notes):
+                names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context,
+                                     options.progress)
             notes += tuple(crc_notes)
             if verify:  # before the rename (a failed check leaves nothing at OUT); each writer reads back its own
                 group.step(lambda: verify_output(plan, staged.tmp, fmt, {t.name for t in mine}) if mine else None)
@@ -188,7 +186,8 @@ def _check_out(out: Path, inputs: list[Path], force: bool, directory: bool, tree
 
 
 def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, prepared: Prepared, staged: GroupStaging,
-           write_client: bool, out: Path, context: WriteContext) -> tuple[list[str], list[TensorPlan]]:
+           write_client: bool, out: Path, context: WriteContext,
+           progress: Progress | None) -> tuple[list[str], list[TensorPlan]]:
     """Write OUT's parts into ``staged.tmp``; the names written (the same on every process) and the tensors
     this process wrote.
 
@@ -196,8 +195,8 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
     writes its share (``Format.share``/``begin``/``write_part``: a single ``.safetensors`` file filled in parts, a
     sharded folder's shards dealt out).  Any other format (``.pt``, ``--hf``, Lightning: their zip CRCs run in one
     order) and one process: rank 0 writes it whole.  Each writer first receives the source bytes it lacks
-    (``transfer.fetch``; a checkpoint in a bucket written to one by a format that streams its tensors: while it
-    writes, ``transfer.fetching``); rank 0 stages the client-state sidecar.
+    (``transfer.fetch``: a bucket's bytes told to ``progress``; a checkpoint in a bucket written to one by a format
+    that streams its tensors: while it writes, ``transfer.fetching``); rank 0 stages the client-state sidecar.
     """
     fmt, plan = prepared.format, prepared.plan
     writers = groups.members(groups.of[0])
@@ -214,9 +213,11 @@ def _write(group: Group, groups: StorageGroups, view: View, ckpt: Checkpoint, pr
     if streamed:
         # in object storage both ends: the tensors' bytes arrive while the first parts already go up
         fetch(group, view, ranges_held_elsewhere(view, clients, extra))
+        begin(progress, Phase.WRITE, prepared.plan.nbytes)
         with fetching(group, view, ranges_held_elsewhere(view, tensors), context) as arriving:
             return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, arriving, part), mine
-    fetch(group, view, ranges_held_elsewhere(view, tensors + clients, extra))
+    fetch(group, view, ranges_held_elsewhere(view, tensors + clients, extra), progress)
+    begin(progress, Phase.WRITE, prepared.plan.nbytes)
     return _write_parts(group, groups, ckpt, prepared, staged, write_client, out, context, part), mine
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..export.sidecar import sidecar_paths, tensors_companion, write_sidecar
 from ..export.targets import ConvertRequest, PreparedConversion, Target, target_named
 from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
-from ..parallel.group import ONE_PROCESS, Group
+from ..parallel.group import ONE_PROCESS
+from ..progress import Phase, begin
+from .options import DEFAULTS, WriteOptions
 from .frame import destination, writing
 from ..parallel.outputs import GroupStaging, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
@@ -47,21 +48,20 @@ class ConvertResult:
 
 
 def convert(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], to: str, *, tag: str | None = None,
-            weights_only: bool = False, force: bool = False, fsync: bool = True, trust: bool = False,
-            check_crc: bool = True, group: Group | None = None, progress: Callable[[int], None] | None = None,
-            progress_total: Callable[[int], None] | None = None) -> ConvertResult:
+            weights_only: bool = False, options: WriteOptions = DEFAULTS) -> ConvertResult:
     """Write ``checkpoint`` (one tag) as ``to`` (a registered target: "dcp", "universal") into the folder ``out``.
 
     ``to="dcp"``: a torch.distributed.checkpoint folder in ``get_state_dict(model, optimizer)``'s layout (FSDP2 at
     any world size loads it); ``"universal"``: what DeepSpeed's ``ds_to_universal`` writes.  ``weights_only`` (dcp):
-    the model half only.  ``force``: write into an existing folder (only what convert writes is replaced).
-    ``trust``: follow links out of the checkpoint and copy objects of foreign classes.  ``check_crc``: check every
-    storage read against its CRC-32 (default).  ``group``: the processes of a torchrun run (None: one process).
+    the model half only.  ``options`` (``WriteOptions``): ``force`` writes into an existing folder (only what
+    convert writes is replaced); ``trust`` follows links out of the checkpoint and copies objects of foreign
+    classes; ``group``: the processes of a torchrun run (None: one process); ``progress``: a bucket's ``FETCH``,
+    then the ``WRITE``.
     Returns a ``ConvertResult`` (the names of ``dsckpt convert --json``).
     """
-    group = group or ONE_PROCESS
+    group, force, trust = options.group or ONE_PROCESS, options.force, options.trust
     target = target_named(to)
-    request = ConvertRequest(weights_only, trust, fsync)
+    request = ConvertRequest(weights_only, trust, options.fsync)
     target.check(request)
     with destination(group, out, force) as place:
         out = place.path
@@ -72,17 +72,16 @@ def convert(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], to:
             inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
             tree = view.real_path(ckpt.layout.root)
             group.step(lambda: check_output(out, inputs, force, directory=True, tree=tree) if group.rank == 0 else None)
-            if progress_total:
-                progress_total(prepared.nbytes)
             groups = storage_groups(group, out)
-            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync,
+            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=options.fsync,
                                               publishing={groups.of[0]}))
             clients = tree_pieces(ckpt.client_state) if client else []
             wanted = ranges_held_elsewhere(view, list(prepared.pieces) + clients, prepared.whole_files) \
                 if group.rank == 0 else []
-            fetch(group, view, wanted)
-            with frame.checked_reads(list(prepared.pieces) + clients, check_crc,
-                                     progress=progress) as (context, crc_notes):
+            fetch(group, view, wanted, options.progress)
+            begin(options.progress, Phase.WRITE, prepared.nbytes)
+            with frame.checked_reads(list(prepared.pieces) + clients, options.check_crc,
+                                     progress=options.progress) as (context, crc_notes):
                 names = group.broadcast(group.step(lambda: _write(prepared, staged, out, client, ckpt, context)
                                                    if group.rank == 0 else None), 0)
             with write_errors(out):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 
 from ..errors import InconsistentCheckpointError
 from ..formats.storage import LocalStorage
-from ..io.context import Progress, WriteContext
+from ..io.context import WriteContext
 from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources
 from ..io.read import check_replicas
 from ..io.output import check_parent
@@ -34,6 +34,7 @@ from ..io.multipart import Streams
 from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from ..plan.segments import read_pieces
+from ..progress import Progress, advancing
 from .paths import require_checkpoint
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class Frame:
     def context(self, ledger: Ledger | None = None, progress: Progress | None = None) -> WriteContext:
         """The write's context (``io.context``): the frame's storage and streams, OUT's staged temp as durable."""
         durable = self.staged.durable if self.staged is not None else ()
-        return WriteContext(self.storage, ledger, self.streams, durable, progress)
+        return WriteContext(self.storage, ledger, self.streams, durable, advancing(progress))
 
     @contextlib.contextmanager
     def checked_reads(self, pieces: Sequence[object], enabled: bool, replicas: tuple[Any, ...] = (),

@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
@@ -40,6 +40,8 @@ from ..plan.training_state import ParamGroup, TrainingState
 from ..plan.into_deepspeed import DeepSpeedLayout, build_deepspeed_plan, check_layout
 from ..zero import layout as L
 from ..zero.reader import open_checkpoint
+from ..progress import Phase, advancing, begin
+from .options import DEFAULTS, WriteOptions
 from .frame import destination
 from .paths import classify, weights_in
 from .resharding import Pickled, carry_only_allowed, check_written, write_files
@@ -74,9 +76,7 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
                    dtype: str = "fp32", model: ModelNames | None = None,
                    group_order: tuple[str, ...] | None = None, param_groups: tuple[ParamGroup, ...] | None = None,
                    trainer_files: bool = False, trainer_state: dict[str, Any] | None = None,
-                   tag: str | None = None, force: bool = False, fsync: bool = True, group: Group | None = None,
-                   progress: Callable[[int], None] | None = None,
-                   progress_total: Callable[[int], None] | None = None) -> IntoDeepSpeedResult:
+                   tag: str | None = None, options: WriteOptions = DEFAULTS) -> IntoDeepSpeedResult:
     """Write the DCP folder ``source`` as a DeepSpeed checkpoint for ``world_size`` ranks at ZeRO ``stage``
     (1, 2 or 3), its module in ``dtype`` ("fp32", "bf16" or "fp16"; masters and moments stay fp32).
 
@@ -90,10 +90,12 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
     ``scheduler.pt``, the state of its ``LambdaLR`` schedules at their start; ``trainer_state``: fields of that
     ``trainer_state.json`` (the Trainer resumes with the intervals it records: ``logging_steps``, ``eval_steps``,
     ``save_steps``, ``train_batch_size``; default ``TrainingArguments``' defaults).
-    ``force``: write into an existing OUT (``latest`` and the tag replaced).  ``group``: the processes of a
-    torchrun run sharing the rank files (None: one process); OUT must be on storage they all see.
+    ``options`` (``WriteOptions``): ``force`` writes into an existing OUT (``latest`` and the tag replaced);
+    ``group``: the processes of a torchrun run sharing the rank files (None: one process), OUT on storage they all
+    see; ``progress``: the ``WRITE`` of the tensor bytes; ``trust``/``check_crc`` concern DeepSpeed inputs (the
+    sources read here hold no pickled classes or CRCs: their own checks run).
     """
-    group = group or ONE_PROCESS
+    group, force = options.group or ONE_PROCESS, options.force
     module_dtype = BY_LABEL.get(str(dtype))
     if module_dtype is None:
         raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
@@ -105,19 +107,19 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
             folder, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files, tag))
         total = sum(s.nbytes for _, storages in pickled.values() for s in storages)
         group.step(lambda: check_output(out, inputs, force, directory=True, tree=root) if group.rank == 0 else None)
-        if progress_total:
-            progress_total(total)
+        begin(options.progress, Phase.WRITE, total)
         groups = storage_groups(group, out)
         if len(groups.leaders) > 1:
             raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems "
                                              "there; convert --to deepspeed writes on storage every process shares")
-        staged = GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing={groups.of[0]})
+        staged = GroupStaging(group, groups, out, directory=True, fsync=options.fsync, publishing={groups.of[0]})
         biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
         mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
         try:
             with write_errors(out):
                 staged.create()
-                with WriteContext(streams=dest.streams, durable=staged.durable, progress=progress) as context:
+                with WriteContext(streams=dest.streams, durable=staged.durable,
+                                  progress=advancing(options.progress)) as context:
                     group.step(lambda: write_files(plan, staged.tmp, mine, [], pickled, context))
                     group.step(lambda: _finish(staged.tmp, plan, trainer_state, context) if staged.leads else None)
                 staged.publish()

@@ -35,6 +35,8 @@ from ..io.output import check_output, write_errors
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..parallel.group import ONE_PROCESS, Group
+from ..progress import Phase, begin
+from .options import DEFAULTS, WriteOptions
 from .frame import destination, writing
 from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
@@ -70,21 +72,20 @@ class ReshardResult:
     processes: int = 0  # the resumed job's ranks: world_size x tensor parallel x pipeline stages
 
 
-def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int, *, tag: str | None = None,
-            stage: int | None = None, ep_size: int | None = None, force: bool = False, fsync: bool = True,
-            trust: bool = False, check_crc: bool = True, group: Group | None = None, gather: bool = False,
-            progress: Callable[[int], None] | None = None,
-            progress_total: Callable[[int], None] | None = None) -> ReshardResult:
+def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int, *,
+            tag: str | None = None, stage: int | None = None, ep_size: int | None = None, gather: bool = False,
+            options: WriteOptions = DEFAULTS) -> ReshardResult:
     """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
     its own: ``plan.restage``) into ``out_dir``; ``ep_size``: a mixture-of-experts run's new expert-parallel size
     (``plan.experts``).
 
-    ``trust``: copy pickled objects of any class as recorded and follow links out of the checkpoint
-    (whoever loads OUT_DIR with DeepSpeed then runs that pickle code).  ``group``: the processes of a torchrun
-    run sharing the work (None: one process); target rank r's files are written on the host of process
-    ``r * N // M`` (torchrun numbers processes host by host), or all on rank 0's with ``gather``.
+    ``options`` (``WriteOptions``): ``trust`` copies pickled objects of any class as recorded and follows links
+    out of the checkpoint (whoever loads OUT_DIR with DeepSpeed then runs that pickle code); ``group``: the
+    processes of a torchrun run sharing the work (None: one process) - target rank r's files are written on the
+    host of process ``r * N // M`` (torchrun numbers processes host by host), or all on rank 0's with ``gather``;
+    ``progress``: a bucket's ``FETCH``, then the ``WRITE`` of the tensor bytes.
     """
-    group = group or ONE_PROCESS
+    group, force, trust = options.group or ONE_PROCESS, options.force, options.trust
     with destination(group, out_dir, force) as dest:
         out = dest.path
         with writing(group, checkpoint, tag, dest, trust) as frame:
@@ -93,13 +94,12 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             plan = prepared.plan
             inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
             group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
-            if progress_total:
-                progress_total(prepared.total)
             groups = storage_groups(group, out)
             items = [(f"{plan.tag}/{f.name}", f) for f in plan.files] + [(c.name, c) for c in prepared.companions]
             place = Placement(world_size, group, groups, gather)
             receiving = {g for name, _ in items for g in place.destinations(name)}
-            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=fsync, publishing=receiving))
+            staged = frame.stage(GroupStaging(group, groups, out, directory=True, fsync=options.fsync,
+                                              publishing=receiving))
             mine = []
             for leader in groups.leaders:  # each storage group's files dealt to its processes in turn
                 members = groups.members(leader)
@@ -108,11 +108,12 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             files = [obj for _, obj in mine if not isinstance(obj, Copy)]
             copies = [obj for _, obj in mine if isinstance(obj, Copy)]
             wanted = ranges_held_elsewhere(view, _pieces(files, prepared.pickled), [c.source for c in copies])
-            fetch(group, view, wanted)
+            fetch(group, view, wanted, options.progress)
+            begin(options.progress, Phase.WRITE, prepared.total)
             everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
             with write_errors(out):
-                with frame.checked_reads(_pieces(plan.files, prepared.pickled), check_crc,
-                                         progress=progress) as (context, crc_notes):
+                with frame.checked_reads(_pieces(plan.files, prepared.pickled), options.check_crc,
+                                         progress=options.progress) as (context, crc_notes):
                     group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, context)
                                if files or copies else None)
                 group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)

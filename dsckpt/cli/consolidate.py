@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, result_document
-from .options import LazyHelp, Registered, Precision, byte_bar, parallel_group, writing_options
+from .options import LazyHelp, Registered, Precision, ByteBar, parallel_group, write_options, writing_options
 
 
 def _formats():
@@ -77,16 +77,12 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
     from ..api.consolidation import consolidate as run
 
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with byte_bar("consolidate", bar_off) as bar:
-        def announce(total: int) -> None:  # the plan knows the output's size before any byte moves
-            bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
-
+    with ByteBar("consolidate", bar_off) as bar:
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), rename=_rules(rename),
-                     max_shard_size=max_shard_size,
-                     client_state=not no_client_state, force=force, verify=verify, fsync=not no_fsync,
-                     form="hf" if hf else form, config=config, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group,
-                     progress=bar.update, progress_total=announce)
+                     max_shard_size=max_shard_size, client_state=not no_client_state, verify=verify,
+                     form="hf" if hf else form, config=config,
+                     options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
     if group is not None and group.rank != 0:
         return
     for note in result.notes:

@@ -8,7 +8,7 @@ import click
 
 from ..errors import ConfigError
 from .app import cli, report_result
-from .options import LazyHelp, Registered, byte_bar, parallel_group, writing_options
+from .options import LazyHelp, Registered, ByteBar, parallel_group, write_options, writing_options
 
 
 INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.ingest)
@@ -97,12 +97,9 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
     from ..api.conversion import convert as run
 
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with byte_bar(f"convert to {to}", bar_off) as bar:
-        def announce(total: int) -> None:
-            bar.total = total
-
-        result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only, force=force, fsync=not no_fsync,
-                     trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, progress=bar.update, progress_total=announce)
+    with ByteBar(f"convert to {to}", bar_off) as bar:
+        result = run(checkpoint, out_dir, to, tag=tag, weights_only=weights_only,
+                     options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
     report_result(result, checkpoint, as_json, lambda r: f"wrote {r.out} ({r.to}, from ZeRO-{r.zero_stage} tag {r.tag}, "
                   f"{r.tensors} tensors, {r.bytes:,} bytes)", group)
 
@@ -131,16 +128,12 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
             param_groups = weight_groups(module, _json_object(group_settings, "--group-settings"), group_mode)
     order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with byte_bar(f"convert to {INTO_DEEPSPEED}", bar_off) as bar:
-        def announce(total: int) -> None:
-            bar.total = total
-
+    with ByteBar(f"convert to {INTO_DEEPSPEED}", bar_off) as bar:
         result = into_deepspeed(source, out_dir, world_size, stage=int(stage), dtype=dtype, model=model,
                                 group_order=order, param_groups=param_groups,
                                 trainer_files=param_groups is not None and group_mode == "hf-trainer",
                                 trainer_state=_json_object(trainer_state, "--trainer-state") if trainer_state else None,
-                                tag=tag, force=force, fsync=not no_fsync, group=group, progress=bar.update,
-                                progress_total=announce)
+                                tag=tag, options=write_options(force, no_fsync, False, False, group, bar))
     what = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP", "universal": "a universal checkpoint",
             "weights": "weights"}.get(result.source_layout, result.source_layout)
     report_result(result, source, as_json, lambda r: f"wrote {r.out} (DeepSpeed ZeRO-{r.zero_stage} at {r.world_size} "

@@ -2,9 +2,13 @@
 runtime's (train, resume) knobs."""
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from ..api.options import WriteOptions
+    from ..progress import Phase
 
 from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 
@@ -153,37 +157,52 @@ def shown(locals_to_given: dict[str, str]):
     return echo
 
 
-class _NoBar:
-    """``byte_bar`` where no bar shows: the calls the commands make on a tqdm bar, doing nothing."""
+class ByteBar:
+    """The commands' ``dsckpt.progress.Progress``: a bar of bytes on stderr per phase (the verb's name while it writes,
+    "fetch", "verify"), each shown after half a second, so quick runs and errors print none.  tqdm (a large part of
+    a command's start-up: docs/dev/performance-log.md 29) is loaded only where a bar may show: a terminal, not
+    --quiet or --json, rank 0."""
 
-    total: int | None = None
+    def __init__(self, verb: str, off: bool) -> None:
+        self.verb, self.off = verb, off
+        self._bar: Any = None
 
-    def update(self, n: int = 1) -> None:
-        pass
+    def begin(self, phase: Phase, total: int | None) -> None:
+        if self.off:
+            return
+        import sys
 
-    def set_description(self, desc: str) -> None:
-        pass
+        from tqdm import tqdm
 
-    def reset(self, total: int | None = None) -> None:
-        pass
+        from ..progress import Phase
 
-    def __enter__(self) -> "_NoBar":
+        self.close()
+        self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=0.5, file=sys.stderr,
+                         leave=False, desc=self.verb if phase is Phase.WRITE else phase.value)
+
+    def advance(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "ByteBar":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        self.close()
 
 
-def byte_bar(desc: str, off: bool):
-    """A progress bar of bytes on stderr, shown after half a second; tqdm (a large part of a command's start-up:
-    docs/dev/performance-log.md 29) is loaded only where a bar may show: a terminal, not --quiet or --json, rank 0."""
-    if off:
-        return _NoBar()
-    import sys
+def write_options(force: bool, no_fsync: bool, trust_checkpoint: bool, skip_crc_check: bool, group: Any,
+                  bar: ByteBar) -> "WriteOptions":
+    """The API's ``WriteOptions`` from the writing options' flags (``writing_options``)."""
+    from ..api.options import WriteOptions
 
-    from tqdm import tqdm
-
-    return tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=desc, delay=0.5, file=sys.stderr, leave=False)
+    return WriteOptions(force=force, fsync=not no_fsync, trust=trust_checkpoint, check_crc=not skip_crc_check,
+                        group=group, progress=bar)
 
 
 def writing_options(out: str) -> Callable[[F], F]:

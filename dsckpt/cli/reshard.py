@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, report_result
-from .options import byte_bar, parallel_group, writing_options
+from .options import ByteBar, parallel_group, write_options, writing_options
 
 
 @cli.command()
@@ -55,13 +55,9 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
     if group is None and gather:
         raise click.UsageError("--gather places files across hosts: it needs --nproc or torchrun")
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
-    with byte_bar("reshard", bar_off) as bar:
-        def announce(total: int) -> None:
-            bar.total = total  # shown from the first update after `delay`: quick runs and errors print no bar
-
-        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, force=force,
-                     fsync=not no_fsync, trust=trust_checkpoint, check_crc=not skip_crc_check, group=group, gather=gather, progress=bar.update,
-                     progress_total=announce)
+    with ByteBar("reshard", bar_off) as bar:
+        result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, gather=gather,
+                     options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
     def line(r) -> str:
         moved = f"ZeRO-{r.source_zero_stage} -> ZeRO-{r.zero_stage}" \
             if r.source_zero_stage != r.zero_stage else f"ZeRO-{r.zero_stage}"

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import byte_bar, shown
+from .options import ByteBar, shown
 
 
 @cli.command()
@@ -35,14 +35,10 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
 
     if tag and all_tags:
         raise click.UsageError("--tag names one tag, --all-tags every one: give one of them")
-    from ..formats.storage import is_url
-
-    with byte_bar("fetch" if is_url(checkpoint) else "verify", as_json or not sys.stderr.isatty()) as bar:
+    with ByteBar("verify", as_json or not sys.stderr.isatty()) as bar:
         with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False,
-                      progress=bar.update) as (local, local_tag, *_):
-            bar.set_description("verify")
-            bar.reset()
-            _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}), bar.update)
+                      progress=bar) as (local, local_tag, *_):
+            _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}), bar)
 
 
 def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, echo, progress) -> None:

@@ -10,7 +10,7 @@ conversion target, writer and reader of that write.  Nothing about a write lives
   which key; None: every file is written locally.
 * ``durable`` - the staged temps the commit will fsync: a writer filling a file under one starts its write-back
   as it goes (``io.writeback``).
-* ``progress`` - told the bytes of each piece written.
+* ``progress`` - told the bytes of each piece written (the verb's ``dsckpt.progress.Progress.advance``).
 
 Call order: the verb makes the context once it knows OUT's staged temp (``Frame.context``); a block that changes
 what reads see (a fill arriving from a bucket: ``parallel.transfer.fetching``) hands a ``replace``d copy down.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .integrity import Ledger
     from .multipart import Streams
 
-Progress = Callable[[int], None]
+Advance = Callable[[int], None]  # told the bytes of each piece done (``dsckpt.progress.Progress.advance``)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class WriteContext:
     ledger: "Ledger | None" = None
     streams: "Streams | None" = None
     durable: tuple[Path, ...] = ()
-    progress: Progress | None = None
+    progress: Advance | None = None
 
     def stream_target(self, path: Path) -> "tuple[Streams, str] | None":
         """The streams and key the file staged at ``path`` goes to, or None: written locally."""

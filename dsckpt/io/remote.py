@@ -27,7 +27,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, UnreadableFileError
 from ..formats.crc import crc32
@@ -35,6 +35,7 @@ from ..formats.positional import pwrite_all
 from ..formats.storage import LocalStorage
 from ..plan.deal import dealt
 from ..plan.segments import joined_spans
+from ..progress import Phase, Progress
 
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
           "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
@@ -169,15 +170,15 @@ class RemoteStore:
     # 3. fill
     def fill(self, local_root: Path, ranges: builtins.list[tuple[str, int, int]], storages, check: bool = True,
              share: tuple[int, int] = (0, 1), everyone: builtins.list[builtins.list[tuple[str, int, int]]] | None = None,
-             arrivals: "Arrivals | None" = None, progress: Callable[[int], None] | None = None) -> int:
+             arrivals: "Arrivals | None" = None, progress: Progress | None = None) -> int:
         """Fetch ``ranges`` into the sparse files under ``local_root``: the storages they overlap whole and
         CRC-checked, any other range as it is; bytes fetched.  ``storages(rel)``: that file's ``StorageLocation``s.
         Process ``k`` of ``n`` (``share``; ``everyone``: every process's ranges) fetches whole the storages it is
         dealt among those any process reads, and of the others only its own ranges (their owner checks them).
         ``check=False`` (``verify``, which reports each damaged storage itself): no CRC check, a short object
         fetched as far as it goes.  ``arrivals``: told of each range as it lands (the files' ranges are fetched in
-        offset order, all files abreast, so a streamed write's first parts can start early).  ``progress``: told the
-        bytes of each range landed (from the fetching threads, one at a time)."""
+        offset order, all files abreast, so a streamed write's first parts can start early).  ``progress``: a ``FETCH``
+        of this process's bytes, told each range landed (from the fetching threads, one at a time)."""
         storages = functools.cache(storages)  # (parses a zip's directory: once per file)
 
         def touched(wanted) -> dict[tuple[str, int], tuple[int, int]]:
@@ -212,6 +213,8 @@ class RemoteStore:
         jobs.sort(key=lambda job: (job[2], job[1]))  # (each storage's chunks stay in order: their CRCs join in it)
         handles: dict[str, int] = {}
         told = threading.Lock()
+        if progress is not None and jobs:
+            progress.begin(Phase.FETCH, sum(job[3] for job in jobs))
 
         def one(job) -> tuple[Any, int, int]:
             key, rel, offset, n = job
@@ -223,7 +226,7 @@ class RemoteStore:
                 arrivals.landed(local_root / rel, offset, len(data))
             if progress is not None:
                 with told:
-                    progress(len(data))
+                    progress.advance(len(data))
             return key, crc32(data), len(data)
 
         try:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple
 
 from ..formats.storage import is_url
 from ..plan.segments import Segment
+
+if TYPE_CHECKING:
+    from ..progress import Progress
 
 
 class Readable(NamedTuple):
@@ -32,11 +35,11 @@ def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
 
 @contextlib.contextmanager
 def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False, every_tag: bool = False,
-             check: bool = True, progress: Callable[[int], None] | None = None) -> Iterator[Readable]:
+             check: bool = True, progress: Progress | None = None) -> Iterator[Readable]:
     """What a reading command opens: PATH itself, or for a URL a local view of it - a checkpoint folder's objects
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
     through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
-    (``verify`` makes its own)."""
+    (``verify`` makes its own).  ``progress``: the fetch, a ``FETCH``."""
     if not is_url(path):
         yield Readable(str(path), tag, lambda pieces: None, lambda: None)
         return

@@ -21,6 +21,7 @@ from ..formats.positional import pwrite_all
 from ..io.context import WriteContext
 from ..io.remote import Arrivals, ArrivingStorage
 from ..plan.segments import Segment, joined_spans
+from ..progress import Progress
 from .group import Group
 from .transport import comm_errors
 from .view import View, zip_storages
@@ -95,13 +96,15 @@ def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]],
     group.step(verdict)
 
 
-def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]]) -> int:
+def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]], progress: Progress | None = None) -> int:
     """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here.  A view of a
-    checkpoint in object storage fetches them from there (``io.remote``)."""
+    checkpoint in object storage fetches them from there (``io.remote``; this process's share told to
+    ``progress`` as a ``FETCH``)."""
     if view.store is not None:  # every process's ranges known to all: each storage is fetched and checked once
         everyone = group.gather(wanted)
         return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
-                                                  share=(group.rank, group.size), everyone=everyone))
+                                                  share=(group.rank, group.size), everyone=everyone,
+                                                  progress=progress))
     if group.size == 1:
         return 0
     everyone = group.gather(wanted)

@@ -88,6 +88,7 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
 
     from ..api.consolidation import consolidate
     from ..api.resharding import reshard
+    from ..api.options import WriteOptions
     from ..zero.reader import open_checkpoint
 
     keep_optimizer = ckpt.zero_stage in (1, 2, 3) and trainer.runtime.stage in (1, 2, 3)  # reshard --stage: any
@@ -102,11 +103,12 @@ def _resume_resharded(trainer: Trainer, ckpt, ckpt_dir: str, tag: str | None, st
     tmp = Path(broadcast_object(made))
     try:
         if eng.rank() == 0:
+            scratch = WriteOptions(fsync=False, trust=trust)
             if keep_optimizer:
-                reshard(ckpt_dir, tmp / "ckpt", trainer.data_ranks, tag=tag, stage=trainer.runtime.stage, fsync=False,
-                        trust=trust)
+                reshard(ckpt_dir, tmp / "ckpt", trainer.data_ranks, tag=tag, stage=trainer.runtime.stage,
+                        options=scratch)
             else:
-                consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, fsync=False, trust=trust)
+                consolidate(ckpt_dir, tmp / "weights.safetensors", tag=tag, options=scratch)
         if eng.world_size() > 1:
             dist.barrier()
         if keep_optimizer:
