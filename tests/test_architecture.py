@@ -173,3 +173,27 @@ def test_a_write_runs_in_its_context_not_in_module_state():
             if empty and isinstance(target, ast.Name) and f"{module}.{target.id}" not in CACHES:
                 found.append(f"{module}.{target.id}")
     assert found == []
+
+
+# Where a path's storage is chosen, once: what a reading command opens, a writing verb's input and its OUT, the
+# engine's save target; the storage module itself defines the test and refuses URLs where a verb reads files only.
+STORAGE_CHOSEN = {"dsckpt.formats.storage": "the test itself, local_only",
+                  "dsckpt.parallel.readable": "what a reading command or a converter's source opens",
+                  "dsckpt.parallel.view": "a writing verb's checkpoint (build_view)",
+                  "dsckpt.api.frame": "a writing verb's OUT (destination)",
+                  "dsckpt.runtime.staged_files": "the engine's save target (Targets.for_path)"}
+
+
+def test_storage_is_chosen_once_where_a_path_enters():
+    """#53 point 1: "is this a bucket?" is asked where a path enters (``STORAGE_CHOSEN``) and nowhere below it: the
+    layers under an entry point get what it chose (a view with its store, a staging destination, a local copy).
+    Fails on the old main: api.paths, api.catalog, api.ingest, analysis.verify, cli.verify and cli.resume asked."""
+    asking = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        names |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                  for a in n.names}
+        if names & {"is_url", "URL_RE"} and module not in STORAGE_CHOSEN:
+            asking.append(module)
+    assert asking == []

@@ -59,18 +59,18 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
     finite and resumable.  Raises a ``DsckptError`` only when nothing can be read at ``path``.  ``progress``
     (``dsckpt.progress``): a bucket's ``FETCH``, then a ``VERIFY`` of the bytes of each storage CRC-checked.
     """
-    from ..formats.storage import is_url
+    from ..parallel.readable import readable
 
-    if is_url(path):  # a bucket: a local view of it, every byte fetched (the checks read them all)
-        from ..parallel.readable import readable
+    # (a bucket: a local view of it, every byte fetched - the checks read them all)
+    with readable(path, tag, whole=True, every_tag=all_tags, check=False, progress=progress) as opened:
+        return _verify_local(Path(opened.path), opened.tag, all_tags, progress)
 
-        with readable(path, tag, whole=True, every_tag=all_tags, check=False,
-                      progress=progress) as (local, local_tag, *_):
-            return verify(local, local_tag, all_tags, progress)
+
+def _verify_local(path: Path, tag: str | None, all_tags: bool, progress: Progress | None) -> list[TagReport]:
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
     begin(progress, Phase.VERIFY, None)
-    return [_verify_tag(Path(path), t, first if t == first.layout.tag else None, advancing(progress)) for t in tags]
+    return [_verify_tag(path, t, first if t == first.layout.tag else None, advancing(progress)) for t in tags]
 
 
 def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callable[[int], None] | None) -> TagReport:

@@ -40,13 +40,11 @@ class Entry:
 
 
 def _local(root: str | os.PathLike[str], verb: str) -> Path:
-    from ..formats.storage import is_url
+    from ..formats.storage import local_only
 
-    if is_url(root):
-        raise OutputError(f"{root}: {verb} works on a local folder of runs",
-                          hint="for a bucket's tags: `dsckpt inspect URL` lists them, `dsckpt verify URL --all-tags` "
-                               "checks each")
-    return Path(root)
+    return local_only(root, OutputError(f"{root}: {verb} works on a local folder of runs",
+                                        hint="for a bucket's tags: `dsckpt inspect URL` lists them, "
+                                             "`dsckpt verify URL --all-tags` checks each"))
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:

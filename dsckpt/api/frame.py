@@ -122,8 +122,7 @@ def writing(group: Group, checkpoint: str | os.PathLike[str], tag: str | None, o
             trust: bool) -> Iterator[Frame]:
     check_parent(out.path)
     group.step(lambda: require_checkpoint(checkpoint))
-    frame = Frame(group, build_view(group, str(checkpoint) if is_url(checkpoint) else Path(checkpoint), tag,
-                                    out.path.parent, trust), out.streams)
+    frame = Frame(group, build_view(group, checkpoint, tag, out.path.parent, trust), out.streams)
     try:
         yield frame
     except BaseException:

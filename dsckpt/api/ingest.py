@@ -10,13 +10,11 @@ streamed from the source's byte ranges, ``io.torch_writer``), re-read with dsckp
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..dtypes import BY_LABEL, DTYPES
 from ..errors import CheckpointNotFoundError, ConfigError, UnsupportedCheckpointError
@@ -26,10 +24,9 @@ from ..io.context import WriteContext
 from ..io.read import Reader
 from ..io.torch_writer import write_pickled
 from ..io.output import check_output, write_errors
-from ..formats.storage import is_url
-from ..io.remote import filesystem, scratch_folder, typed_error
-from ..parallel.group import ONE_PROCESS, Group
+from ..parallel.group import ONE_PROCESS
 from ..parallel.outputs import GroupStaging, storage_groups
+from ..parallel.readable import local_copy
 from ..plan.from_dcp import DcpState, ModelNames, build_dcp_state
 from ..plan.consolidate import TensorPlan
 from ..plan.from_universal import build_universal_state
@@ -101,7 +98,7 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
         raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
     check_layout(world_size, stage, module_dtype)
     with destination(group, out, force) as dest, \
-            (fetched(str(source), group) if is_url(source) else contextlib.nullcontext(Path(source))) as folder:
+            local_copy(source, group) as folder:
         out = dest.path
         found, plan, pickled, inputs, root = group.step(lambda: _prepare(
             folder, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files, tag))
@@ -140,28 +137,6 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
         result = IntoDeepSpeedResult(out, found.layout, plan.tag, stage, world_size, DTYPES[module_dtype].label,
                                      found.step, tensors, total, tuple(str(out / n) for n in names), notes)
     return dest.named(result)
-
-
-@contextlib.contextmanager
-def fetched(url: str, group: Group) -> Iterator[Path]:
-    """``url``'s objects (a DCP or universal folder, a weights file or folder) in a scratch folder of this host,
-    which rank 0 of each host fills; removed afterwards, also on failure."""
-    scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
-    local = Path(scratch) / url.rstrip("/").rsplit("/", 1)[-1]
-    try:
-        def get() -> None:
-            Path(scratch).mkdir(parents=True, exist_ok=True)
-            if not local.exists():
-                fs, path = filesystem(url)
-                try:
-                    fs.get(path.rstrip("/") + ("/" if fs.isdir(path) else ""), str(local) + ("/" if fs.isdir(path)
-                                                                                            else ""), recursive=True)
-                except Exception as exc:  # the store's own errors, named by the URL the user typed
-                    raise typed_error(url, exc, "fetching the source") from None
-        group.step(get)
-        yield local
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _prepare(folder: Path, world_size: int, stage: int, module_dtype: str, model: ModelNames | None,

@@ -45,14 +45,13 @@ def classify(path: str | os.PathLike[str]) -> PathKind:
     Raises ``CheckpointNotFoundError`` when nothing is at ``path``.  A URL (``s3://``...) is classified from its
     objects' names and headers.
     """
-    from ..formats.storage import is_url
+    from ..parallel.readable import readable
 
-    if is_url(path):
-        from ..parallel.readable import readable
+    with readable(path, None) as opened:  # (a URL: a local view of its objects' names and headers)
+        return _classify_local(Path(opened.path))
 
-        with readable(path, None) as opened:
-            return classify(opened.path)
-    p = Path(path)
+
+def _classify_local(p: Path) -> PathKind:
     if not os.path.lexists(p):
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
     if p.is_file() and RANK_FILE_RE.match(p.name):
@@ -77,14 +76,13 @@ def open_local_checkpoint(path: str | os.PathLike[str], tag: str | None = None) 
     ``shared``, ``buffers``, ``client_state``, ``problems``).  ``path``: the checkpoint folder, a tag folder or a rank
     file; ``tag``: default what ``latest`` names.  A URL is refused in its own spelling (``CheckpointNotFoundError``):
     the model points into the files, which a bucket's local view would not outlive."""
-    from ..formats.storage import is_url
+    from ..formats.storage import local_only
     from ..zero.reader import open_checkpoint
 
-    if is_url(path):
-        raise CheckpointNotFoundError(f"{path}: open_checkpoint reads a local folder",
+    refusal = CheckpointNotFoundError(f"{path}: open_checkpoint reads a local folder",
                                       hint="for a bucket: `dsckpt inspect URL --json`, dsckpt.load_state_dict(URL), "
                                            "dsckpt.verify(URL), or copy the checkpoint down first")
-    return open_checkpoint(path, tag)
+    return open_checkpoint(local_only(path, refusal), tag)
 
 
 def weights_in(path: Path) -> Path | None:

@@ -44,18 +44,17 @@ def resume(nproc: int, **kwargs) -> None:
     resumes at its own ZeRO stage unless --stage, --preset or --config say otherwise.
     """
     require_runtime("resume")
-    from ..formats.storage import is_url
     from ..parallel.readable import readable
     from ..runtime import commands, console, launch
 
     with contextlib.ExitStack() as local_copies:
         for key in ("checkpoint", "full_weights"):  # a URL: every byte fetched (DeepSpeed's loader reads them all)
-            url = kwargs.get(key)
-            if url and is_url(url):
-                opened = local_copies.enter_context(readable(url, kwargs.get("tag"), whole=True))
+            given = kwargs.get(key)
+            opened = local_copies.enter_context(readable(given, kwargs.get("tag"), whole=True)) if given else None
+            if opened is not None and opened.path != str(given):
                 kwargs[key] = opened.path
-                console.name_as(opened.path, url)
-                sys.argv = [opened.path if arg == url else arg for arg in sys.argv]  # what --nproc's ranks run
+                console.name_as(opened.path, str(given))
+                sys.argv = [opened.path if arg == given else arg for arg in sys.argv]  # what --nproc's ranks run
         if not in_launched_rank():
             commands.preflight_resume(world_size_for(nproc), **kwargs)
         with commands.interruptible(kwargs.get("save_dir")):

@@ -187,6 +187,13 @@ def is_url(path: object) -> bool:
     return bool(URL_RE.match(str(path)))
 
 
+def local_only(path: str | os.PathLike[str], refusal: Exception) -> Path:
+    """``path`` for a verb that works on local files only; ``refusal`` raised where it names objects in a store."""
+    if is_url(path):
+        raise refusal
+    return Path(path)
+
+
 def storage_for(path: str | os.PathLike[str]) -> LocalStorage:
     """The storage a path lives on: a local file system today (object-store URLs come with their backend)."""
     return LocalStorage()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple
 
 from ..formats.storage import is_url
@@ -14,6 +15,7 @@ from ..plan.segments import Segment
 
 if TYPE_CHECKING:
     from ..progress import Progress
+    from .group import Group
 
 
 class Readable(NamedTuple):
@@ -75,5 +77,33 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
                 fetch_all()
             yield Readable(str(view.path(name) if size is not None else view.root),
                            tag if size is not None else view.tag, fetch, fetch_all)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_copy(path: str | os.PathLike[str], group: "Group") -> Iterator[Path]:
+    """A source read whole by a converter (a DCP or universal folder, a weights file or folder): PATH itself, or a
+    URL's objects in a scratch folder of this host, which its processes fill; removed afterwards, also on failure."""
+    if not is_url(path):
+        yield Path(path)
+        return
+    from ..io.remote import filesystem, scratch_folder, typed_error
+
+    url = str(path)
+    scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
+    local = Path(scratch) / url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        def get() -> None:
+            Path(scratch).mkdir(parents=True, exist_ok=True)
+            if not local.exists():
+                fs, inside = filesystem(url)
+                folder = "/" if fs.isdir(inside) else ""
+                try:
+                    fs.get(inside.rstrip("/") + folder, str(local) + folder, recursive=True)
+                except Exception as exc:  # the store's own errors, named by the URL the user typed
+                    raise typed_error(url, exc, "fetching the source") from None
+        group.step(get)
+        yield local
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -139,7 +139,9 @@ def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
         return f"{path}: reading failed ({exc.strerror or exc})"
 
 
-def build_view(group: Group, ckpt: Path | str, tag: str | None, scratch_parent: Path, trust: bool) -> View:
+def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scratch_parent: Path,
+               trust: bool) -> View:
+    """The view of CKPT (see the module docstring); a URL's: ``remote_view``."""
     if is_url(ckpt):
         return group.step(lambda: remote_view(group, str(ckpt), tag, Path(scratch_parent)))
     if group.size == 1:

@@ -13,13 +13,12 @@ Order of calls, every rank:
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
    copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
 3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` with ``torch.save`` (``staged_files``),
-   flushes it, checks its CRC-32s.
-   At the tag's end all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into
-   place and flushed; for a ``save_dir`` in a bucket - ``s3://``, ``gs://``, ``az://`` - uploaded from a local
-   staging folder: ``staged_files.Targets``); after a second agreement rank 0 moves ``latest``. A crash at
-   any moment leaves ``latest`` on the previous tag; a failure on any rank removes every rank's temps (and what it
-   uploaded) and is raised on every rank at its next save, step or ``wait()``.  Trainers' follow-ups registered
-   with ``then()`` run after the commit.
+   flushes it, checks its CRC-32s.  At the tag's end all ranks agree (a gather over the commit group): every rank
+   publishes its temps (renamed into place and flushed; for a ``save_dir`` in a bucket - ``s3://``, ``gs://``,
+   ``az://`` - uploaded from a local staging folder: ``staged_files.Targets``); after a second agreement rank 0
+   moves ``latest``. A crash at any moment leaves ``latest`` on the previous tag; a failure on any rank removes
+   every rank's temps (and what it uploaded) and is raised on every rank at its next save, step or ``wait()``.
+   Trainers' follow-ups registered with ``then()`` run after the commit.
 4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
    ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
@@ -37,10 +36,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BackgroundSaveError, DsckptError
+from ..errors import BackgroundSaveError, ConfigError, DsckptError
 from .snapshot import HostPool, Snapshot
 from ..io.output import fsync_path
-from .staged_files import LocalTarget, SaveTarget, Targets, local_only, remove_temps, temp_for
+from ..formats.storage import local_only
+from .staged_files import LocalTarget, SaveTarget, Targets, remove_temps, temp_for
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
@@ -152,8 +152,8 @@ class AsyncSave:
 
         def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
             if self.closed:  # the writer has stopped: DeepSpeed's own blocking save, into a folder
-                local_only(save_dir, "a save into a bucket needs dsckpt's background engine, which was closed",
-                           "save before close(), or into a local folder")
+                closed = f"{save_dir}: a save into a bucket needs dsckpt's background engine, which was closed"
+                local_only(save_dir, ConfigError(closed, hint="save before close(), or into a local folder"))
                 return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
             waited = self._wait_previous()
@@ -188,8 +188,8 @@ class AsyncSave:
             from .planned_load import load_resharded, other_layout
 
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
-            local_only(load_dir, "DeepSpeed's load_checkpoint reads a local folder",
-                       f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first")
+            hint = f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first"
+            local_only(load_dir, ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder", hint=hint))
             if other_layout(engine, load_dir, tag):  # another world size or stage: answered from the reshard plan
                 return load_resharded(engine, load_dir, tag, load=load, **kwargs)
             return load(load_dir, tag=tag, **kwargs)

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ConfigError, OutputError
+from ..errors import OutputError
 from ..formats.storage import is_url
 from ..io.output import fsync_path
 from ..zero.layout import LATEST_FILE
@@ -160,12 +160,6 @@ class BucketTarget:
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def local_only(path: str | os.PathLike[str], what: str, hint: str) -> None:
-    """Refuse a URL where only a folder will do (DeepSpeed's own load, or its blocking save)."""
-    if is_url(path):
-        raise ConfigError(f"{path}: {what}", hint=hint)
 
 
 class Targets:
