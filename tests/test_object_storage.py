@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 import dsckpt
 
-from conftest import FIXTURES, ROOT, run_cli, run_job
+from conftest import FIXTURES, JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job
 
 BUCKET = "dsckpt-test"
 CKPTS = ("z3_ws2_fp32", "z2_ws3_bf16", "tp2_dp2_z1_fp32")
@@ -677,14 +678,31 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     """#54: ``engine.save_checkpoint("s3://...")`` with dsckpt's engine on 2 ranks (ZeRO-3): every object of the tag
     is byte for byte the file a local save of the same moment wrote, `latest` goes up last and names the newest
     tag, the bucket reads as any checkpoint (verify, consolidate); a save into a bucket that does not exist fails at
-    ``wait()`` with the URL named and leaves nothing; DeepSpeed's load of a URL is refused in words."""
+    ``wait()`` with the URL named and leaves nothing; DeepSpeed's load of a URL is refused in words.  Then kill -9 of
+    every rank while a tag's upload is in flight (rank 0's objects up, rank 1's not): `latest` stays on the previous
+    tag, which reads whole; the half-uploaded tag is refused as one, not taken for a checkpoint."""
+    from dsckpt.runtime.launch import run_ranks
+
     url = f"s3://{BUCKET}/engine-{tmp_path.name}"
     env = {key: os.environ[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
-    run_job("async_bucket.py", 2, 3, url, tmp_path, tmp_path / "report.json", env=env)
+    with tempfile.TemporaryFile("w+") as log:
+        codes = run_ranks([sys.executable, str(ROOT / "tests" / "jobs" / "async_bucket.py"), "3", url, str(tmp_path),
+                           str(tmp_path / "report.json")], 2,
+                          {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, **env}, JOB_TIMEOUT, stdout=log,
+                          stderr=log, cwd=ROOT)
+        log.seek(0)
+        text = log.read()
+    assert sorted(p.name for p in tmp_path.glob("killed.*")) == ["killed.0", "killed.1"], text[-3000:]
+    assert all(code != 0 for code in codes)
     doc = json.loads((tmp_path / "report.json").read_text())
     prefix = url[len("s3://"):]
     assert s3.cat_file(f"{prefix}/latest").decode() == "t2"
+    halfway = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/t4", refresh=True))
+    assert halfway == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    partial = run_cli("consolidate", url, tmp_path / "t4.safetensors", "--tag", "t4")
+    assert partial.returncode == 2 and not (tmp_path / "t4.safetensors").exists()
+    assert f"{url}/t4: optimizer-states file of rank 1 is missing" in partial.stderr
     local = sorted(p.name for p in (tmp_path / "local" / "t1").iterdir())
     assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/t1")) == local and len(local) == 4
     for name in local:

@@ -2,10 +2,15 @@
 
 ARGS: STAGE URL OUT REPORT.  Tag t1 is saved into URL and, at the same moment (no step between), into OUT/local;
 then a step and t2 into URL; then t3 into a bucket that does not exist (a failure reported at wait(), `latest` kept);
-then a load of URL through the engine is refused with a typed error.  Rank 0 writes REPORT.
+then a load of URL through the engine is refused with a typed error.  Rank 0 writes REPORT.  Last, a step and t4
+into URL, whose upload rank 1 stalls while rank 0's objects go up: every rank kills itself (SIGKILL) mid-persist,
+leaving OUT/killed.<rank>.
 """
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import dsckpt
@@ -39,10 +44,36 @@ def main(stage: str, url: str, out: str, report: str) -> None:
         refused = None
     except ConfigError as exc:
         refused = f"{exc} (hint: {exc.hint})"
-    saver.close()
     if rank() == 0:
         Path(report).write_text(json.dumps({"failure": failure, "refused": refused,
                                             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
+    killed_mid_upload(trainer, url, out)
+
+
+def killed_mid_upload(trainer: Trainer, url: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from dsckpt.runtime import staged_files
+
+    if rank() == 1:
+        put = staged_files.BucketTarget._put
+
+        def stalled(self, local: str, key: str) -> None:
+            if "/t4/" in key:
+                time.sleep(120)
+            put(self, local, key)
+        staged_files.BucketTarget._put = stalled
+    trainer.step()
+    trainer.engine.save_checkpoint(url, tag="t4", client_state=trainer.client_state())
+    if rank() == 0:  # until this rank's objects of t4 are in the bucket (rank 1's never come)
+        import fsspec
+
+        fs, tag, deadline = fsspec.filesystem("s3", skip_instance_cache=True), url[len("s3://"):] + "/t4", time.time() + 60
+        while time.time() < deadline and len(fs.find(tag)) < 2:
+            time.sleep(0.2)
+    dist.barrier()
+    Path(out, f"killed.{rank()}").write_text("")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
