@@ -15,7 +15,7 @@ from ..formats import metadata as M
 from ..formats.safetensors_file import parse_aliases
 from ..api.paths import classify
 from ..io.integrity import check_sources
-from ..plan.segments import Segment
+from ..plan.segments import Segment, read_pieces
 from .stats import Source
 
 
@@ -25,8 +25,8 @@ def sources(path: str | Path, tag: str | None = None, optimizer: bool = False, c
     a view of a URL (``parallel.view.readable``) gets the bytes the tensors read, and only those."""
     out = _sources(Path(path), tag, optimizer)
     if fetch is not None:
-        fetch(p for s in out for p in s.pieces)
-    check_sources((p for s in out for p in s.pieces), skip=not check_crc)
+        fetch(p for s in out for p in read_pieces(s))
+    check_sources((p for s in out for p in read_pieces(s)), skip=not check_crc)
     return out
 
 

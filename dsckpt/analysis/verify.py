@@ -93,8 +93,7 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callabl
         if str(exc) not in (p["message"] for p in report.problems):
             report.add("structure", str(exc))
         return report
-    parts = [t for s in (ckpt.pp_slices or (ckpt,)) for t in (s.tp_slices or (s,))]  # every TP rank's, every stage's
-    parsed = [f for part in parts for f in part.model_files + part.optim_files]
+    parsed = [f for leaf in ckpt.leaves for f in leaf.model_files + leaf.optim_files]
     report.storages_checked = sum(len(ckpt_file.storages) for ckpt_file in parsed) + _layer_storages(ckpt)
     for failure in failures:
         report.add("crc", str(failure))

@@ -259,7 +259,7 @@ def check_plan(plan: Any, skip: bool = False) -> tuple[str, ...]:
 
 def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lambda path: True,
                    ledger: "Ledger | None" = None) -> None:
-    """Tensor parallel: each TP rank's copy of a replicated parameter (``plan.consolidate.Replica``) equals the copy
+    """Tensor parallel: each TP rank's copy of a replicated parameter (``plan.tensor_plan.Replica``) equals the copy
     written - compared by CRC-32 of the bytes, for the copies whose files ``reads`` accepts (what is read: noted in
     ``ledger``)."""
     from ..formats.crc import crc32

@@ -28,11 +28,8 @@ class Readable(NamedTuple):
 
 
 def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
-    for piece in pieces:
-        if isinstance(piece, Segment):
-            yield piece
-        elif hasattr(piece, "sources"):  # a tensor-parallel join's strided runs: the whole source pieces
-            yield from _segments(piece.sources)
+    """The byte ranges among ``pieces`` (``plan.segments.read_pieces`` of each tensor: a join's slices whole)."""
+    return (piece for piece in pieces if isinstance(piece, Segment))
 
 
 @contextlib.contextmanager

@@ -13,18 +13,16 @@ maps partitions to parameters:
   ``frozen_param_fragments``.
 * ZeRO-0: the model-states file holds full tensors; fp32 runs train on them directly, 16-bit runs
   keep fp32 masters per parameter in ``optimizer.fp32_groups``.
-* Tensor parallel: each TP rank's files planned as above (TP-local shapes), then joined (``_joined``);
-  pipeline parallel: each stage's, then put together (``_stages``).
+* A parallel run (tensor, pipeline): each slice's files planned as above, then joined (``plan.joins``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..zero.partitioning import GroupLayout, stage3_group, stage12_trimmed
-from ..dtypes import FLOATING, ITEMSIZE, output_dtype
+from ..dtypes import FLOATING, output_dtype
 from ..formats import metadata as M
 from ..formats.pickle_policy import TensorRef
 from ..zero import layout as L
@@ -32,55 +30,11 @@ from ..zero.reader import Checkpoint
 from ..formats.torchzip import TorchFile
 from .groups import group_layouts, structure_errors
 from .names import prefixes, strip_prefix
-from .segments import ByteSource, FlatSpace, Interleaved, Piece, TensorSource, merged, ref_segments
+from .segments import FlatSpace, Piece, ref_segments
+from .tensor_plan import Plan, TensorPlan
 
 # how a planner adds one tensor: (name, shape, stored dtype, kind, pieces, output dtype unless --dtype says)
 AddTensor = Callable[[str, Iterable[int], str, str, Iterable[Piece], str], None]
-
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    name: str
-    shape: tuple[int, ...]
-    src_dtype: str
-    dtype: str  # output dtype
-    kind: str  # "param" | "frozen" | "buffer"
-    pieces: tuple[Piece, ...] | Interleaved  # in src_dtype, back to back (a plan.segments.ByteSource)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
-
-
-@dataclass(frozen=True)
-class Replica:
-    """A TP rank's copy of a replicated parameter (a pipeline stage's of a tied one), which must equal the copy
-    written."""
-    name: str
-    rank: int
-    source: ByteSource
-    written: ByteSource
-    axis: str = "TP rank"
-
-
-@dataclass(frozen=True)
-class Plan:
-    tensors: tuple[TensorPlan, ...]
-    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> name of the written tensor
-    metadata: dict[str, str] = field(default_factory=dict)
-    replicas: tuple[Replica, ...] = ()  # tensor parallel: copies to compare (plan.tensor_parallel)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-
 
 
 def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bool = False,
@@ -94,13 +48,11 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     ckpt.require_complete(tensor_parallel=True, pipeline=True)
     if not isinstance(state, str) or not state:
         raise ValueError(f"state must be 'fp32' or an optimizer state key such as 'exp_avg', got {state!r}")
-    if ckpt.pp_slices:
-        plan = _stages(ckpt, [build_plan(s, dtype, exclude_frozen=exclude_frozen, state=state) for s in ckpt.pp_slices])
-        strip_prefixes = prefixes(strip_prefixes)
-        return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
-    if ckpt.tp_slices and not ckpt.universal:  # (a universal checkpoint holds each parameter whole already)
-        plan = _joined(ckpt, [_slice_plan(s, ckpt.grid.tp, dtype, exclude_frozen, state) for s in ckpt.tp_slices])
-        plan = replace(plan, metadata={**plan.metadata, M.TENSOR_PARALLEL: str(ckpt.grid.tp)})
+    from .joins import outermost
+
+    join = outermost(ckpt)
+    if join is not None:  # a parallel run: each slice planned as a checkpoint of its own, then joined
+        plan = join.plan(ckpt, lambda part: build_plan(part, dtype, exclude_frozen=exclude_frozen, state=state))
         strip_prefixes = prefixes(strip_prefixes)
         return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
     if state != "fp32" and ckpt.zero_stage == 0:
@@ -133,68 +85,6 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
     strip_prefixes = prefixes(strip_prefixes)
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
-
-
-def _slice_plan(ckpt: Checkpoint, tp: int, dtype: str | None, exclude_frozen: bool, state: str) -> Plan:
-    try:
-        return build_plan(ckpt, dtype, exclude_frozen=exclude_frozen, state=state)
-    except InconsistentCheckpointError as exc:
-        if ckpt.zero_stage != 3:
-            raise
-        raise UnsupportedCheckpointError(str(exc), hint=(
-            f"an AutoTP model built under zero.Init: DeepSpeed 0.19.8 then partitions the parameters it leaves whole "
-            f"over all {ckpt.world_size * tp} ranks, TP ranks included; dsckpt does not join that layout yet "
-            "(docs/format.md)")) from exc
-
-
-def _joined(ckpt: Checkpoint, slice_plans: list[Plan]) -> Plan:
-    """Tensor parallel: the TP slices' plans (TP-local shapes) joined into full tensors by each parameter's
-    ``zero.tensor_parallel.Split`` - a dim-0 join the slices' pieces in turn, a row-parallel one ``Interleaved``
-    runs; a replicated parameter from TP rank 0, its other copies listed to compare; buffers from TP rank 0."""
-    splits = ckpt.tp_splits
-    by_rank = [{t.name: t for t in plan.tensors} for plan in slice_plans]
-    tensors, replicas = [], []
-    for local in slice_plans[0].tensors:
-        split = splits.get(local.name)
-        if split is None:  # a buffer: the same on every TP rank
-            tensors.append(local)
-            continue
-        found = [by_rank[r].get(local.name) for r in range(len(slice_plans))]
-        parts = [p for p in found if p is not None and p.src_dtype == local.src_dtype]
-        if len(parts) != len(found):
-            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r} is not held in "
-                                              f"{local.src_dtype} by every TP rank")
-        size = ITEMSIZE[local.src_dtype]
-        try:
-            pieces = Interleaved([tuple(p.pieces) for p in parts], [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
-                                 [period * size for period in split.periods], split.count)
-        except InconsistentCheckpointError as exc:
-            raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r}: {exc}") from None
-        tensors.append(replace(local, shape=split.shape,
-                               pieces=merged(list(pieces)) if split.count == 1 else pieces))
-        replicas += [Replica(local.name, r, _stored(parts[r]), _stored(local)) for r in split.replicas]
-    head = slice_plans[0]
-    return Plan(tuple(tensors), head.aliases, dict(head.metadata), tuple(replicas))
-
-
-def _stages(ckpt: Checkpoint, stage_plans: list[Plan]) -> Plan:
-    """Pipeline parallel: every stage's tensors, in stage order; a tied module held by several stages written
-    from the first and compared on the others."""
-    tensors: dict[str, TensorPlan] = {}
-    replicas = []
-    for stage, plan in enumerate(stage_plans):
-        for t in plan.tensors:
-            if t.name in tensors:
-                replicas.append(Replica(t.name, stage, _stored(t), _stored(tensors[t.name]), "pipeline stage"))
-            else:
-                tensors[t.name] = t
-    meta = {**stage_plans[0].metadata, M.PIPELINE_STAGES: str(ckpt.grid.pp)}
-    return Plan(tuple(tensors.values()), {a: s for p in stage_plans for a, s in p.aliases.items()}, meta, tuple(replicas))
-
-
-def _stored(t: TensorPlan) -> TensorSource:
-    """A slice's bytes as stored (replicas are compared uncast)."""
-    return TensorSource(t.src_dtype, t.src_dtype, tuple(t.pieces))
 
 
 def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list[FlatSpace]:

@@ -109,7 +109,13 @@ class Interleaved:
                     yield from self.parts[part].cut(at, n)
 
 
-def read_pieces(source: "ByteSource") -> tuple[Piece, ...]:
+class Pieced(Protocol):
+    """Anything made of pieces (a ``ByteSource``, an analysis ``Source``)."""
+    @property
+    def pieces(self) -> "Sequence[Piece] | Interleaved": ...
+
+
+def read_pieces(source: Pieced) -> tuple[Piece, ...]:
     """The pieces ``source`` reads, for checks and fetches: a row-parallel join's slices whole (every byte of them is
     read), not its rows one by one."""
     pieces = source.pieces

@@ -25,7 +25,7 @@ TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickle
 
 def check_checkpoint_classes(ckpt) -> None:
     """Refuse (typed error naming file and class) a checkpoint DeepSpeed's loader would run code for."""
-    for tf in [f for s in (ckpt.tp_slices or ckpt.pp_slices or (ckpt,)) for f in s.model_files + s.optim_files]:
+    for tf in [f for leaf in ckpt.leaves for f in leaf.model_files + leaf.optim_files]:
         foreign = foreign_classes(tf.obj)
         if foreign:
             raise UnsafeCheckpointError(

@@ -107,11 +107,17 @@ class Checkpoint:
         return tuple(k for k in held[0] if all(k in h for h in held)) if held else ()
 
     @property
+    def leaves(self) -> "tuple[Checkpoint, ...]":
+        """Every slice that holds rank files itself (each pipeline stage's TP ranks; the checkpoint itself when it
+        is one slice): what a check of every file walks (``plan.joins`` joins them)."""
+        parts = self.pp_slices or self.tp_slices
+        return tuple(leaf for s in parts for leaf in s.leaves) if parts else (self,)
+
+    @property
     def every_model_file(self) -> list[TorchFile]:
         """The model-states files of every TP rank and pipeline stage (``model_files``: the first's, which head the
         checkpoint)."""
-        parts = self.pp_slices or self.tp_slices
-        return [f for s in parts for f in s.every_model_file] if parts else self.model_files
+        return [f for leaf in self.leaves for f in leaf.model_files]
 
     @property
     def tp_rank(self) -> int:
