@@ -232,6 +232,7 @@ def test_floating_entries_no_optimizer_holds_need_the_model(converted, tmp_path)
 
 
 # --- a Hugging Face folder: weights, a fresh optimizer, the HF Trainer's resume ----------------------------------
+@pytest.mark.runtime  # (two Trainer runs in subprocesses, ~40 s: make test's, not test-fast's)
 def test_an_hf_folder_resumes_in_the_hf_trainer_as_a_run_started_from_it(tmp_path):
     """save_pretrained weights -> a 2-rank ZeRO-3 checkpoint-like folder -> Transformers' Trainer (its model built
     with other weights) resumes from it; its losses and learning rates equal a Trainer run that started from the

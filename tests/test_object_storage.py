@@ -418,6 +418,7 @@ def test_the_reading_api_and_commands_take_urls(s3, tmp_path):
     assert ok("verify", url, "--all-tags").stdout == ok("verify", local, "--all-tags").stdout
 
 
+@pytest.mark.runtime  # (dsckpt resume: DeepSpeed's runtime in subprocesses)
 def test_resume_from_a_bucket_sharded_and_from_full_weights(s3, tmp_path):
     """resume fetches what DeepSpeed's loader reads to a scratch folder, removed when it ends (one process too: it
     ends without interpreter teardown); its messages name the URL."""
