@@ -97,7 +97,11 @@ def test_back_to_back_and_failed_saves(saved):
     assert report["failure"] and "failed on rank(s) 1" in report["failure"] and "'t2'" in report["failure"]
     assert report["latest_after_failure"] == "t2" and report["t3_files"] == []
     assert report["latest_after_t4"] == "t4" and report["latest_after_close"] == "t5"
-    assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t4", True]]
+    damaged, latest_after_damage, t3c_files = report["damaged"]  # a flipped byte after the write: the CRC check
+    assert damaged and "/t3c: the background save failed" in damaged and "fails its CRC-32 check" in damaged
+    assert latest_after_damage == report["latest_after_failure"] and t3c_files == []
+    assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t3c", False],
+                                                  ["t4", True]]
     for tag in ("t", "t2", "t4"):
         assert not open_checkpoint(root / "async", tag).problems
     proc = run_cli("verify", root / "async", "--tag", "t2")

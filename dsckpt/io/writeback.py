@@ -10,9 +10,12 @@
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import threading
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Iterator
 
 Started = Callable[[int, int], None]
 _SYNC_FILE_RANGE_WRITE = 2
@@ -39,6 +42,42 @@ def for_output(path: object, fd: int | None, durable: Collection[Path]) -> Start
         if nbytes > 0:
             call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
     return started
+
+
+@contextlib.contextmanager
+def following(path: Path, step: int = 32 << 20, every: float = 0.02) -> Iterator[None]:
+    """Around a writer dsckpt does not drive (``torch.save`` in the background engine): a thread starts the
+    write-back of each ``step`` bytes the file at ``path`` has grown by, so the fsync after the block finds little
+    left.  Advice only: where ``sync_file_range`` is missing, or the file cannot be opened, nothing happens."""
+    call = _bind()
+    if call is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def follow() -> None:
+        fd, done = None, 0
+        try:
+            while not stop.wait(every):
+                if fd is None:
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except OSError:
+                        continue  # (not created yet)
+                size = os.fstat(fd).st_size
+                if size - done >= step:
+                    call(fd, done, size - done, _SYNC_FILE_RANGE_WRITE)
+                    done = size
+        finally:
+            if fd is not None:
+                os.close(fd)
+    thread = threading.Thread(target=follow, name="dsckpt-writeback", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _bind() -> Callable[[int, int, int, int], int] | None:

@@ -30,17 +30,16 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..errors import BackgroundSaveError, ConfigError, DsckptError
 from .snapshot import HostPool, Snapshot
-from ..io.output import fsync_path
 from ..formats.storage import local_only
-from .staged_files import LocalTarget, SaveTarget, Targets, remove_temps, temp_for
+from .staged_files import LocalTarget, SaveTarget, Targets, remove_temps, write_temp
 
 log = logging.getLogger("dsckpt")
 _OPEN: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()  # what close_all waits for before a process ends
@@ -117,7 +116,7 @@ class AsyncSave:
         import torch.distributed as dist
 
         self.engine = engine
-        self.write = write or _torch_save
+        self.write = write or torch.save
         self.report = report or log.info  # rank 0's one line per save
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -134,6 +133,7 @@ class AsyncSave:
         self.target: SaveTarget | None = None
         self.idle = threading.Event()
         self.idle.set()
+        self.checker = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-check")
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
         self.thread.start()
         self.closed = False
@@ -268,6 +268,7 @@ class AsyncSave:
         self.idle.wait()
         self.queue.put(None)
         self.thread.join()
+        self.checker.shutdown()
         self.targets.close()
         if self.failure is not None:
             self._raise()
@@ -276,6 +277,7 @@ class AsyncSave:
     def _run(self) -> None:
         error: BaseException | None = None
         started: float | None = None
+        checks: list[Future[None]] = []
         while True:
             item = self.queue.get()
             if item is None:
@@ -284,12 +286,14 @@ class AsyncSave:
             if isinstance(item, _File):
                 if error is None:
                     try:
-                        self._persist(item)
+                        checks.append(self._persist(item))
                     except BaseException as exc:  # reported at the commit, on every rank
                         error = exc
                 self.pool.give_back(item.snapshot.buffers)
                 item.state = item.snapshot = None  # type: ignore[assignment]
                 continue
+            error = error or next((e for e in (c.exception() for c in checks) if e is not None), None)
+            checks = []
             try:
                 if item.aborted:
                     remove_temps(item.files)
@@ -309,16 +313,14 @@ class AsyncSave:
             if self.queue.empty():
                 self.idle.set()
 
-    def _persist(self, item: _File) -> None:
+    def _persist(self, item: _File) -> "Future[None]":
+        """The file written and flushed; its CRC check (what reached the file is what the zip's CRC-32s say) runs
+        while the next file is written."""
         from ..io.integrity import check_files
 
         if item.ready is not None:
             item.ready.synchronize()
-        temp = temp_for(item.path)
-        os.makedirs(os.path.dirname(temp), exist_ok=True)
-        self.write(item.state, temp)
-        fsync_path(Path(temp))
-        check_files([Path(temp)])  # what reached the file is what the zip's CRC-32s say
+        return self.checker.submit(check_files, [write_temp(self.write, item.state, item.path)])
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
         failed = self._agree(error is None)
@@ -394,7 +396,3 @@ def close_all() -> None:
     ends with ``os._exit``, which runs no ``atexit``)."""
     for saver in list(_OPEN):
         saver.close()
-
-
-def _torch_save(state: Any, path: str) -> None:
-    torch.save(state, path)

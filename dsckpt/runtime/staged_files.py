@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from ..errors import OutputError
 from ..formats.storage import is_url
 from ..io.output import fsync_path
+from ..io.writeback import following
 from ..zero.layout import LATEST_FILE
 
 TEMP_FOLDER = ".dsckpt-saving"
@@ -29,6 +30,17 @@ TEMP_SUFFIX = ".dsckpt-tmp"
 
 def temp_for(path: str) -> str:
     return os.path.join(os.path.dirname(path), TEMP_FOLDER, os.path.basename(path))
+
+
+def write_temp(write: Callable[[Any, str], None], state: Any, path: str) -> Path:
+    """``write(state, temp)`` into ``path``'s temp, the disk started on it as it grows (``io.writeback.following``),
+    then flushed."""
+    temp = Path(temp_for(path))
+    temp.parent.mkdir(parents=True, exist_ok=True)
+    with following(temp):
+        write(state, str(temp))
+    fsync_path(temp)
+    return temp
 
 
 def remove_temps(paths: list[str]) -> None:

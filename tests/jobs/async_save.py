@@ -45,6 +45,34 @@ def slow_save(state, path):
     torch.save(state, path)
 
 
+def corrupting_save(state, path):
+    """A write that lands damaged: one byte of the largest storage flipped after torch.save."""
+    from dsckpt.formats.torchzip import StorageIndex
+
+    torch.save(state, path)
+    loc = max(StorageIndex(Path(path)).storages.values(), key=lambda s: s.nbytes)
+    with open(path, "r+b") as fh:
+        fh.seek(loc.offset)
+        byte = fh.read(1)
+        fh.seek(loc.offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def damaged_on_disk(trainer, runtime, saver, root):
+    """Files whose bytes are not what their zip's CRC-32s say (checked beside the next file's write): the tag is not
+    published, the failure surfaces at wait()."""
+    saver.write = corrupting_save
+    trainer.step()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3c")
+    try:
+        saver.wait()
+        failure = None
+    except BackgroundSaveError as exc:
+        failure = str(exc)
+    saver.write = torch.save
+    return failure, (root / "async" / "latest").read_text(), sorted(p.name for p in (root / "async" / "t3c").rglob("*"))
+
+
 def fail_on_rank_1(trainer, runtime, saver, root):
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
@@ -92,6 +120,7 @@ def main(stage: str, out: str, report: str) -> None:
     failure, latest_after_failure, t3_files = None, None, None
     if torch.distributed.get_world_size() > 1:  # (rank 0 copies DeepSpeed's scripts: a failing rank must be another)
         failure, latest_after_failure, t3_files = fail_on_rank_1(trainer, runtime, saver, root)
+    damaged = damaged_on_disk(trainer, runtime, saver, root)
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t4")
     saver.wait()
     latest_after_t4 = (root / "async" / "latest").read_text()
@@ -105,7 +134,7 @@ def main(stage: str, out: str, report: str) -> None:
         Path(report).write_text(json.dumps({
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
-            "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
+            "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
 
 
