@@ -617,6 +617,15 @@ def test_convert_to_deepspeed_reads_and_writes_buckets_as_it_does_folders(s3, tm
     ok("convert", tmp_path / "dcp", tmp_path / "local", "--to", "deepspeed", "-w", "3", "--stage", "3")
     s3.get(f"{out.removeprefix('s3://')}/", f"{tmp_path / 'got'}/", recursive=True)
     same_tree(tmp_path / "got", tmp_path / "local")
+    from dsckpt.api.options import WriteOptions
+    from dsckpt.progress import Phase, Tally
+
+    tally = Tally()  # the source's fetch is told (#56), then the write
+    result = dsckpt.into_deepspeed(url, tmp_path / "api", 3, stage=3, options=WriteOptions(progress=tally))
+    fetched, written = tally.steps
+    objects = sum(info["size"] for info in s3.find(url.removeprefix("s3://"), detail=True).values())
+    assert (fetched.phase, fetched.total, fetched.done) == (Phase.FETCH, objects, objects) and objects > 0
+    assert written.phase is Phase.WRITE and written.total == result.bytes
     missing = run_cli("convert", f"s3://{BUCKET}/no-such-{tmp_path.name}", tmp_path / "x", "--to", "deepspeed",
                       "-w", "2", "--stage", "2")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and not (tmp_path / "x").exists()

@@ -98,7 +98,7 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
         raise ConfigError(f"--dtype {dtype!r}: expected fp32, bf16 or fp16")
     check_layout(world_size, stage, module_dtype)
     with destination(group, out, force) as dest, \
-            local_copy(source, group) as folder:
+            local_copy(source, group, options.progress) as folder:
         out = dest.path
         found, plan, pickled, inputs, root = group.step(lambda: _prepare(
             folder, world_size, stage, module_dtype, model, group_order, param_groups, trainer_files, tag))

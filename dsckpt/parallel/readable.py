@@ -79,13 +79,14 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
 
 
 @contextlib.contextmanager
-def local_copy(path: str | os.PathLike[str], group: "Group") -> Iterator[Path]:
+def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress | None" = None) -> Iterator[Path]:
     """A source read whole by a converter (a DCP or universal folder, a weights file or folder): PATH itself, or a
-    URL's objects in a scratch folder of this host, which its processes fill; removed afterwards, also on failure."""
+    URL's objects in a scratch folder of this host, which its processes fill (the bytes told to ``progress`` as a
+    ``FETCH``); removed afterwards, also on failure."""
     if not is_url(path):
         yield Path(path)
         return
-    from ..io.remote import filesystem, scratch_folder, typed_error
+    from ..io.remote import counted, filesystem, scratch_folder, typed_error
 
     url = str(path)
     scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
@@ -97,7 +98,8 @@ def local_copy(path: str | os.PathLike[str], group: "Group") -> Iterator[Path]:
                 fs, inside = filesystem(url)
                 folder = "/" if fs.isdir(inside) else ""
                 try:
-                    fs.get(inside.rstrip("/") + folder, str(local) + folder, recursive=True)
+                    fs.get(inside.rstrip("/") + folder, str(local) + folder, recursive=True,
+                           callback=counted(fs, inside, progress))
                 except Exception as exc:  # the store's own errors, named by the URL the user typed
                     raise typed_error(url, exc, "fetching the source") from None
         group.step(get)
