@@ -29,9 +29,6 @@ from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import GroupStaging
 from ..formats.storage import is_url
-from ..io.parts import streamable
-from ..io.multipart import Streams
-from ..io.upload import Upload
 from ..parallel.view import View, build_view
 from ..plan.segments import read_pieces
 from ..progress import Progress, advancing
@@ -39,6 +36,9 @@ from .paths import require_checkpoint
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from ..io.multipart import Streams
+    from ..io.upload import Upload
 
 R = TypeVar("R", bound="DataclassInstance")  # a verb's result: a dataclass whose paths ``Destination.named`` rewrites
 
@@ -145,6 +145,9 @@ def destination(group: Group, out: str | os.PathLike[str], force: bool, stream: 
         yield Destination(Path(out))
         return
     url = str(out)
+    from ..io.multipart import Streams  # (a bucket's modules, imported for one only)
+    from ..io.parts import streamable
+    from ..io.upload import Upload
 
     def start() -> Upload | None:
         if group.rank != 0:

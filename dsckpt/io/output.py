@@ -16,7 +16,6 @@ import errno
 import os
 import re
 import shlex
-import secrets
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -67,7 +66,7 @@ def check_parent(out: Path) -> None:
 
 
 def _temp_name(out: Path) -> Path:
-    return out.parent / f".{out.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    return out.parent / f".{out.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def clean_stale_temps(out: Path, keep: Path | None = None) -> list[Path]:

@@ -8,7 +8,7 @@ gcloud storage's parallel composite uploads do.
 from __future__ import annotations
 
 import base64
-import secrets
+import os
 from typing import Any, Callable, Protocol
 
 from .remote import typed_error
@@ -76,7 +76,7 @@ class AzureBlocks:
             raise typed_error(f"az://{key}", exc, f"uploading ({doing})") from None
 
     def start(self, key: str) -> str:
-        return secrets.token_hex(8)
+        return os.urandom(8).hex()
 
     def put(self, key: str, upload_id: str, number: int, data: bytearray) -> str:
         block = base64.b64encode(f"{upload_id}-{number:06d}".encode()).decode()  # (equal lengths, as Azure wants)
@@ -130,7 +130,7 @@ class GcsCompose:
         return f"{parent}/.{name}.dsckpt-part-{upload_id}-"
 
     def start(self, key: str) -> str:
-        return secrets.token_hex(8)
+        return os.urandom(8).hex()
 
     def put(self, key: str, upload_id: str, number: int, data: bytearray) -> str:
         part = f"{self._stem(key, upload_id)}{number:05d}"

@@ -19,7 +19,6 @@ from ..dtypes import ITEMSIZE
 from ..formats.positional import pwrite_all
 from ..formats.safetensors_file import INDEX_NAME, encode_header, shard_name
 from ..plan.segments import Interleaved, Segment
-from . import stream
 from .context import WriteContext
 from .inflight import InFlight
 from .filecopy import copy_range
@@ -98,6 +97,8 @@ def fill_safetensors(tensors: list[TensorPlan], path: Path, metadata: dict[str, 
     k, n = part
     streamed = context.stream_target(path) if upload_id is not None else None
     if streamed is not None and upload_id is not None:
+        from . import stream  # (a bucket's modules, imported for one only)
+
         streams, key = streamed
         parts = stream.my_parts(len(header) + sum(t.nbytes for t in tensors), k, n)
         stream.stream_safetensors(context, streams, streams.join(key, upload_id), header, tensors, offsets, parts)

@@ -23,15 +23,18 @@ import struct
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Protocol
 
 from ..formats.crc import crc32_combine
 from ..formats.positional import write_all
 from ..formats.pickle_writer import NewTensor, StorageOut, dumps
 from ..plan.consolidate import Plan
-from . import stream, writeback
+from . import writeback
 from .context import WriteContext
 from .read import Chunk, Reader
+
+if TYPE_CHECKING:
+    from .stream import ZipSink
 
 ALIGN = 64
 
@@ -115,11 +118,13 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
     streamed = context.stream_target(local) if local is not None and context is not None else None
     if streamed is None or local is None:
         return _write_zip(path, folder, pickled, source, context)
-    with stream.ZipSink(*streamed, local) as sink:  # a run streaming OUT to object storage (io.stream)
+    from .stream import ZipSink  # (a bucket's modules, imported for one only)
+
+    with ZipSink(*streamed, local) as sink:  # a run streaming OUT to object storage (io.stream)
         return _write_zip(sink, folder, pickled, source, context)
 
 
-def _write_zip(path: Path | BinaryIO | stream.ZipSink, folder: str, pickled: tuple[bytes, list[StorageOut]],
+def _write_zip(path: Path | BinaryIO | ZipSink, folder: str, pickled: tuple[bytes, list[StorageOut]],
                source: StorageBytes, context: WriteContext | None) -> list[StorageOut]:
     progress = context.progress if context is not None else None
     pickle_bytes, storages = pickled

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,7 @@ class StorageGroups:
 def storage_groups(group: Group, out: Path) -> StorageGroups:
     if group.size == 1:
         return StorageGroups((0,))
-    token = group.broadcast(secrets.token_hex(4) if group.rank == 0 else None, 0)
+    token = group.broadcast(os.urandom(4).hex() if group.rank == 0 else None, 0)
     probe = out.parent / f".{out.name}.dsckpt-probe-{token}"
     of: list[int | None] = [None] * group.size
     while None in of:
@@ -77,7 +76,7 @@ class GroupStaging:
         self.staging = Staging(fsync) if self.leads else None  # OUT's temp, and rank 0's sidecars
         self._tmp: Path | None = None  # one process: Staging names it (and removes dead processes' temps)
         if group.size > 1:
-            pid, token = group.broadcast((os.getpid(), secrets.token_hex(4)) if group.rank == 0 else None, 0)
+            pid, token = group.broadcast((os.getpid(), os.urandom(4).hex()) if group.rank == 0 else None, 0)
             self._tmp = out.parent / f".{out.name}{TEMP_MARK}{pid}-{token}"
 
     @property

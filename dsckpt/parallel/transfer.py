@@ -19,11 +19,9 @@ from typing import Iterable, Iterator
 
 from ..formats.positional import pwrite_all
 from ..io.context import WriteContext
-from ..io.remote import Arrivals, ArrivingStorage
 from ..plan.segments import Segment, joined_spans
 from ..progress import Progress
 from .group import Group
-from .transport import comm_errors
 from .view import View, zip_storages
 
 CHUNK = 16 << 20
@@ -67,6 +65,8 @@ def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]],
         fetch(group, view, wanted)
         yield context
         return
+    from ..io.remote import Arrivals, ArrivingStorage  # (a bucket's modules, imported for one only)
+
     everyone = group.gather(wanted)
     arrivals, failed = Arrivals(), []
 
@@ -112,6 +112,8 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]], progress
         return 0
     import torch
     import torch.distributed as dist
+
+    from .transport import comm_errors
 
     received, error = 0, None
     buffer = torch.empty(CHUNK, dtype=torch.uint8)

@@ -19,23 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, is_torch_zip
 from ..formats.storage import is_url
-from ..io.remote import RemoteStore
 from ..limits import limit
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
 from .group import Group
 from .survey import choose_tag, met, refuse, survey
+
+if TYPE_CHECKING:
+    from ..io.remote import RemoteStore
 
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
 
@@ -180,7 +181,7 @@ def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scra
             if rel not in local:
                 payloads[rel] = payload
     name = ckpt.absolute().name  # (CKPT typed as "." has no name of its own)
-    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{os.urandom(4).hex()}"
     shared = all(set(wanted) <= set(seen) for seen, _ in surveyed)
     view = View(scratch / name, chosen, scratch, ckpt, {rel: owners[rel] for rel in wanted}, local & set(wanted),
                 group.rank, shared=shared)
@@ -219,6 +220,8 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     """A checkpoint in object storage as a view (``io.remote``, steps 1-2): each process lists and fetches the
     skeleton itself; the storages come when a command asks for them (``transfer.fetch``).  ``every_tag``: the
     objects of every tag folder, not only the chosen one's."""
+    from ..io.remote import RemoteStore  # (a bucket's modules, imported for one only)
+
     store = RemoteStore(url)
     sizes = store.list()
     if sizes.get(L.LATEST_FILE, 0) > limit("MAX_LATEST_BYTES"):
@@ -230,7 +233,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     wanted = sorted(rel for rel in sizes if "/" not in rel or every_tag or
                     (chosen is not None and rel.split("/")[0] == chosen))
     name = store.url.rsplit("/", 1)[-1]
-    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{secrets.token_hex(4)}"
+    scratch = scratch_parent / f".{name}.dsckpt-view-{group.rank}-{os.urandom(4).hex()}"
     view = View(scratch / name, chosen, scratch, scratch / name, {rel: group.rank for rel in wanted}, set(),
                 group.rank, store)
     others = [rel for rel in sizes if chosen is not None and "/" in rel and rel.split("/")[0] != chosen
