@@ -7,6 +7,7 @@ names (``torch.float32`` / ``torch.float``) inside pickles, numpy for casts, use
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -90,3 +91,19 @@ def numpy_dtype(name: str):
     import numpy as np
 
     return np.dtype(DTYPES[name].numpy)
+
+
+class Shaped:
+    """``numel`` and ``nbytes`` of a tensor described by its ``shape`` and safetensors ``dtype`` name (a base of the
+    plans' and writers' tensor records)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]

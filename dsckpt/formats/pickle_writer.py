@@ -20,13 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import DTYPES, ITEMSIZE
+from ..dtypes import DTYPES, ITEMSIZE, Shaped
 from .pickle_policy import Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
 from .pickle_tree import DEEPSPEED_CLASSES
 
 
 @dataclass(frozen=True, eq=False)  # identity matters: one NewTensor named twice is one shared storage
-class NewTensor:
+class NewTensor(Shaped):
     """A contiguous tensor with a storage of its own, whose bytes ``source`` describes to the writer."""
 
     dtype: str  # safetensors name, e.g. "F32"
@@ -34,14 +34,6 @@ class NewTensor:
     source: Any
     requires_grad: bool = False
     location: str = "cpu"  # the device torch.load maps it to without map_location (as the original said)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -3,29 +3,20 @@ the copies to compare (``Replica``) and the whole (``Plan``).  Built by ``plan.c
 ``plan.joins``, read by every writer."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ..dtypes import ITEMSIZE
+from ..dtypes import Shaped
 from .segments import ByteSource, Interleaved, Piece, TensorSource
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class TensorPlan(Shaped):
     name: str
     shape: tuple[int, ...]
     src_dtype: str
     dtype: str  # output dtype
     kind: str  # "param" | "frozen" | "buffer"
     pieces: tuple[Piece, ...] | Interleaved  # in src_dtype, back to back (a plan.segments.ByteSource)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
