@@ -61,15 +61,15 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
         storages = lambda rel: zip_storages(view.path(rel))  # noqa: E731
 
         def fetch_all() -> None:
-            view.store.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check, progress=progress)
+            view.bucket.fill(view.root, [(rel, 0, n) for rel, n in sizes.items()], storages, check, progress=progress)
 
         def fetch(pieces: Iterable[object]) -> None:
-            wanted = [(view.rel(p.path), p.offset, p.nbytes) for p in _segments(pieces)]
-            view.store.fill(view.root, [w for w in wanted if w[0] is not None], storages, check)
+            wanted = [(rel, p.offset, p.nbytes) for p in _segments(pieces) for rel in [view.rel(p.path)] if rel is not None]
+            view.bucket.fill(view.root, wanted, storages, check)
 
         with view.real_names():
             if size is not None:
-                write_skeletons(view.store, view, sizes)
+                write_skeletons(view.bucket, view, sizes)
             if whole:
                 fetch_all()
             yield Readable(str(view.path(name) if size is not None else view.root),

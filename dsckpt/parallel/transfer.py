@@ -22,7 +22,7 @@ from ..io.context import WriteContext
 from ..plan.segments import Segment, joined_spans
 from ..progress import Progress
 from .group import Group
-from .view import View, zip_storages
+from .view import Seen, View, zip_storages
 
 CHUNK = 16 << 20
 
@@ -61,10 +61,11 @@ def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]],
     a thread while the block runs, and the block's reads wait for the ranges they need (``io.remote.ArrivingStorage``):
     a streamed write uploads its first parts while the rest arrive.  Only for blocks whose every read of the view
     goes through the yielded context's storage."""
-    if view.store is None:
+    if view.seen is not Seen.BUCKET:
         fetch(group, view, wanted)
         yield context
         return
+    store = view.bucket
     from ..io.remote import Arrivals, ArrivingStorage  # (a bucket's modules, imported for one only)
 
     everyone = group.gather(wanted)
@@ -72,8 +73,8 @@ def fetching(group: Group, view: View, wanted: list[tuple[str, int, int]],
 
     def fill() -> None:
         try:
-            view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
-                            share=(group.rank, group.size), everyone=everyone, arrivals=arrivals)
+            store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
+                       share=(group.rank, group.size), everyone=everyone, arrivals=arrivals)
         except BaseException as exc:  # (raised in the block by the read that waits for it, and agreed below)
             failed.append(exc)
         finally:
@@ -100,11 +101,10 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]], progress
     """Move every process's ``wanted`` ranges to it (see the module docstring); bytes received here.  A view of a
     checkpoint in object storage fetches them from there (``io.remote``; this process's share told to
     ``progress`` as a ``FETCH``)."""
-    if view.store is not None:  # every process's ranges known to all: each storage is fetched and checked once
-        everyone = group.gather(wanted)
-        return group.step(lambda: view.store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
-                                                  share=(group.rank, group.size), everyone=everyone,
-                                                  progress=progress))
+    if view.seen is Seen.BUCKET:  # every process's ranges known to all: each storage is fetched and checked once
+        everyone, store = group.gather(wanted), view.bucket
+        return group.step(lambda: store.fill(view.root, wanted, lambda rel: zip_storages(view.path(rel)),
+                                             share=(group.rank, group.size), everyone=everyone, progress=progress))
     if group.size == 1:
         return 0
     everyone = group.gather(wanted)

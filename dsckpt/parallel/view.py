@@ -18,12 +18,13 @@ everywhere; the storage bytes a process will read from a sparse file are sent to
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
@@ -41,28 +42,46 @@ if TYPE_CHECKING:
 SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
 
 
+class Seen(enum.Enum):
+    """How a process sees the checkpoint it reads."""
+    DIRECT = "direct"  # the checkpoint itself (one process)
+    GATHERED = "gathered"  # a scratch folder: this process's files linked, others' sparse, their bytes sent by owners
+    BUCKET = "bucket"  # a scratch folder of sparse files, their bytes fetched from object storage as plans need them
+
+
 @dataclass
 class View:
     root: Path  # open_checkpoint(root, tag) on every process
     tag: str | None  # None: CKPT is a tag folder itself (or, seen directly, what `latest` names)
-    scratch: Path | None  # None: the view is CKPT itself (one process)
+    scratch: Path | None  # the folder the view is made in (None: DIRECT)
     real: Path  # CKPT as this process sees it
     owners: dict[str, int] = field(default_factory=dict)  # relative path -> the process that reads it
     local: set[str] = field(default_factory=set)  # relative paths this process sees itself
     rank: int = 0  # this process
-    store: Any = None  # io.remote.RemoteStore: CKPT is a URL, every byte comes from there (checked as it lands)
+    store: "RemoteStore | None" = None  # BUCKET: every byte comes from there (checked as it lands)
     shared: bool = False  # every process sees every file of the view itself (one host, or a shared file system)
+
+    @property
+    def seen(self) -> Seen:
+        return Seen.BUCKET if self.store is not None else Seen.DIRECT if self.scratch is None else Seen.GATHERED
+
+    @property
+    def bucket(self) -> "RemoteStore":
+        """The store of a BUCKET view."""
+        if self.store is None:
+            raise TypeError(f"{self.real}: a {self.seen.value} view has no store")
+        return self.store
 
     def owns(self, path: Path) -> bool:
         """This process is the one that reads ``path`` (a view path) for everyone (a store's bytes are checked as
         they arrive, not read again)."""
-        if self.store is not None:
+        if self.seen is Seen.BUCKET:
             return False
         return self.direct or self.owners.get(self.rel(path) or "") == self.rank
 
     @property
     def direct(self) -> bool:
-        return self.scratch is None
+        return self.seen is Seen.DIRECT
 
     def open(self, trust: bool) -> Checkpoint:
         """The checkpoint model, the same on every process.  Links out of CKPT are refused unless ``trust``: here
@@ -85,7 +104,7 @@ class View:
 
     def real_path(self, path: Path) -> Path:
         """A path of the view as this process sees it in CKPT (a tag folder's checkpoint root: CKPT's parent)."""
-        if self.direct or self.store is not None:
+        if self.seen is not Seen.GATHERED:
             return Path(path)
         return self.real.parent / Path(path).relative_to(self.root.parent)
 
@@ -101,7 +120,7 @@ class View:
         except DsckptError as exc:
             if self.direct:
                 raise
-            message = str(exc).replace(str(self.root), self.store.url if self.store is not None else str(self.real))
+            message = str(exc).replace(str(self.root), self.bucket.url if self.seen is Seen.BUCKET else str(self.real))
             if message == str(exc):
                 raise
             raise type(exc)(message, hint=exc.hint) from None
