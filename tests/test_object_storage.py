@@ -617,6 +617,9 @@ def test_convert_to_deepspeed_reads_and_writes_buckets_as_it_does_folders(s3, tm
     ok("convert", tmp_path / "dcp", tmp_path / "local", "--to", "deepspeed", "-w", "3", "--stage", "3")
     s3.get(f"{out.removeprefix('s3://')}/", f"{tmp_path / 'got'}/", recursive=True)
     same_tree(tmp_path / "got", tmp_path / "local")
+    # two processes on one host: the first fetches the source, the other finds it (never both into one folder)
+    ok("convert", url, tmp_path / "two", "--to", "deepspeed", "-w", "3", "--stage", "3", "--nproc", "2")
+    same_tree(tmp_path / "two", tmp_path / "local")
     from dsckpt.api.options import WriteOptions
     from dsckpt.progress import Phase, Tally
 

@@ -81,8 +81,8 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
 @contextlib.contextmanager
 def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress | None" = None) -> Iterator[Path]:
     """A source read whole by a converter (a DCP or universal folder, a weights file or folder): PATH itself, or a
-    URL's objects in a scratch folder of this host, which its processes fill (the bytes told to ``progress`` as a
-    ``FETCH``); removed afterwards, also on failure."""
+    URL's objects in a scratch folder of this host, which the first of its processes fills (the bytes told to
+    ``progress`` as a ``FETCH``); removed afterwards, also on failure."""
     if not is_url(path):
         yield Path(path)
         return
@@ -102,7 +102,8 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
                            callback=counted(fs, inside, progress))
                 except Exception as exc:  # the store's own errors, named by the URL the user typed
                     raise typed_error(url, exc, "fetching the source") from None
-        group.step(get)
+        for turn in range(group.size):  # one process at a time: the first on each host fetches, the others find it
+            group.step(get if group.rank == turn else lambda: None)
         yield local
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
