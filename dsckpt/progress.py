@@ -56,10 +56,6 @@ class Tally:
                 raise RuntimeError("Progress.advance before begin")
             self.steps[-1].pieces.append(nbytes)
 
-    def done(self, phase: Phase) -> int:
-        """The bytes advanced in every step of ``phase``."""
-        return sum(step.done for step in self.steps if step.phase is phase)
-
 
 def begin(progress: Progress | None, phase: Phase, total: int | None) -> None:
     """``progress.begin``, where there is one to tell."""

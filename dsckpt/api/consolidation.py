@@ -233,6 +233,7 @@ def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared
                 return step()
         return group.step(guarded)
 
+    names: list[str]
     if split:
         begun = group.broadcast(run(lambda: fmt.begin(prepared, staged.tmp, context) if group.rank == 0 else None), 0)
         names = group.broadcast(run(lambda: fmt.write_part(prepared, staged.tmp, context, part, begun)
@@ -242,8 +243,7 @@ def _write_parts(group: Group, groups: StorageGroups, ckpt: Checkpoint, prepared
     into = staged.tmp if fmt.directory else None  # a folder's client state goes inside it
     run(lambda: write_sidecar(ckpt.client_state, out, staged.own, context, into) if write_client and group.rank == 0
         else None)
-    written: list[str] = names
-    return written
+    return names
 
 
 def _notes(ckpt: Checkpoint, plan: Plan, fmt: Format, strip_prefixes: tuple[str, ...]) -> tuple[str, ...]:

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
+from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
+
 if TYPE_CHECKING:
     from ..api.options import WriteOptions
     from ..progress import Phase
-
-from ..dtypes import PRECISION_WORDS, TRAINING_PRECISION
 
 F = TypeVar("F", bound=Callable[..., Any])  # a click command function
 

@@ -3,8 +3,8 @@
 ``zero.reader`` reads a parallel run's checkpoint as slices, each a ``Checkpoint`` of its own: a pipeline run's
 stages (``pp_slices``), a tensor-parallel run's TP ranks (``tp_slices``).  A ``Join`` answers, for its axis:
 * ``slices(ckpt)``: the slices the checkpoint has along it (empty: the run did not use it);
-* ``plan(ckpt, build)``: the consolidation plan of the whole, from ``build(slice)`` of each slice;
-* ``reshards_apart``: a reshard moves each slice's files on their own, to the same slices at the new size.
+* ``plan(ckpt, build)``: the consolidation plan of the whole, from ``build(slice)`` of each slice.
+A reshard moves each slice's files on their own, to the same slices at the new data-parallel size.
 ``JOINS`` lists them outermost first (a pipeline stage may itself be tensor parallel); ``outermost(ckpt)`` is the
 join a plan starts from, None for a checkpoint of one slice.
 
@@ -29,7 +29,6 @@ BuildPlan = Callable[[Checkpoint], Plan]  # one slice's plan (the same options a
 
 class Join(Protocol):
     axis: str  # as ``zero.grid.GridShape`` names it
-    reshards_apart: bool
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]: ...
 
@@ -41,7 +40,6 @@ class PipelineStages:
     compared on the others."""
 
     axis = "pp"
-    reshards_apart = True
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return ckpt.pp_slices
@@ -67,7 +65,6 @@ class TensorParallel:
     runs; a replicated parameter from TP rank 0, its other copies listed to compare; buffers from TP rank 0."""
 
     axis = "tp"
-    reshards_apart = True
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return () if ckpt.universal else ckpt.tp_slices  # (a universal checkpoint holds each parameter whole)

@@ -37,7 +37,7 @@ from .groups import structure_errors
 from .moves import (GroupMove, OutputFile, ReshardPlan, check_reshardable, copy_tree, is_bf16,
                     new_tensor, partition_segments, slice_mappings_at, stage3_moves, stage12_moves, state_tensor,
                     template_file)
-from .joins import JOINS
+from .joins import outermost
 from .restage import restaged
 from .segments import FlatSpace
 
@@ -51,7 +51,7 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
     if ckpt.pp_slices and stage not in (None, 0, 1):
         raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a pipeline run at ZeRO-{stage}: DeepSpeed's "
                                          "pipeline engine runs ZeRO 0 and 1 only")
-    join = next((j for j in JOINS if j.reshards_apart and j.slices(ckpt)), None)
+    join = outermost(ckpt)
     if join is not None:  # each slice's files moved on their own (plan.joins): the split is the same at any DP size
         plans = [build_reshard_plan(s, world_size, stage, ep_size) for s in join.slices(ckpt)]
         layers = [OutputFile(path.name, path, copy_tree(TorchFile(path).obj)) for path in ckpt.layout.pipeline_files]
