@@ -4,7 +4,9 @@ Both on one engine in one run, alternating round by round (bench/jobs/async_save
 medians over the rounds: training blocked (`save_checkpoint` until it returns), durable (until every file is flushed:
 stock + fsync, or the background commit), the steps run right after the save (the async persist overlaps them)
 against the same steps with no save, and the persist's rate against a direct-I/O write of the same bytes (dd, the
-disk's own figure: measured before and after the run, the faster taken).
+disk's own figure: measured before and after the run, the faster taken).  ``--modes stock,async,async-torch,none``
+adds the persist through ``torch.save`` (the engine's writer before ``persist.write_snapshot``) and rounds without a
+save to the same alternation.
 
     python bench/bench_async_save.py --nproc 2 --stage 3 --precision bf16 --dim 1024 --layers 8 --rounds 5
     (on a GPU host: --nproc 1; the ranks run over nccl)
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-between", type=int, default=3)
+    ap.add_argument("--modes", default="stock,async", help="of stock, async, async-torch, none (rotated each round)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the checkpoints (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -58,7 +61,7 @@ def main() -> None:
     out.mkdir(parents=True)
     report = out / "report.json"
     dd_before = direct_write_rate(out, 4 << 30)  # the disk's figure before and after: the faster is the bar
-    env = {"BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab),
+    env = {"BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab), "BENCH_MODES": args.modes,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     codes = run_ranks([sys.executable, str(ROOT / "bench" / "jobs" / "async_save_rank.py"), str(out), str(args.stage),
                        args.precision, str(args.rounds), str(args.steps_between), str(report)], args.nproc, env)
@@ -73,6 +76,9 @@ def main() -> None:
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["mode"] == mode)
 
+    def rate(mode: str) -> float:
+        return nbytes * args.nproc / 1e9 / med(mode, "persist_s")
+
     doc["summary"] = summary = {
         "stock_blocked_s": med("stock", "blocked_s"), "async_blocked_s": med("async", "blocked_s"),
         "stock_durable_s": med("stock", "durable_s"), "async_durable_s": med("async", "durable_s"),
@@ -80,7 +86,14 @@ def main() -> None:
         "dd_direct_before_after_gbps": [dd_before, dd_after],
         "steps_no_save_s": doc["baseline_steps_s"], "steps_after_stock_s": med("stock", "steps_s"),
         "steps_after_async_s": med("async", "steps_s")}
-    persist_rate = nbytes * args.nproc / 1e9 / summary["async_persist_s"]
+    persist_rate = rate("async")
+    modes = args.modes.split(",")
+    if "async-torch" in modes:
+        summary["torch_writer_persist_s"] = med("async-torch", "persist_s")
+    if "none" in modes:  # throughput with a save every --steps-between steps: the block and the steps after it
+        summary["steps_no_save_s"] = med("none", "steps_s")
+        summary["async_interval_s"] = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows
+                                                        if r["mode"] == "async")
     print(f"{doc['device']}, {doc['params'] / 1e6:.0f}M parameters, ZeRO-{doc['stage']} {doc['precision']}, "
           f"world size {doc['world_size']}, {nbytes / 1e9:.2f} GB a rank, {args.rounds} alternating rounds (medians)")
     print(f"  blocked: stock {summary['stock_blocked_s'] * 1e3:.0f} ms, dsckpt {summary['async_blocked_s'] * 1e3:.0f} ms"
@@ -88,8 +101,16 @@ def main() -> None:
     print(f"  durable: stock + fsync {summary['stock_durable_s']:.2f} s, dsckpt background {summary['async_durable_s']:.2f}"
           f" s; persist {persist_rate:.2f} GB/s against dd O_DIRECT {dd:.2f} GB/s ({dd / persist_rate:.2f}x the disk's time;"
           f" dd before/after the run {dd_before:.2f}/{dd_after:.2f} GB/s)")
+    if "async-torch" in modes:
+        print(f"  persist through torch.save (the engine's writer before): {rate('async-torch'):.2f} GB/s "
+              f"({dd / rate('async-torch'):.2f}x the disk's time); durable {med('async-torch', 'durable_s'):.2f} s")
     print(f"  {args.steps_between} steps: no save {summary['steps_no_save_s']:.3f} s, right after a stock save "
           f"{summary['steps_after_stock_s']:.3f} s, during a dsckpt persist {summary['steps_after_async_s']:.3f} s")
+    if "none" in modes:
+        lost = summary["async_interval_s"] / summary["steps_no_save_s"] - 1
+        print(f"  a save every {args.steps_between} steps: the save's block and its steps "
+              f"{summary['async_interval_s']:.3f} s against {summary['steps_no_save_s']:.3f} s without a save in the "
+              f"same rounds: {lost * 100:.1f} % throughput lost")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.out is None:

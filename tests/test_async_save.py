@@ -39,6 +39,47 @@ def test_snapshot_keeps_what_torch_save_sees(tmp_path):
     assert [t.numel() for t in back["empty"]] == [0, 0]
 
 
+class Note:  # a client's own class: pickled by reference, as torch.save pickles it
+    def __init__(self, text):
+        self.text = text
+
+
+def test_engine_writer_writes_what_torch_save_writes(tmp_path, monkeypatch):
+    """``persist.write_snapshot``: torch's headers and pickle, the storages' bytes written in chunks on threads and
+    their CRC-32s put where torch puts them - the same file as ``torch.save``'s but for its random serialization id,
+    for views, shared and empty storages, odd sizes, bf16, int64, parameters and a client's own object."""
+    import zipfile
+
+    from dsckpt.io.integrity import check_files
+    from dsckpt.runtime import persist
+
+    monkeypatch.setattr(persist, "CHUNK", 4096)  # many chunks, the last one short
+    flat = torch.randn(10_007)
+    state = {"a": flat[3:], "b": flat[:7].view(7, 1), "empty": torch.empty(0), "ids": torch.arange(13),
+             "bf": torch.randn(4099).bfloat16(), "p": torch.nn.Parameter(torch.randn(5, 3).t()),
+             "nested": [{"step": 3, "shared": flat}], "note": Note("as of the call")}
+    (tmp_path / "stock").mkdir(), (tmp_path / "dsckpt").mkdir()
+    stock, ours = tmp_path / "stock" / "rank.pt", tmp_path / "dsckpt" / "rank.pt"
+    torch.save(state, stock)
+    persist.write_snapshot(state, ours)
+    a, b = stock.read_bytes(), ours.read_bytes()
+    with zipfile.ZipFile(stock) as za, zipfile.ZipFile(ours) as zb:
+        assert zb.testzip() is None  # every entry's CRC-32 right
+        ident = za.getinfo("rank/.data/serialization_id")
+        assert [(i.filename, i.header_offset, i.file_size) for i in za.infolist()] == \
+               [(i.filename, i.header_offset, i.file_size) for i in zb.infolist()]
+        assert [i.CRC for i in za.infolist() if i is not ident] == [i.CRC for i in zb.infolist()
+                                                                   if i.filename != ident.filename]
+        directory = za.start_dir
+    assert len(a) == len(b) and a[:ident.header_offset] == b[:ident.header_offset]  # every storage, descriptor
+    assert sum(x != y for x, y in zip(a[directory:], b[directory:])) <= 4  # the id's CRC-32 in the directory
+    check_files([ours])
+    with torch.serialization.safe_globals([Note]):
+        back = torch.load(ours, weights_only=True)
+    assert back["note"].text == "as of the call" and back["nested"][0]["shared"].data_ptr() == back["a"].data_ptr() - 12
+    assert all(torch.equal(back[k], state[k]) for k in ("a", "b", "empty", "ids", "bf", "p"))
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def saved(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"async{request.param}")

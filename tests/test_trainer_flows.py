@@ -180,7 +180,7 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
 
 
 # --- Lightning ------------------------------------------------------------------------------------------
-def _lightning_ds_run(tmp_path_factory):
+def _lightning_ds_run(tmp_path_factory, env=None):
     pytest.importorskip("lightning")
     from conftest import _capabilities
 
@@ -193,7 +193,7 @@ def _lightning_ds_run(tmp_path_factory):
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
     trainer.fit(LitOdd(lr=2e-3, note="flow"), batches())
     trainer.save_checkpoint(root / "cpu.ckpt")  # Lightning's own dict: its DeepSpeedStrategy's client state
-    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 2, "32")
+    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 2, "32", env=env)
     return root
 
 
@@ -245,6 +245,34 @@ def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
     assert planned["start"] == 3 and planned["end"] == 6 and len(planned["losses"]) == 3
     for a, b in zip(native["losses"], planned["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (native["losses"], planned["losses"])
+
+
+@pytest.mark.gpu
+def test_lightning_strategy_resumes_at_another_world_size(tmp_path_factory, tmp_path):
+    """A Lightning DeepSpeed folder of 2 ranks (written on CPU ranks: the lent GPU hosts have one GPU) resumed by
+    Lightning's own DeepSpeedStrategy(stage=3) on one GPU with fit(ckpt_path=): through LightningAsyncSave from the
+    2-rank ZeRO-2 files themselves (DeepSpeed's load answered from the reshard plan, no copy) it runs the same next
+    steps as Lightning's stock load of `dsckpt reshard -w 1 --stage 3`'s copy."""
+    pytest.importorskip("lightning")
+    if not torch.cuda.is_available():
+        pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
+    root = _lightning_ds_run(tmp_path_factory, env={"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
+    job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
+
+    def fit(out, ckpt, background=False):
+        env = {**os.environ, **({"DSCKPT_ASYNC": "1"} if background else {})}
+        proc = subprocess.run([sys.executable, job, str(out), "3", "5", str(ckpt)], capture_output=True, text=True,
+                              timeout=400, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "log.json").read_text())
+
+    proc = run_cli("reshard", root / "ds", tmp_path / "ws1", "-w", "1", "--stage", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    planned, copied = fit(tmp_path / "planned", root / "ds", background=True), fit(tmp_path / "copied", tmp_path / "ws1")
+    assert planned["start"] == copied["start"] == 2 and planned["end"] == copied["end"] == 5
+    assert len(planned["losses"]) == len(copied["losses"]) == 3
+    for a, b in zip(copied["losses"], planned["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (copied["losses"], planned["losses"])
 
 
 def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):

@@ -1,8 +1,10 @@
 """One rank of bench_async_save.py: stock `save_checkpoint` against dsckpt's background save, alternating, one engine.
 
-ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round saves once with DeepSpeed's own engine (then
-flushes its files, for the durable figure) and once with runtime.async_save, in alternating order; between saves
-STEPS_BETWEEN training steps run, timed (the async round's steps overlap its persist).  Rank 0 writes REPORT (JSON).
+ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round runs every mode of BENCH_MODES (default
+"stock,async"), the order rotating from round to round: "stock" saves with DeepSpeed's own engine (then flushes its
+files, for the durable figure), "async" with runtime.async_save, "async-torch" with it writing through torch.save (the
+persist before persist.write_snapshot), "none" does not save.  After each, STEPS_BETWEEN training steps run, timed
+(an async save's persist overlaps them).  Rank 0 writes REPORT (JSON).
 """
 import json
 import os
@@ -18,6 +20,7 @@ from models import transformer  # noqa: E402
 
 from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
 from dsckpt.runtime.engine import Runtime, rank, shutdown  # noqa: E402
+from dsckpt.runtime.persist import write_snapshot  # noqa: E402
 from dsckpt.runtime.config import resolve_config  # noqa: E402
 from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
 
@@ -64,10 +67,14 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     async_save, async_engine = engine.save_checkpoint, engine.checkpoint_engine
     n, rows, root = int(steps_between), [], Path(out)
     baseline = timed_steps(n, 100)  # no save at all
+    modes = os.environ.get("BENCH_MODES", "stock,async").split(",")
     for r in range(int(rounds)):
-        for mode in (("stock", "async") if r % 2 == 0 else ("async", "stock")):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             tag = f"{mode}{r}"
             torch.distributed.barrier()
+            if mode == "none":
+                rows.append({"round": r, "mode": mode, "steps_s": timed_steps(n, 400 + r)})
+                continue
             if mode == "stock":
                 engine.checkpoint_engine = stock_engine
                 t0 = time.perf_counter()
@@ -80,6 +87,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 persist = None
             else:
                 engine.checkpoint_engine = async_engine
+                saver.write = torch.save if mode == "async-torch" else write_snapshot
                 t0 = time.perf_counter()
                 async_save(str(root / mode), tag=tag)
                 sync()  # the snapshot's device-to-host copies are queued, not done, when the call returns
@@ -92,7 +100,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
             if rank() == 0:
                 shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
             rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
-                         "persist_s": persist, "nbytes": saver.records[-1].nbytes if mode == "async" else None})
+                         "persist_s": persist, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
     saver.close()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     if rank() == 0:

@@ -1,9 +1,7 @@
 """Saving without stopping training: a DeepSpeed checkpoint engine that snapshots, then persists in the background.
 
 ``enable_async_save(engine)`` works on any engine ``deepspeed.initialize`` returned (dsckpt's runtime, a plain loop,
-Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``engine.save_checkpoint``).
-
-Order of calls, every rank:
+Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``engine.save_checkpoint``).  Every rank:
 1. ``enable_async_save(engine)`` once, on every rank, after ``deepspeed.initialize``: it makes a gloo group for the
    commit, installs ``AsyncCheckpointEngine`` as ``engine.checkpoint_engine`` and wraps the engine's
    ``save_checkpoint``, ``step``, ``destroy`` and ``load_checkpoint`` (a checkpoint of another data-parallel size
@@ -12,13 +10,13 @@ Order of calls, every rank:
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
    copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
-3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` with ``torch.save`` (``staged_files``),
-   flushes it, checks its CRC-32s.  At the tag's end all ranks agree (a gather over the commit group): every rank
-   publishes its temps (renamed into place and flushed; for a ``save_dir`` in a bucket - ``s3://``, ``gs://``,
-   ``az://`` - uploaded from a local staging folder: ``staged_files.Targets``); after a second agreement rank 0
-   moves ``latest``. A crash at any moment leaves ``latest`` on the previous tag; a failure on any rank removes
-   every rank's temps (and what it uploaded) and is raised on every rank at its next save, step or ``wait()``.
-   Trainers' follow-ups registered with ``then()`` run after the commit.
+3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` as ``torch.save`` would, from the host
+   buffers on several threads, read back as written (``persist.write_snapshot``), and flushes it.  At the tag's end
+   all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into place and flushed;
+   for a ``save_dir`` in a bucket - ``s3://``, ``gs://``, ``az://`` - uploaded from a local staging folder:
+   ``staged_files.Targets``); after a second agreement rank 0 moves ``latest``. A crash at any moment leaves
+   ``latest`` on the previous tag; a failure on any rank removes every rank's temps (and what it uploaded) and is
+   raised on every rank at its next save, step or ``wait()``. ``then()``'s follow-ups run after the commit.
 4. ``AsyncSave.wait()`` blocks until every queued save is durable; ``close()`` (also run by ``engine.destroy()``,
    ``runtime.engine.shutdown()`` and at interpreter exit) waits and stops the thread; saves after it block.
 """
@@ -37,8 +35,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BackgroundSaveError, ConfigError, DsckptError
-from .snapshot import HostPool, Snapshot
 from ..formats.storage import local_only
+from .persist import write_snapshot
+from .snapshot import HostPool, Snapshot
 from .staged_files import LocalTarget, SaveTarget, Targets, remove_temps, write_temp
 
 log = logging.getLogger("dsckpt")
@@ -116,7 +115,7 @@ class AsyncSave:
         import torch.distributed as dist
 
         self.engine = engine
-        self.write = write or torch.save
+        self.write = write or write_snapshot
         self.report = report or log.info  # rank 0's one line per save
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -314,13 +313,15 @@ class AsyncSave:
                 self.idle.set()
 
     def _persist(self, item: _File) -> "Future[None]":
-        """The file written and flushed; its CRC check (what reached the file is what the zip's CRC-32s say) runs
-        while the next file is written."""
+        """The file written and flushed; another writer's (a test's) gets its CRC check while the next file is
+        written (``write_snapshot`` reads back as it writes)."""
         from ..io.integrity import check_files
 
         if item.ready is not None:
             item.ready.synchronize()
-        return self.checker.submit(check_files, [write_temp(self.write, item.state, item.path)])
+        own = self.write is write_snapshot
+        temp = write_temp(self.write, item.state, item.path, follow=not own)
+        return self.checker.submit(check_files, [] if own else [temp])
 
     def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
         failed = self._agree(error is None)

@@ -13,6 +13,7 @@ all ranks agree, then rank 0 ``publish_latest(tag)``; on a failure anywhere, ``d
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -32,12 +33,12 @@ def temp_for(path: str) -> str:
     return os.path.join(os.path.dirname(path), TEMP_FOLDER, os.path.basename(path))
 
 
-def write_temp(write: Callable[[Any, str], None], state: Any, path: str) -> Path:
-    """``write(state, temp)`` into ``path``'s temp, the disk started on it as it grows (``io.writeback.following``),
-    then flushed."""
+def write_temp(write: Callable[[Any, str], None], state: Any, path: str, follow: bool = True) -> Path:
+    """``write(state, temp)`` into ``path``'s temp, then flushed; ``follow``: a writer that does not start the
+    disk on what it wrote gets a thread that does as the file grows (``io.writeback.following``)."""
     temp = Path(temp_for(path))
     temp.parent.mkdir(parents=True, exist_ok=True)
-    with following(temp):
+    with following(temp) if follow else contextlib.nullcontext():
         write(state, str(temp))
     fsync_path(temp)
     return temp

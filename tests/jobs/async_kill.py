@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from dsckpt.runtime.async_save import AsyncSave
+from dsckpt.runtime.persist import write_snapshot
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.train import TrainOptions, Trainer
 
 
 def stalled_save(state, path):
-    torch.save(state, path)  # the temp is there, complete, but not yet agreed on by every rank
+    write_snapshot(state, path)  # the temp is there, complete, but not yet agreed on by every rank
     time.sleep(30)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from dsckpt.errors import BackgroundSaveError
 from dsckpt.runtime.async_save import AsyncSave
+from dsckpt.runtime.persist import write_snapshot
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import rank, shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer
@@ -42,14 +43,14 @@ def same(a, b):
 
 def slow_save(state, path):
     time.sleep(0.5)  # long enough for two training steps to run while the files are written
-    torch.save(state, path)
+    write_snapshot(state, path)
 
 
 def corrupting_save(state, path):
-    """A write that lands damaged: one byte of the largest storage flipped after torch.save."""
+    """A write that lands damaged: one byte of the largest storage flipped after the engine's own write."""
     from dsckpt.formats.torchzip import StorageIndex
 
-    torch.save(state, path)
+    write_snapshot(state, path)
     loc = max(StorageIndex(Path(path)).storages.values(), key=lambda s: s.nbytes)
     with open(path, "r+b") as fh:
         fh.seek(loc.offset)
@@ -69,7 +70,7 @@ def damaged_on_disk(trainer, runtime, saver, root):
         failure = None
     except BackgroundSaveError as exc:
         failure = str(exc)
-    saver.write = torch.save
+    saver.write = write_snapshot
     return failure, (root / "async" / "latest").read_text(), sorted(p.name for p in (root / "async" / "t3c").rglob("*"))
 
 
@@ -116,7 +117,7 @@ def main(stage: str, out: str, report: str) -> None:
     saver.wait()
     latest_after_t2 = (root / "async" / "latest").read_text()
 
-    saver.write = torch.save
+    saver.write = write_snapshot
     failure, latest_after_failure, t3_files = None, None, None
     if torch.distributed.get_world_size() > 1:  # (rank 0 copies DeepSpeed's scripts: a failing rank must be another)
         failure, latest_after_failure, t3_files = fail_on_rank_1(trainer, runtime, saver, root)

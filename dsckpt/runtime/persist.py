@@ -1,0 +1,163 @@
+"""The background engine's file writer: the file ``torch.save`` writes, its storages' bytes copied from the
+snapshot's host buffers by several threads and checked as they land.
+
+``write_snapshot(state, path)``, in order:
+1. ``torch.save`` under ``torch.serialization.skip_data``: torch writes the pickle, every header and the central
+   directory, and leaves a hole with a zero CRC-32 where each storage's bytes go.  The storage behind each of the
+   pickle's keys is recorded as torch's own pickler names it (``_recording_pickler``).
+2. Each storage's bytes go into their hole in chunks, on ``THREADS`` threads: a chunk's CRC-32 is taken from the
+   host buffer, the chunk written, its write-back started (``sync_file_range``), then read back and compared.  The
+   file's lock serialises the copies into the page cache, not the CRC-32s around them.
+3. The CRC-32s go where torch's writer puts them: each entry's data descriptor (or local header) and its
+   central-directory record.  The caller fsyncs the file.
+The result is the file ``torch.save`` writes, byte for byte but for its random ``.data/serialization_id``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import struct
+import threading
+import types
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptFileError
+from ..formats.crc import crc32, crc32_combine
+from ..io import writeback
+
+CHUNK = 64 << 20
+THREADS = max(1, min(4, os.cpu_count() or 1))
+_CRC_FIELD = 14  # a local header's CRC-32, from its start
+_DESCRIPTOR_MAGIC = b"PK\x07\x08"  # a data descriptor (the CRC-32 after the bytes: torch's writer sets flag bit 3)
+_CD_RECORD = struct.Struct("<4s12xI8xHHH12x")  # a central-directory record: signature, CRC-32, name/extra/comment lengths
+_CD_MAGIC = b"PK\x01\x02"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str
+    header: int  # the local header's offset
+    data: int  # the first byte of the storage's bytes
+    nbytes: int
+    described: bool  # the CRC-32 is in a data descriptor after the bytes, not in the local header
+
+
+def write_snapshot(state: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(state, path)``, the storages' bytes written in parallel and read back (module docstring)."""
+    storages: dict[str, torch.UntypedStorage] = {}
+    with torch.serialization.skip_data():
+        torch.save(state, path, pickle_module=_recording_pickler(storages))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        entries = _entries(path, fd)
+        crcs = _fill(path, fd, entries, storages)
+        _patch_crcs(fd, entries, crcs)
+    finally:
+        os.close(fd)
+
+
+def _recording_pickler(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
+    """A pickle module for ``torch.save`` whose pickler records each storage key torch gives out."""
+
+    class Pickler(pickle.Pickler):
+        def __init_subclass__(cls, **kwargs: Any) -> None:  # torch's pickler subclasses this one inside torch.save
+            super().__init_subclass__(**kwargs)
+            named = cls.persistent_id
+
+            def persistent_id(self: pickle.Pickler, obj: Any) -> Any:
+                pid = named(self, obj)
+                if isinstance(pid, tuple) and pid and pid[0] == "storage":
+                    found[pid[2]] = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                return pid
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    module = types.ModuleType("pickle")
+    module.Pickler = Pickler  # type: ignore[attr-defined]
+    return module
+
+
+def _entries(path: str | os.PathLike[str], fd: int) -> list[_Entry]:
+    """The ``data/<key>`` entries of the zip torch just wrote, where their headers and bytes lie."""
+    out = []
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            folder, _, key = info.filename.rpartition("/data/")
+            if not folder or "/" in folder:
+                continue
+            head = os.pread(fd, 30, info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            out.append(_Entry(key, info.header_offset, info.header_offset + 30 + name_len + extra_len, info.file_size,
+                              bool(info.flag_bits & 0x08)))
+    return out
+
+
+def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
+          storages: dict[str, torch.UntypedStorage]) -> dict[str, int]:
+    """Every entry's bytes written from its storage; the CRC-32 of each."""
+    started = writeback.for_output(Path(path), fd, [Path(path)])
+    scratch = threading.local()
+    work: list[tuple[_Entry, memoryview, int]] = []
+    kept = []
+    for entry in entries:
+        storage = storages[entry.key]
+        if storage.device.type != "cpu":  # a save outside a snapshot (DeepSpeed's other files): as torch.save does
+            storage = storage.cpu()
+        if storage.nbytes() != entry.nbytes:
+            raise CorruptFileError(f"{path}: storage {entry.key} holds {storage.nbytes()} bytes, its entry "
+                                   f"{entry.nbytes}")
+        kept.append(storage)
+        if entry.nbytes:
+            whole = memoryview((ctypes.c_char * entry.nbytes).from_address(storage.data_ptr())).cast("B")
+            work += [(entry, whole[at:at + CHUNK], at) for at in range(0, entry.nbytes, CHUNK)]
+
+    def write(entry: _Entry, chunk: memoryview, at: int) -> int:
+        crc = crc32(chunk)
+        offset, done = entry.data + at, 0
+        while done < len(chunk):
+            done += os.pwrite(fd, chunk[done:], offset + done)
+        started(offset, len(chunk))
+        back = getattr(scratch, "buffer", None)
+        if back is None or len(back) < len(chunk):
+            back = scratch.buffer = bytearray(CHUNK)
+        view = memoryview(back)[:len(chunk)]
+        if os.preadv(fd, [view], offset) != len(chunk) or crc32(view) != crc:
+            raise CorruptFileError(f"{path}: storage {entry.key}: the bytes read back at [{offset}, "
+                                   f"{offset + len(chunk)}) are not the ones written")
+        return crc
+
+    with ThreadPoolExecutor(min(THREADS, max(1, len(work))), thread_name_prefix="dsckpt-persist") as pool:
+        results = [(entry, len(chunk), pool.submit(write, entry, chunk, at)) for entry, chunk, at in work]
+        crcs = {entry.key: 0 for entry in entries}
+        for entry, nbytes, done in results:
+            crc = done.result()
+            crcs[entry.key] = crc32_combine(crcs[entry.key], crc, nbytes)  # (the CRC-32 of no bytes is 0)
+    return crcs
+
+
+def _patch_crcs(fd: int, entries: list[_Entry], crcs: dict[str, int]) -> None:
+    """Each entry's CRC-32 written where zip readers look: its local header and its central-directory record."""
+    by_header = {entry.header: crcs[entry.key] for entry in entries}
+    for entry in entries:
+        at = entry.header + _CRC_FIELD
+        if entry.described:
+            end = entry.data + entry.nbytes
+            at = end + 4 if os.pread(fd, 4, end) == _DESCRIPTOR_MAGIC else end
+        os.pwrite(fd, struct.pack("<I", crcs[entry.key]), at)
+    with os.fdopen(os.dup(fd), "rb") as fh, zipfile.ZipFile(fh) as zf:
+        start, infos = zf.start_dir, zf.infolist()  # (in the directory's order; zip64 offsets resolved)
+    directory = os.pread(fd, os.fstat(fd).st_size - start, start)
+    at = 0
+    for info in infos:
+        magic, _crc, name_len, extra_len, comment_len = _CD_RECORD.unpack_from(directory, at)
+        if magic != _CD_MAGIC:
+            raise CorruptFileError(f"the central directory record at byte {start + at} is unreadable")
+        if info.header_offset in by_header:
+            os.pwrite(fd, struct.pack("<I", by_header[info.header_offset]), start + at + 16)
+        at += _CD_RECORD.size + name_len + extra_len + comment_len
