@@ -7,6 +7,8 @@
 #        when the machine is given back)
 #   bash bench/device_session.sh scaling $OUT LAYERS [DIM]   bench_scaling.py: 1, 2, 4, 8 processes against the disk
 #   bash bench/device_session.sh s3 $OUT LAYERS [DIM]    bench_s3.py against a local moto server (wheels in .whl/s3/)
+#   bash bench/device_session.sh async $OUT STAGE [MODES] [STEPS] [ROUNDS]   bench_async_save.py, 1.21B bf16 on the GPU
+#   bash bench/device_session.sh gpu-tests $OUT [-k EXPR]    the GPU-marked tests (Lightning's own strategy among them)
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
 # as wheels in .whl/ (installed to /tmp/site).
 part=${1:?part}; out=${2:?OUT}
@@ -26,6 +28,15 @@ case $part in
   s3)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/s3/*.whl || exit 1
     BENCH_DIM=${4:-1024} python3 bench/bench_s3.py --layers $3 --runs 3 --json $out/s3.json 2>&1 | tail -8 | tee $out/s3.md ;;
+  async)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 bench/bench_async_save.py --nproc 1 --stage $3 --precision bf16 --dim 2048 --layers 24 --rounds ${6:-3} \
+      --modes ${4:-stock,async,async-torch,none} --steps-between ${5:-3} --out /tmp/async --json $out/async-z$3.json 2>&1 \
+      | grep -v -i warn | tail -7 | tee $out/async-z$3.txt ;;
+  gpu-tests)
+    shift 2
+    timeout 500 python3 -m pytest -q -m gpu tests/test_trainer_flows.py tests/test_async_save.py "$@" 2>&1 | tail -15 \
+      | tee $out/gpu_tests.txt ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks
