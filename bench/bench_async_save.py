@@ -73,6 +73,8 @@ def main() -> None:
     dd_after = direct_write_rate(out, int(nbytes) * args.nproc)
     dd = max(dd_before, dd_after)
 
+    modes = args.modes.split(",")
+
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["mode"] == mode)
 
@@ -80,33 +82,31 @@ def main() -> None:
         return nbytes * args.nproc / 1e9 / med(mode, "persist_s")
 
     doc["summary"] = summary = {
-        "stock_blocked_s": med("stock", "blocked_s"), "async_blocked_s": med("async", "blocked_s"),
-        "stock_durable_s": med("stock", "durable_s"), "async_durable_s": med("async", "durable_s"),
+        "async_blocked_s": med("async", "blocked_s"), "async_durable_s": med("async", "durable_s"),
         "async_persist_s": med("async", "persist_s"), "rank_bytes": nbytes, "dd_direct_gbps": dd,
-        "dd_direct_before_after_gbps": [dd_before, dd_after],
-        "steps_no_save_s": doc["baseline_steps_s"], "steps_after_stock_s": med("stock", "steps_s"),
-        "steps_after_async_s": med("async", "steps_s")}
-    persist_rate = rate("async")
-    modes = args.modes.split(",")
-    if "async-torch" in modes:
-        summary["torch_writer_persist_s"] = med("async-torch", "persist_s")
-    if "none" in modes:  # throughput with a save every --steps-between steps: the block and the steps after it
-        summary["steps_no_save_s"] = med("none", "steps_s")
-        summary["async_interval_s"] = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows
-                                                        if r["mode"] == "async")
+        "dd_direct_before_after_gbps": [dd_before, dd_after], "steps_after_async_s": med("async", "steps_s"),
+        "steps_no_save_s": med("none", "steps_s") if "none" in modes else doc["baseline_steps_s"]}
     print(f"{doc['device']}, {doc['params'] / 1e6:.0f}M parameters, ZeRO-{doc['stage']} {doc['precision']}, "
           f"world size {doc['world_size']}, {nbytes / 1e9:.2f} GB a rank, {args.rounds} alternating rounds (medians)")
-    print(f"  blocked: stock {summary['stock_blocked_s'] * 1e3:.0f} ms, dsckpt {summary['async_blocked_s'] * 1e3:.0f} ms"
-          f" ({summary['async_blocked_s'] / summary['stock_blocked_s']:.3f}x)")
-    print(f"  durable: stock + fsync {summary['stock_durable_s']:.2f} s, dsckpt background {summary['async_durable_s']:.2f}"
-          f" s; persist {persist_rate:.2f} GB/s against dd O_DIRECT {dd:.2f} GB/s ({dd / persist_rate:.2f}x the disk's time;"
-          f" dd before/after the run {dd_before:.2f}/{dd_after:.2f} GB/s)")
+    if "stock" in modes:
+        summary.update(stock_blocked_s=med("stock", "blocked_s"), stock_durable_s=med("stock", "durable_s"),
+                       steps_after_stock_s=med("stock", "steps_s"))
+        print(f"  blocked: stock {summary['stock_blocked_s'] * 1e3:.0f} ms, dsckpt "
+              f"{summary['async_blocked_s'] * 1e3:.0f} ms ({summary['async_blocked_s'] / summary['stock_blocked_s']:.3f}x);"
+              f" durable: stock + fsync {summary['stock_durable_s']:.2f} s, dsckpt background "
+              f"{summary['async_durable_s']:.2f} s")
+    print(f"  persist {rate('async'):.2f} GB/s against dd O_DIRECT {dd:.2f} GB/s ({dd / rate('async'):.2f}x the disk's "
+          f"time; dd before/after the run {dd_before:.2f}/{dd_after:.2f} GB/s)")
     if "async-torch" in modes:
+        summary["torch_writer_persist_s"] = med("async-torch", "persist_s")
         print(f"  persist through torch.save (the engine's writer before): {rate('async-torch'):.2f} GB/s "
               f"({dd / rate('async-torch'):.2f}x the disk's time); durable {med('async-torch', 'durable_s'):.2f} s")
-    print(f"  {args.steps_between} steps: no save {summary['steps_no_save_s']:.3f} s, right after a stock save "
-          f"{summary['steps_after_stock_s']:.3f} s, during a dsckpt persist {summary['steps_after_async_s']:.3f} s")
-    if "none" in modes:
+    print(f"  {args.steps_between} steps: no save {summary['steps_no_save_s']:.3f} s, during a dsckpt persist "
+          f"{summary['steps_after_async_s']:.3f} s" + (f", right after a stock save {summary['steps_after_stock_s']:.3f}"
+                                                       " s" if "stock" in modes else ""))
+    if "none" in modes:  # throughput with a save every --steps-between steps: the block and the steps after it
+        summary["async_interval_s"] = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows
+                                                        if r["mode"] == "async")
         lost = summary["async_interval_s"] / summary["steps_no_save_s"] - 1
         print(f"  a save every {args.steps_between} steps: the save's block and its steps "
               f"{summary['async_interval_s']:.3f} s against {summary['steps_no_save_s']:.3f} s without a save in the "

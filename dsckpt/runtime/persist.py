@@ -33,7 +33,7 @@ from ..formats.crc import crc32, crc32_combine
 from ..io import writeback
 
 CHUNK = 64 << 20
-THREADS = max(1, min(4, os.cpu_count() or 1))
+THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
 _CRC_FIELD = 14  # a local header's CRC-32, from its start
 _DESCRIPTOR_MAGIC = b"PK\x07\x08"  # a data descriptor (the CRC-32 after the bytes: torch's writer sets flag bit 3)
 _CD_RECORD = struct.Struct("<4s12xI8xHHH12x")  # a central-directory record: signature, CRC-32, name/extra/comment lengths
