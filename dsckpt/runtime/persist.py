@@ -33,6 +33,8 @@ from ..formats.crc import crc32, crc32_combine
 from ..io import writeback
 
 CHUNK = 64 << 20
+READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back
+STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
 _CRC_FIELD = 14  # a local header's CRC-32, from its start
 _DESCRIPTOR_MAGIC = b"PK\x07\x08"  # a data descriptor (the CRC-32 after the bytes: torch's writer sets flag bit 3)
@@ -122,23 +124,37 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         offset, done = entry.data + at, 0
         while done < len(chunk):
             done += os.pwrite(fd, chunk[done:], offset + done)
-        started(offset, len(chunk))
-        back = getattr(scratch, "buffer", None)
-        if back is None or len(back) < len(chunk):
-            back = scratch.buffer = bytearray(CHUNK)
-        view = memoryview(back)[:len(chunk)]
-        if os.preadv(fd, [view], offset) != len(chunk) or crc32(view) != crc:
+        if len(chunk) >= STARTED_FROM:
+            started(offset, len(chunk))
+        if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
             raise CorruptFileError(f"{path}: storage {entry.key}: the bytes read back at [{offset}, "
                                    f"{offset + len(chunk)}) are not the ones written")
         return crc
 
-    with ThreadPoolExecutor(min(THREADS, max(1, len(work))), thread_name_prefix="dsckpt-persist") as pool:
-        results = [(entry, len(chunk), pool.submit(write, entry, chunk, at)) for entry, chunk, at in work]
-        crcs = {entry.key: 0 for entry in entries}
-        for entry, nbytes, done in results:
-            crc = done.result()
-            crcs[entry.key] = crc32_combine(crcs[entry.key], crc, nbytes)  # (the CRC-32 of no bytes is 0)
+    crcs = {entry.key: 0 for entry in entries}
+    if sum(len(chunk) for _, chunk, _ in work) < CHUNK:  # a small file: no threads to start
+        results = [(entry, len(chunk), write(entry, chunk, at)) for entry, chunk, at in work]
+    else:
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="dsckpt-persist") as pool:
+            futures = [(entry, len(chunk), pool.submit(write, entry, chunk, at)) for entry, chunk, at in work]
+            results = [(entry, nbytes, done.result()) for entry, nbytes, done in futures]
+    for entry, nbytes, crc in results:
+        crcs[entry.key] = crc32_combine(crcs[entry.key], crc, nbytes)  # (the CRC-32 of no bytes is 0)
     return crcs
+
+
+def _read_back_crc(fd: int, offset: int, nbytes: int, scratch: threading.local) -> int:
+    """The CRC-32 of ``nbytes`` of the file from ``offset``, read through a buffer of the thread's own."""
+    buffer = getattr(scratch, "buffer", None)
+    if buffer is None:
+        buffer = scratch.buffer = memoryview(bytearray(READ_BACK))
+    crc, done = 0, 0
+    while done < nbytes:
+        got = os.preadv(fd, [buffer[:min(READ_BACK, nbytes - done)]], offset + done)
+        if got <= 0:
+            break
+        crc, done = crc32(buffer[:got], crc), done + got
+    return crc if done == nbytes else -1
 
 
 def _patch_crcs(fd: int, entries: list[_Entry], crcs: dict[str, int]) -> None:
