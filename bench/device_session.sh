@@ -35,7 +35,7 @@ case $part in
       | grep -v -i warn | tail -7 | tee $out/async-z$3.txt ;;
   gpu-tests)
     shift 2
-    timeout 500 python3 -m pytest -q -m gpu tests/test_trainer_flows.py tests/test_async_save.py "$@" 2>&1 | tail -15 \
+    timeout 500 python3 -m pytest -q -m gpu tests/test_trainer_flows.py tests/test_async_save.py "$@" 2>&1 | grep -v -i warn | tail -60 \
       | tee $out/gpu_tests.txt ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
