@@ -180,7 +180,7 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
 
 
 # --- Lightning ------------------------------------------------------------------------------------------
-def _lightning_ds_run(tmp_path_factory, env=None):
+def _lightning_ds_run(tmp_path_factory, env=None, layout="wrapped"):
     pytest.importorskip("lightning")
     from conftest import _capabilities
 
@@ -193,7 +193,7 @@ def _lightning_ds_run(tmp_path_factory, env=None):
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
     trainer.fit(LitOdd(lr=2e-3, note="flow"), batches())
     trainer.save_checkpoint(root / "cpu.ckpt")  # Lightning's own dict: its DeepSpeedStrategy's client state
-    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 2, "32", env=env)
+    run_job("lightning_deepspeed.py", 2, root / "cpu.ckpt", root / "ds", 2, "32", layout, env=env)
     return root
 
 
@@ -249,14 +249,15 @@ def test_lightning_strategy_resumes_across_a_stage_change(tmp_path):
 
 @pytest.mark.gpu
 def test_lightning_strategy_resumes_at_another_world_size(tmp_path_factory, tmp_path):
-    """A Lightning DeepSpeed folder of 2 ranks (written on CPU ranks: the lent GPU hosts have one GPU) resumed by
+    """A Lightning DeepSpeed folder of 2 ranks (written on CPU ranks as Lightning 2.6 lays it out: the lent GPU hosts
+    have one GPU) resumed by
     Lightning's own DeepSpeedStrategy(stage=3) on one GPU with fit(ckpt_path=): through LightningAsyncSave from the
     2-rank ZeRO-2 files themselves (DeepSpeed's load answered from the reshard plan, no copy) it runs the same next
     steps as Lightning's stock load of `dsckpt reshard -w 1 --stage 3`'s copy."""
     pytest.importorskip("lightning")
     if not torch.cuda.is_available():
         pytest.skip("Lightning's DeepSpeedStrategy needs CUDA (run `pytest -m gpu` on a GPU host)")
-    root = _lightning_ds_run(tmp_path_factory, env={"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
+    root = _lightning_ds_run(tmp_path_factory, {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}, layout="bare")
     job = str(Path(__file__).parent / "jobs" / "lightning_strategy.py")
 
     def fit(out, ckpt, background=False):
