@@ -2,9 +2,10 @@
 
 Lightning's ``DeepSpeedStrategy`` saves a folder: DeepSpeed's shards, with Lightning's own checkpoint dict
 (``epoch``, ``global_step``, ``pytorch-lightning_version``, ``hyper_parameters``, ``loops``,
-``callbacks``, ``lr_schedulers``, ...) as the client state; Lightning 2.0-2.1 prefixed the module's names with its
-wrapper's (``_forward_module.``), 2.6 hands the module over bare.  ``consolidate --format lightning`` writes the one-file checkpoint
-Lightning's CPU/GPU strategies read: that dict, plus ``state_dict`` (fp32 unless ``--dtype``).
+``callbacks``, ``lr_schedulers``, ...) as the client state.  Earlier Lightning versions prefixed the module's names
+with their wrapper's (``_forward_module.``); 2.6 hands the module over bare.  ``consolidate --format lightning``
+writes the one-file checkpoint Lightning's CPU/GPU strategies read: that dict, plus ``state_dict`` (fp32 unless
+``--dtype``).
 """
 from __future__ import annotations
 
