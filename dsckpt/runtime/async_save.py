@@ -189,8 +189,9 @@ class AsyncSave:
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
             hint = f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first"
             local_only(load_dir, ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder", hint=hint))
-            if other_layout(engine, load_dir, tag):  # another world size or stage: answered from the reshard plan
-                return load_resharded(engine, load_dir, tag, load=load, **kwargs)
+            checkpoint = other_layout(engine, load_dir, tag)  # another world size or stage: from the reshard plan
+            if checkpoint is not None:
+                return load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **kwargs)
             return load(load_dir, tag=tag, **kwargs)
 
         engine.save_checkpoint, engine.step, engine.load_checkpoint = save_checkpoint, checked_step, load_checkpoint

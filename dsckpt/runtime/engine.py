@@ -295,7 +295,7 @@ class Runtime:
         if self.loads_resharded(ckpt, trust):
             from .planned_load import load_resharded
 
-            path, client = load_resharded(self.engine, load_dir, ckpt.layout.tag, **kwargs)
+            path, client = load_resharded(self.engine, load_dir, ckpt.layout.tag, checkpoint=ckpt, **kwargs)
         elif ckpt.world_size * ckpt.grid.tp != world_size():
             raise WorldSizeMismatchError(
                 f"{ckpt.layout.tag_dir}: saved at {ckpt.grid.describe()} ({ckpt.world_size * ckpt.grid.tp} ranks), "

@@ -17,26 +17,29 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UnsupportedCheckpointError
 from .safe_load import check_checkpoint_classes, safe_torch_load
 
+if TYPE_CHECKING:
+    from ..zero.reader import Checkpoint
+
 
 def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
                    load: Callable[..., Any] | None = None, check_crc: bool = True,
-                   **load_kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+                   checkpoint: Checkpoint | None = None, **load_kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
     """``engine.load_checkpoint(load_dir, tag, **load_kwargs)`` at any data-parallel world size and ZeRO stage 1-3
     of the checkpoint: its fp32 masters, optimizer moments, step, scheduler and client state as a checkpoint
     written at this world size would give them.  ``load``: the engine's own ``load_checkpoint`` where it is
     wrapped.  ``check_crc``: check every source storage a planned file reads against its CRC-32 (at ZeRO-1/2 a
-    partition's storage is read whole for it, beyond the ranges the file takes).  Returns DeepSpeed's
-    ``(path, client_state)``."""
+    partition's storage is read whole for it, beyond the ranges the file takes).  ``checkpoint``: ``load_dir``
+    already opened by the caller (``other_layout``'s answer).  Returns DeepSpeed's ``(path, client_state)``."""
     from ..api.resharding import carry_only_allowed
     from ..plan.reshard import build_reshard_plan
     from ..zero.reader import open_checkpoint
 
-    ckpt = open_checkpoint(load_dir, tag=tag)
+    ckpt = checkpoint or open_checkpoint(load_dir, tag=tag)
     check_checkpoint_classes(ckpt)
     ranks, stage = engine.dp_world_size, engine.zero_optimization_stage()  # (DeepSpeed names its files by these)
     if ckpt.grid.tp > 1 or ckpt.pp_slices:
@@ -55,18 +58,18 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
     tag_dir = os.path.abspath(ckpt.layout.tag_dir)
     planned = {f.name: f for f in plan.files}
     stand_ins: dict[str, Any] = {}  # an existing file's path handed to DeepSpeed, which asserts it exists
+    rendered: dict[str, int] = {}  # DeepSpeed loads the first model-states file twice (its mp_world_size check)
 
     def answer(path: str, map_location: Any = None) -> Any:
         path = os.path.abspath(path)
         f = stand_ins.get(path) or (planned.get(os.path.basename(path)) if os.path.dirname(path) == tag_dir else None)
         if f is None:
             return safe_torch_load(path, map_location=map_location)
-        fd = _render(f, check_crc)
-        try:  # the tensors map the rendered file's pages: nothing is copied a second time
-            return safe_torch_load(f"/proc/self/fd/{fd}", map_location=map_location, mmap=True,
-                                   name=os.path.join(tag_dir, f.name))
-        finally:
-            os.close(fd)
+        if f.name not in rendered:
+            rendered[f.name] = _render(f, check_crc)
+        # the tensors map the rendered file's pages: nothing is copied a second time
+        return safe_torch_load(f"/proc/self/fd/{rendered[f.name]}", map_location=map_location, mmap=True,
+                               name=os.path.join(tag_dir, f.name))
 
     def model_files(checkpoints_path: str, tag: str) -> list[str]:
         pattern = os.path.basename(stock_names(checkpoints_path, tag, mp_placeholder="*"))
@@ -83,22 +86,25 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
         return load(str(load_dir), tag=ckpt.layout.tag, **load_kwargs)
     finally:
         loader.load, engine._get_all_ckpt_names = stock_load, stock_list
+        for fd in rendered.values():
+            os.close(fd)  # (a mapped tensor keeps its pages)
 
 
-def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> bool:
-    """Whether the checkpoint is dsckpt-readable, ZeRO 1-3, and at another data-parallel size or stage than
-    ``engine`` (what ``load_resharded`` adds to a stock load); False for anything it cannot tell."""
+def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> Checkpoint | None:
+    """The checkpoint, opened, when it is dsckpt-readable, ZeRO 1-3, and at another data-parallel size or stage than
+    ``engine`` (what ``load_resharded`` adds to a stock load); None otherwise, and for anything it cannot tell."""
     from ..errors import DsckptError
     from ..zero.reader import open_checkpoint
 
     try:
         ckpt = open_checkpoint(load_dir, tag=tag)
     except DsckptError:
-        return False
+        return None
     stage = engine.zero_optimization_stage()
-    return (ckpt.world_size, ckpt.zero_stage) != (engine.dp_world_size, stage) and \
+    other = (ckpt.world_size, ckpt.zero_stage) != (engine.dp_world_size, stage) and \
         ckpt.zero_stage in (1, 2, 3) and stage in (1, 2, 3) and ckpt.grid.tp == 1 and not ckpt.pp_slices and \
         not ckpt.universal
+    return ckpt if other else None
 
 
 def _render(f: Any, check_crc: bool) -> int:
