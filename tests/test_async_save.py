@@ -130,6 +130,16 @@ def test_background_save_read_by_stock_zero_to_fp32(saved):
 
 
 @pytest.mark.runtime
+def test_copies_left_past_the_call_finish_before_the_next_step(saved):
+    """On CPU the optimizer-states file's copies run on a thread after save_checkpoint returns; the optimizer's step
+    waits for them (slowed to 0.5 s here): the call returned before they were done, the step waited, and the tag
+    loads back as the optimizer's state at the call."""
+    deferred = saved[1]["deferred"]
+    assert deferred["deferred"] and deferred["call_s"] < 0.5 and deferred["step_waited_s"] > 0.2, deferred
+    assert deferred["restored"], deferred
+
+
+@pytest.mark.runtime
 def test_back_to_back_and_failed_saves(saved):
     """A second save waits for the first and both load; a write that fails on one rank is raised on every rank at
     the next step, leaves no file of its tag and `latest` where it was; the next save works."""
@@ -142,7 +152,7 @@ def test_back_to_back_and_failed_saves(saved):
     assert damaged and "/t3c: the background save failed" in damaged and "fails its CRC-32 check" in damaged
     assert latest_after_damage == report["latest_after_failure"] and t3c_files == []
     assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t3c", False],
-                                                  ["t4", True]]
+                                                  ["t4", True], ["t6", True]]
     for tag in ("t", "t2", "t4"):
         assert not open_checkpoint(root / "async", tag).problems
     proc = run_cli("verify", root / "async", "--tag", "t2")

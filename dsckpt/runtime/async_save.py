@@ -28,8 +28,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import torch
@@ -37,6 +36,7 @@ import torch
 from ..errors import BackgroundSaveError, ConfigError, DsckptError
 from ..formats.storage import local_only
 from .persist import write_snapshot
+from .save_queue import QueuedFile, QueuedTag, SaveRecord
 from .snapshot import HostPool, Snapshot
 from .staged_files import LocalTarget, SaveTarget, Targets, remove_temps, write_temp
 
@@ -47,42 +47,6 @@ try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 except ImportError:  # pragma: no cover - the runtime extra always brings DeepSpeed
     CheckpointEngine = object
-
-
-@dataclass
-class SaveRecord:
-    """One save as it went: how long training was held, how long the background persist took."""
-    tag: str
-    blocked_s: float
-    waited_s: float = 0.0
-    nbytes: int = 0
-    persist_s: float = 0.0
-    ok: bool = False
-
-
-@dataclass
-class _Tag:
-    save_dir: str
-    tag: str
-    save_latest: bool
-    record: SaveRecord
-    files: list[str] = field(default_factory=list)
-    aborted: bool = False
-    then: list[Callable[[], None]] = field(default_factory=list)  # run by the writer once the tag is published
-    done: bool = False
-    target: SaveTarget | None = None  # where the tag is published
-
-    @property
-    def name(self) -> str:
-        return os.path.join(self.target.name if self.target else self.save_dir, self.tag)
-
-
-@dataclass
-class _File:
-    path: str
-    state: Any
-    snapshot: Snapshot
-    ready: Any  # a CUDA event the copies are ordered before, or None on CPU
 
 
 class AsyncCheckpointEngine(CheckpointEngine):
@@ -124,8 +88,8 @@ class AsyncSave:
         self.pool = HostPool()
         self.queue: queue.Queue = queue.Queue()
         self.failure: BackgroundSaveError | None = None
-        self.current: _Tag | None = None
-        self.last: _Tag | None = None
+        self.current: QueuedTag | None = None
+        self.last: QueuedTag | None = None
         self.hooks = threading.Lock()
         self.in_save = False
         self.targets = Targets()  # where the save in progress goes (a bucket's staging folder reused)
@@ -133,6 +97,9 @@ class AsyncSave:
         self.idle = threading.Event()
         self.idle.set()
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-check")
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # CPU copies left to the step
+        self.staging: list[Future[None]] = []
+        self.defers = False  # the optimizer's step is wrapped: an optimizer-states file's copies may wait for it
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
         self.thread.start()
         self.closed = False
@@ -184,15 +151,19 @@ class AsyncSave:
             return step(*args, **kwargs)
 
         def load_checkpoint(load_dir, tag=None, **kwargs):
-            from .planned_load import load_resharded, other_layout
+            from .planned_load import load_any_layout
 
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
-            hint = f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first"
-            local_only(load_dir, ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder", hint=hint))
-            checkpoint = other_layout(engine, load_dir, tag)  # another world size or stage: from the reshard plan
-            if checkpoint is not None:
-                return load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **kwargs)
-            return load(load_dir, tag=tag, **kwargs)
+            return load_any_layout(engine, load, load_dir, tag, **kwargs)
+
+        optimizer = getattr(engine, "optimizer", None)
+        if optimizer is not None and callable(getattr(optimizer, "step", None)):
+            optimizer_step, self.defers = optimizer.step, True
+
+            def staged_step(*args, **kwargs):
+                self._staged()  # the snapshot's deferred copies done before the step rewrites what they read
+                return optimizer_step(*args, **kwargs)
+            optimizer.step = staged_step
 
         engine.save_checkpoint, engine.step, engine.load_checkpoint = save_checkpoint, checked_step, load_checkpoint
         if destroy is not None:
@@ -213,21 +184,24 @@ class AsyncSave:
     def _begin(self, save_dir: str, tag: str) -> None:
         if self.in_save:  # DeepSpeed's other saves (save_16bit_model) create/save/commit on their own
             target = self.target or LocalTarget(save_dir)
-            self.current = _Tag(str(save_dir), tag, True, SaveRecord(tag, 0.0), target=target)
+            self.current = QueuedTag(str(save_dir), tag, True, SaveRecord(tag, 0.0), target=target)
 
     def _snapshot(self, state: Any, path: str) -> None:
         if self.current is None:  # a save outside save_checkpoint: written now, as stock does
             self.write(state, path)
             return
-        snap = Snapshot(self.pool)
+        snap = Snapshot(self.pool, defer=self.defers and path.endswith("optim_states.pt"))  # (only the step changes it)
         copied = snap.take(state)
         ready = None
         if any(pinned for _, pinned in snap.buffers):
             ready = torch.cuda.Event()
             ready.record()
+        staged = self.stager.submit(snap.finish) if snap.pending else None
+        if staged is not None:
+            self.staging.append(staged)
         self.current.files.append(path)
         self.current.record.nbytes += snap.nbytes
-        self.queue.put(_File(path, copied, snap, ready))
+        self.queue.put(QueuedFile(path, copied, snap, ready, staged))
 
     def _wait_previous(self, say: bool = True) -> float:
         start = time.perf_counter()
@@ -241,6 +215,14 @@ class AsyncSave:
         if self.failure is not None:
             self._raise()
         return waited
+
+    def _staged(self) -> None:
+        """Every deferred copy done (the time waited is the last save's ``step_waited_s``)."""
+        staging, self.staging = self.staging, []
+        start = time.perf_counter()
+        wait(staging)
+        if staging and self.records:
+            self.records[-1].step_waited_s += time.perf_counter() - start
 
     def _raise(self) -> None:
         failure, self.failure = self.failure, None
@@ -269,6 +251,7 @@ class AsyncSave:
         self.queue.put(None)
         self.thread.join()
         self.checker.shutdown()
+        self.stager.shutdown()
         self.targets.close()
         if self.failure is not None:
             self._raise()
@@ -283,12 +266,14 @@ class AsyncSave:
             if item is None:
                 return
             started = started or time.perf_counter()
-            if isinstance(item, _File):
+            if isinstance(item, QueuedFile):
                 if error is None:
                     try:
                         checks.append(self._persist(item))
                     except BaseException as exc:  # reported at the commit, on every rank
                         error = exc
+                if item.staged is not None:
+                    wait([item.staged])  # (a failed tag's copies too: the buffers go back to the pool)
                 self.pool.give_back(item.snapshot.buffers)
                 item.state = item.snapshot = None  # type: ignore[assignment]
                 continue
@@ -313,18 +298,20 @@ class AsyncSave:
             if self.queue.empty():
                 self.idle.set()
 
-    def _persist(self, item: _File) -> "Future[None]":
+    def _persist(self, item: QueuedFile) -> "Future[None]":
         """The file written and flushed; another writer's (a test's) gets its CRC check while the next file is
         written (``write_snapshot`` reads back as it writes)."""
         from ..io.integrity import check_files
 
         if item.ready is not None:
             item.ready.synchronize()
+        if item.staged is not None:
+            item.staged.result()
         own = self.write is write_snapshot
         temp = write_temp(self.write, item.state, item.path, follow=not own)
         return self.checker.submit(check_files, [] if own else [temp])
 
-    def _commit(self, tag: _Tag, error: BaseException | None, started: float) -> None:
+    def _commit(self, tag: QueuedTag, error: BaseException | None, started: float) -> None:
         failed = self._agree(error is None)
         target = tag.target or LocalTarget(tag.save_dir)
         if not failed:

@@ -90,6 +90,21 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
             os.close(fd)  # (a mapped tensor keeps its pages)
 
 
+def load_any_layout(engine: Any, load: Callable[..., Any], load_dir: str | os.PathLike, tag: str | None = None,
+                    **load_kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """What an engine given ``enable_async_save`` answers for ``load_checkpoint``: DeepSpeed's own ``load`` of a
+    local folder, through the reshard plan when the checkpoint is at another data-parallel size or stage."""
+    from ..errors import ConfigError
+    from ..formats.storage import local_only
+
+    hint = f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first"
+    local_only(load_dir, ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder", hint=hint))
+    checkpoint = other_layout(engine, load_dir, tag)
+    if checkpoint is not None:
+        return load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **load_kwargs)
+    return load(load_dir, tag=tag, **load_kwargs)
+
+
 def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> Checkpoint | None:
     """The checkpoint, opened, when it is dsckpt-readable, ZeRO 1-3, and at another data-parallel size or stage than
     ``engine`` (what ``load_resharded`` adds to a stock load); None otherwise, and for anything it cannot tell."""

@@ -3,7 +3,9 @@
 Every distinct tensor storage is copied once (views, offsets, strides, ``requires_grad`` and parameters kept), so the
 file written later holds the same storages stock ``torch.save`` would have written: the next optimizer step may
 rewrite the originals in place.  On a GPU the copies go to pinned host buffers reused from save to save, queued on
-the current stream (the caller records an event after them).
+the current stream (the caller records an event after them).  ``Snapshot(pool, defer=True)`` takes the tree at once
+but leaves the host tensors' copies to ``finish()`` (for state only the optimizer's step changes: the caller runs
+``finish`` before that step).
 """
 from __future__ import annotations
 
@@ -38,10 +40,11 @@ class HostPool:
 class Snapshot:
     """A file's state with every tensor storage copied to host memory, views kept as ``torch.save`` sees them."""
 
-    def __init__(self, pool: HostPool):
-        self.pool, self.nbytes = pool, 0
+    def __init__(self, pool: HostPool, defer: bool = False):
+        self.pool, self.nbytes, self.defer = pool, 0, defer
         self.copies: dict[Any, Any] = {}
         self.buffers: list[tuple[torch.UntypedStorage, bool]] = []  # (buffer, pinned)
+        self.pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (host, source) left to finish()
 
     def take(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -67,7 +70,10 @@ class Snapshot:
         host = self.copies.get(key) if source.nbytes() else None  # empty storages share pointer 0
         if host is None:
             host = self.pool.take(source.nbytes(), pinned=t.is_cuda)
-            host.copy_(source, non_blocking=t.is_cuda)
+            if self.defer and not t.is_cuda:
+                self.pending.append((host, source))
+            else:
+                host.copy_(source, non_blocking=t.is_cuda)
             self.copies[key] = host
             self.buffers.append((host, t.is_cuda))
             self.nbytes += source.nbytes()
@@ -75,3 +81,13 @@ class Snapshot:
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(view, requires_grad=t.requires_grad)
         return view.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else view
+
+    def finish(self) -> None:
+        """The copies ``defer`` left (through tensors: their ``copy_`` runs without the GIL)."""
+        pending, self.pending = self.pending, []
+        for host, source in pending:
+            _bytes(host).copy_(_bytes(source))
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))

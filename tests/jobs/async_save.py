@@ -18,6 +18,7 @@ import torch
 from dsckpt.errors import BackgroundSaveError
 from dsckpt.runtime.async_save import AsyncSave
 from dsckpt.runtime.persist import write_snapshot
+from dsckpt.runtime.snapshot import Snapshot
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import rank, shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer
@@ -74,6 +75,25 @@ def damaged_on_disk(trainer, runtime, saver, root):
     return failure, (root / "async" / "latest").read_text(), sorted(p.name for p in (root / "async" / "t3c").rglob("*"))
 
 
+def copies_after_the_call(trainer, runtime, saver, root):
+    """The optimizer-states file's copies are left to a thread past the call; slowed here, so that the next step
+    must wait for them: the tag holds the optimizer's state as of the call."""
+    finish = Snapshot.finish
+    Snapshot.finish = lambda snap: (time.sleep(0.5), finish(snap))[1]
+    trainer.step()
+    as_of_call = capture(trainer.engine)
+    t0 = time.perf_counter()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t6")
+    call_s = time.perf_counter() - t0
+    trainer.step()
+    Snapshot.finish = finish
+    step_waited, deferred = saver.records[-1].step_waited_s, saver.defers
+    saver.wait()
+    runtime.load_checkpoint(root / "async", tag="t6")
+    return {"deferred": deferred, "call_s": call_s, "step_waited_s": step_waited,
+            "restored": same(capture(trainer.engine), as_of_call)}
+
+
 def fail_on_rank_1(trainer, runtime, saver, root):
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
@@ -126,6 +146,7 @@ def main(stage: str, out: str, report: str) -> None:
     saver.wait()
     latest_after_t4 = (root / "async" / "latest").read_text()
 
+    deferred = copies_after_the_call(trainer, runtime, saver, root)
     runtime.load_checkpoint(root / "async", tag="t")  # DeepSpeed's own load (weights-only unpickler)
     restored = same(capture(trainer.engine), before)
     saver.close()
@@ -136,6 +157,7 @@ def main(stage: str, out: str, report: str) -> None:
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
             "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
+            "deferred": deferred,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
 
 
