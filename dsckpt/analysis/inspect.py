@@ -15,6 +15,7 @@ from ..dtypes import label
 from ..errors import DsckptError
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
+from ..plan.joins import JOINS, TensorParallel
 from ..api.paths import classify
 from ..zero.companions import trainer_summary
 from ..zero.reader import Checkpoint, open_checkpoint
@@ -44,20 +45,23 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         shapes.update({n: t.shape for n, t in module.items() if isinstance(t, TensorRef) and n not in ckpt.buffers
                        and n not in ckpt.shared})
     numel = lambda names: sum(math.prod(shapes[n]) for n in names)
-    plan, plan_error, tensor_parallel = None, None, None
+    plan, plan_error = None, None
+    sections: dict[str, Any] = {}
+    for join in JOINS:  # each parallelism's own part of the report
+        try:
+            sections[join.section] = join.describe(ckpt)
+        except DsckptError:
+            sections[join.section] = None  # (the plan's error below names what is wrong)
     if not ckpt.problems:
         try:
-            tensor_parallel = _tensor_parallel(ckpt)
-            for stage in ckpt.pp_slices:  # every stage's, not stage 0's
-                shapes.update({**stage.trainable, **stage.frozen})
-            if tensor_parallel:  # the full shapes, not TP rank 0's slices
-                shapes.update({n: tuple(s) for n, s in tensor_parallel.pop("shapes").items()})
+            for join in JOINS:  # the whole's shapes, not one slice's
+                shapes.update(join.shapes(ckpt))
             plan = build_plan(ckpt)
         except DsckptError as exc:
             plan_error = str(exc)
     if plan is not None and ckpt.experts:  # the recorded shapes name rank 0's experts only; the plan names all
         shapes = {t.name: t.shape for t in plan.tensors if t.kind != "buffer"}
-    frozen = set(ckpt.frozen).union(*(s.frozen for s in ckpt.pp_slices))
+    frozen = set(ckpt.frozen).union(*(s.frozen for s in ckpt.leaves))
     if plan is not None and ckpt.zero_stage == 0:  # stage 0 records no frozen list; the plan tells
         frozen = {t.name for t in plan.tensors if t.kind == "frozen"}
     params = [n for n in shapes if n not in frozen]
@@ -100,36 +104,11 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "notes": list(ckpt.layout.notes),
         "trainer_state": trainer_summary(lay.root),  # an HF Trainer's checkpoint-N: its trainer_state.json
         "experts": _experts(ckpt),
-        "tensor_parallel": tensor_parallel,
-        "pipeline": _pipeline(ckpt),
+        **sections,
     }
     if with_tensors:
         summary["tensor_list"] = tensor_table(ckpt, plan, shapes)
     return summary
-
-
-def _pipeline(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
-    """A pipeline run: per stage, its layer indices and tied modules."""
-    if not ckpt.pp_slices:
-        return None
-    from ..zero.pipeline import stage_map
-
-    return stage_map(list(ckpt.pp_slices))
-
-
-def _tensor_parallel(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """A TP run (each pipeline stage's, in a pipeline x TP run): its degree, where the split description came
-    from, and each parameter's split."""
-    joined = [s for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices]
-    if not joined:
-        return None
-    splits = {n: split for s in joined for n, split in s.tp_splits.items()}
-    counts: dict[str, int] = {}
-    for split in splits.values():
-        counts[split.category] = counts.get(split.category, 0) + 1
-    return {"degree": ckpt.grid.tp, "described_by": "affine_map" if joined[0].tp_info.get("affine_map") else "patterns",
-            "categories": dict(sorted(counts.items())), "split": {n: s.category for n, s in splits.items()},
-            "shapes": {n: list(s.shape) for n, s in splits.items()}}
 
 
 def _experts(ckpt: Checkpoint) -> list[dict[str, Any]] | None:
@@ -146,7 +125,7 @@ def tensor_table(ckpt: Checkpoint, plan, shapes) -> list[dict[str, Any]]:
     if plan is None:  # problems: list what the metadata says, without file mapping
         return [{"name": n, "shape": list(s), "dtype": None, "kind": "frozen" if n in ckpt.frozen else "param",
                  "files": []} for n, s in shapes.items()]
-    splits = {n: split for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices for n, split in s.tp_splits.items()}
+    splits = TensorParallel.splits(ckpt)
     rows = [{"name": t.name, "shape": list(t.shape), "dtype": label(t.src_dtype), "kind": t.kind,
              "files": sorted({p.path.name for p in t.pieces if hasattr(p, "path")}),
              **({"split": splits[t.name].category} if t.name in splits else {})} for t in plan.tensors]

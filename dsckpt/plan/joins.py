@@ -3,7 +3,9 @@
 ``zero.reader`` reads a parallel run's checkpoint as slices, each a ``Checkpoint`` of its own: a pipeline run's
 stages (``pp_slices``), a tensor-parallel run's TP ranks (``tp_slices``).  A ``Join`` answers, for its axis:
 * ``slices(ckpt)``: the slices the checkpoint has along it (empty: the run did not use it);
-* ``plan(ckpt, build)``: the consolidation plan of the whole, from ``build(slice)`` of each slice.
+* ``plan(ckpt, build)``: the consolidation plan of the whole, from ``build(slice)`` of each slice;
+* ``shapes(ckpt)``: every parameter's shape in the whole (a slice records its own part);
+* ``describe(ckpt)``: its section of ``inspect``'s report, named ``section`` (None: the run did not use it).
 A reshard moves each slice's files on their own, to the same slices at the new data-parallel size.
 ``JOINS`` lists them outermost first (a pipeline stage may itself be tensor parallel); ``outermost(ckpt)`` is the
 join a plan starts from, None for a checkpoint of one slice.
@@ -15,7 +17,7 @@ weight's rows).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..dtypes import ITEMSIZE
 from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
@@ -24,25 +26,42 @@ from ..zero.reader import Checkpoint
 from .tensor_plan import Plan, Replica, TensorPlan, stored
 from .segments import Interleaved, merged
 
+if TYPE_CHECKING:
+    from ..zero.tensor_parallel import Split
+
 BuildPlan = Callable[[Checkpoint], Plan]  # one slice's plan (the same options as the whole's)
 
 
 class Join(Protocol):
     axis: str  # as ``zero.grid.GridShape`` names it
+    section: str  # its part of ``inspect``'s report
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]: ...
 
     def plan(self, ckpt: Checkpoint, build: BuildPlan) -> Plan: ...
+
+    def shapes(self, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]: ...
+
+    def describe(self, ckpt: Checkpoint) -> Any: ...
 
 
 class PipelineStages:
     """Every stage's tensors, in stage order; a tied module held by several stages written from the first and
     compared on the others."""
 
-    axis = "pp"
+    axis, section = "pp", "pipeline"
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return ckpt.pp_slices
+
+    def shapes(self, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+        return {n: shape for stage in ckpt.pp_slices for n, shape in {**stage.trainable, **stage.frozen}.items()}
+
+    def describe(self, ckpt: Checkpoint) -> list[dict[str, Any]] | None:
+        """Per stage: its layer indices and tied modules."""
+        from ..zero.pipeline import stage_map
+
+        return stage_map(list(ckpt.pp_slices)) if ckpt.pp_slices else None
 
     def plan(self, ckpt: Checkpoint, build: BuildPlan) -> Plan:
         stage_plans = [build(s) for s in ckpt.pp_slices]
@@ -64,10 +83,31 @@ class TensorParallel:
     ``zero.tensor_parallel.Split``: a dim-0 join the slices' pieces in turn, a row-parallel one ``Interleaved``
     runs; a replicated parameter from TP rank 0, its other copies listed to compare; buffers from TP rank 0."""
 
-    axis = "tp"
+    axis, section = "tp", "tensor_parallel"
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return () if ckpt.universal else ckpt.tp_slices  # (a universal checkpoint holds each parameter whole)
+
+    @staticmethod
+    def splits(ckpt: Checkpoint) -> dict[str, Split]:
+        """Each parameter's split, over every pipeline stage that is itself tensor parallel."""
+        return {n: split for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices for n, split in s.tp_splits.items()}
+
+    def shapes(self, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(split.shape) for n, split in self.splits(ckpt).items()}
+
+    def describe(self, ckpt: Checkpoint) -> dict[str, Any] | None:
+        """Its degree, where the split description came from, and each parameter's split."""
+        joined = [s for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices]
+        if not joined:
+            return None
+        splits = self.splits(ckpt)
+        counts: dict[str, int] = {}
+        for split in splits.values():
+            counts[split.category] = counts.get(split.category, 0) + 1
+        return {"degree": ckpt.grid.tp,
+                "described_by": "affine_map" if joined[0].tp_info.get("affine_map") else "patterns",
+                "categories": dict(sorted(counts.items())), "split": {n: s.category for n, s in splits.items()}}
 
     def plan(self, ckpt: Checkpoint, build: BuildPlan) -> Plan:
         slice_plans = [self._slice_plan(s, ckpt.grid.tp, build) for s in ckpt.tp_slices]
