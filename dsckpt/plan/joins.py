@@ -5,7 +5,9 @@ stages (``pp_slices``), a tensor-parallel run's TP ranks (``tp_slices``).  A ``J
 * ``slices(ckpt)``: the slices the checkpoint has along it (empty: the run did not use it);
 * ``plan(ckpt, build)``: the consolidation plan of the whole, from ``build(slice)`` of each slice;
 * ``shapes(ckpt)``: every parameter's shape in the whole (a slice records its own part);
-* ``describe(ckpt)``: its section of ``inspect``'s report, named ``section`` (None: the run did not use it).
+* ``describe(ckpt)``: its section of ``inspect``'s report, named ``section`` (None: the run did not use it);
+* ``disjoint``: its slices hold different parameters, each with optimizer groups of its own (a pipeline's stages),
+  not parts of the same ones (TP ranks): ``holders(ckpt)`` gives them to what walks groups or module entries.
 A reshard moves each slice's files on their own, to the same slices at the new data-parallel size.
 ``JOINS`` lists them outermost first (a pipeline stage may itself be tensor parallel); ``outermost(ckpt)`` is the
 join a plan starts from, None for a checkpoint of one slice.
@@ -35,6 +37,7 @@ BuildPlan = Callable[[Checkpoint], Plan]  # one slice's plan (the same options a
 class Join(Protocol):
     axis: str  # as ``zero.grid.GridShape`` names it
     section: str  # its part of ``inspect``'s report
+    disjoint: bool  # its slices hold different parameters (their own optimizer groups), not parts of the same ones
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]: ...
 
@@ -49,7 +52,7 @@ class PipelineStages:
     """Every stage's tensors, in stage order; a tied module held by several stages written from the first and
     compared on the others."""
 
-    axis, section = "pp", "pipeline"
+    axis, section, disjoint = "pp", "pipeline", True
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return ckpt.pp_slices
@@ -83,7 +86,7 @@ class TensorParallel:
     ``zero.tensor_parallel.Split``: a dim-0 join the slices' pieces in turn, a row-parallel one ``Interleaved``
     runs; a replicated parameter from TP rank 0, its other copies listed to compare; buffers from TP rank 0."""
 
-    axis, section = "tp", "tensor_parallel"
+    axis, section, disjoint = "tp", "tensor_parallel", False
 
     def slices(self, ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
         return () if ckpt.universal else ckpt.tp_slices  # (a universal checkpoint holds each parameter whole)
@@ -157,3 +160,9 @@ JOINS: tuple[Join, ...] = (PipelineStages(), TensorParallel())
 def outermost(ckpt: Checkpoint) -> Join | None:
     """The join a plan of ``ckpt`` starts from (its slices are planned, then joined), or None: one slice."""
     return next((join for join in JOINS if join.slices(ckpt)), None)
+
+
+def holders(ckpt: Checkpoint) -> tuple[Checkpoint, ...]:
+    """The parts of ``ckpt`` that hold different parameters, each with its own optimizer groups and module entries:
+    a disjoint join's slices, else the checkpoint itself."""
+    return next((join.slices(ckpt) for join in JOINS if join.disjoint and join.slices(ckpt)), (ckpt,))

@@ -22,6 +22,7 @@ from ..errors import UnsupportedCheckpointError
 from ..zero.reader import Checkpoint
 from .consolidate import Plan, TensorPlan, build_plan
 from .groups import group_layouts, structure_errors
+from .joins import holders
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
 
 def _held(ckpt: Checkpoint, key: str) -> list[TensorPlan]:
     """The plans of optimizer state ``key`` for the parameters whose flat groups hold it."""
-    parts = ckpt.pp_slices or (ckpt,)
+    parts = holders(ckpt)
     if all(key in g.moments for part in parts for r in part.optimizer_states for g in r.groups):
         return [t for t in build_plan(ckpt, state=key).tensors if t.kind == "param"]
     from .consolidate import group_plans
@@ -75,7 +76,7 @@ def build_training_state(ckpt: Checkpoint, weights_only: bool = False) -> Traini
     model = build_plan(ckpt)
     if weights_only:
         return TrainingState(model, (), ())
-    parts = ckpt.pp_slices or (ckpt,)  # a pipeline run: each stage's flat groups, one torch optimizer per stage
+    parts = holders(ckpt)  # a pipeline run: each stage's flat groups, one torch optimizer per stage
     keys = {key for part in parts for r in part.optimizer_states for g in r.groups for key in g.moments}
     fp32 = {t.name: t for t in build_plan(ckpt, "fp32").tensors if t.kind == "param"}
     # a key some flat groups lack (Muon's momentum beside its Adam groups' moments) is planned group by group

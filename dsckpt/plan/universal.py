@@ -27,6 +27,7 @@ from ..plan.segments import TensorSource, ref_segments
 from ..zero import layout as L
 from ..zero.reader import Checkpoint
 from ..zero.tensor_parallel import universal_fields
+from .joins import holders, outermost
 from .training_state import TrainingState
 
 STAGE12_PARTITIONS = (L.BASE_OPTIMIZER_STATE, L.PARAM_SLICE_MAPPINGS, L.SINGLE_PARTITION_OF_FP32_GROUPS)
@@ -78,8 +79,8 @@ def _untrained(ckpt: Checkpoint, state: TrainingState) -> list[UniversalFile]:
     tensor-parallel run's whole and every pipeline stage's, from the joined plan."""
     trainable = {p.name for p in state.params}
     planned = {t.name: t for t in state.model.tensors}
-    joined = bool(ckpt.tp_slices or ckpt.pp_slices)
-    modules = {n: ref for part in (ckpt.pp_slices or (ckpt,)) for n, ref in part.module.items()}
+    joined = outermost(ckpt) is not None
+    modules = {n: ref for part in holders(ckpt) for n, ref in part.module.items()}
     out = []
     for name, ref in modules.items():
         if name in trainable or not hasattr(ref, "shape"):
