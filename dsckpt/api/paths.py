@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import CheckpointNotFoundError
-from ..export.registry import Format, for_input
 from ..zero.layout import DCP_METADATA, LATEST_FILE, RANK_FILE_RE, checkpoints_below, is_tag_dir, list_tags
+
+if TYPE_CHECKING:
+    from ..export.registry import Format
+    from ..zero.reader import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,11 @@ def _classify_local(p: Path) -> PathKind:
                 return PathKind("deepspeed")
         except OSError:
             pass  # unreadable: the reader that opens it names the problem
+    from ..export.registry import for_input  # (the formats only for a path that is not a DeepSpeed checkpoint)
+
     fmt = for_input(p)
     return PathKind("weights", fmt) if fmt is not None else PathKind("unknown")
 
-
-if TYPE_CHECKING:
-    from ..zero.reader import Checkpoint
 
 
 def open_local_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> "Checkpoint":
@@ -92,6 +94,8 @@ def weights_in(path: Path) -> Path | None:
     if kind.kind == "weights":
         return path
     if kind.kind == "unknown" and path.is_dir() and not (path / LATEST_FILE).exists():
+        from ..export.registry import for_input
+
         inside = sorted(c for c in path.iterdir() if c.is_file() and for_input(c) is not None)
         return inside[0] if inside else None
     return None
