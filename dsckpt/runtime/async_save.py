@@ -5,11 +5,12 @@ Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``e
 1. ``enable_async_save(engine)`` once, on every rank, after ``deepspeed.initialize``: it makes a gloo group for the
    commit, installs ``AsyncCheckpointEngine`` as ``engine.checkpoint_engine`` and wraps the engine's
    ``save_checkpoint``, ``step``, ``destroy`` and ``load_checkpoint`` (a checkpoint of another data-parallel size
-   or ZeRO stage is then loaded through ``planned_load``, without a copy).
+   or ZeRO stage is then loaded through ``planned_load``, without a copy), and its optimizer's ``step``.
 2. ``engine.save_checkpoint(dir, tag, ...)`` first waits for the previous save's persist (logged when it waited)
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
-   copies queued on the current stream) and the file queued. ``latest`` is not written by DeepSpeed.
+   copies queued on the current stream) and the file queued. On a CPU an optimizer-states file's copies run on a
+   thread instead, and the optimizer's next ``step`` waits for them. ``latest`` is not written by DeepSpeed.
 3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` as ``torch.save`` would, from the host
    buffers on several threads, read back as written (``persist.write_snapshot``), and flushes it.  At the tag's end
    all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into place and flushed;
@@ -218,10 +219,12 @@ class AsyncSave:
 
     def _staged(self) -> None:
         """Every deferred copy done (the time waited is the last save's ``step_waited_s``)."""
+        if not self.staging:
+            return
         staging, self.staging = self.staging, []
         start = time.perf_counter()
         wait(staging)
-        if staging and self.records:
+        if self.records:
             self.records[-1].step_waited_s += time.perf_counter() - start
 
     def _raise(self) -> None:
