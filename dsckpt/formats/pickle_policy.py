@@ -17,6 +17,7 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import io
+import re
 import math
 import pickle
 from collections import OrderedDict
@@ -342,10 +343,18 @@ def _build_sizes() -> list[int]:
     return _SIZES
 
 
+# A byte that could open a LONG_BINPUT naming 2**20 or more, or a PUT of 7 digits or more.  Bytes inside other
+# opcodes' arguments match too: no match proves every memo index small without walking the opcodes.
+_LARGE_MEMO_INDEX = re.compile(rb"r..(?:[\x10-\xff].|[\x00-\x0f][\x01-\xff])|p\d{7}", re.DOTALL)
+
+
 def unpickle(data: bytes, torch_file: Any) -> Any:
     """Load ``data`` with the allowlist: the C unpickler when every memo index is small, else the
     pure-Python one (also for anything the opcode walk cannot follow: it then raises properly)."""
-    largest = largest_memo_index(data)
+    if _LARGE_MEMO_INDEX.search(data) is None:
+        largest: int | None = 0
+    else:
+        largest = largest_memo_index(data)
     cls = _FastSafeUnpickler if largest is not None and largest <= MAX_FAST_MEMO_INDEX else SafeUnpickler
     return cls(io.BytesIO(data), torch_file).load()
 
