@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import types
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
@@ -161,10 +162,10 @@ class AsyncSave:
         if optimizer is not None and callable(getattr(optimizer, "step", None)):
             optimizer_step, self.defers = optimizer.step, True
 
-            def staged_step(*args, **kwargs):
+            def staged_step(_optimizer, *args, **kwargs):
                 self._staged()  # the snapshot's deferred copies done before the step rewrites what they read
                 return optimizer_step(*args, **kwargs)
-            optimizer.step = staged_step
+            optimizer.step = types.MethodType(staged_step, optimizer)  # (a method: torch's LR schedulers rewrap it)
 
         engine.save_checkpoint, engine.step, engine.load_checkpoint = save_checkpoint, checked_step, load_checkpoint
         if destroy is not None:
