@@ -206,10 +206,10 @@ def test_a_fill_in_progress_feeds_the_streamed_parts_and_its_crc_failure_stops_t
     """The fixtures are small enough to arrive whole with their skeletons; with 1 KiB skeletons their storages
     come through the fill, on its thread, while the parts that need them wait: the same bytes as locally, and a
     damaged storage is an exit 2 naming its object, with no object and no upload left behind."""
-    from dsckpt.io import remote
+    from dsckpt.io import remote, skeleton
 
-    for name, value in (("EDGE", 1024), ("TAIL", 1024), ("MERGE_GAP", 0), ("SMALL_OBJECT", 1024)):
-        monkeypatch.setattr(remote, name, value)
+    for name, value in (("EDGE", 1024), ("TAIL", 1024), ("MERGE_GAP", 0), ("SMALL", 1024)):
+        monkeypatch.setattr(skeleton, name, value)
     monkeypatch.setenv("DSCKPT_MULTIPART_CHUNKSIZE", "4096")
     landed = []
     real = remote.Arrivals.landed

@@ -23,7 +23,6 @@ import functools
 import os
 import threading
 import tempfile
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +34,13 @@ from ..formats.positional import pwrite_all
 from ..formats.storage import LocalStorage
 from ..plan.deal import dealt
 from ..plan.segments import joined_spans
+from .skeleton import skeleton
 from ..progress import Phase, Progress
 
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
           "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
 CHUNK = 8 << 20
 THREADS = 8
-SMALL_OBJECT = 1 << 20  # read whole: `latest`, configs, trainer state
-HEADER_WINDOW = 1024  # a zip local header, its name and torch's alignment padding fit in this
-EDGE = 1 << 16  # the first bytes of an object fetched with its tail: a zip's first records, a safetensors header
-TAIL = 1 << 16  # the last bytes (a zip's directory and end records), fetched with its first
-MERGE_GAP = 1 << 20  # skeleton ranges closer than this come in one request
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
 
 
@@ -168,29 +163,9 @@ class RemoteStore:
 
     # 2. skeleton
     def skeleton(self, rel: str, size: int) -> builtins.list[tuple[int, bytes]]:
-        """The ranges of object ``rel`` a reader parses before any storage (see the module docstring): its first
-        and last 64 KiB at once, then the entries' headers and records, nearby ones in one request."""
-        if size <= SMALL_OBJECT:
-            return [(0, self.read(rel, 0, size))] if size else []
-        tail_start = max(0, size - TAIL - 22)
-        head, tail = self.read_many([(rel, 0, min(size, EDGE)), (rel, tail_start, size)])
-        if head[:4] != b"PK\x03\x04":
-            header = 8 + int.from_bytes(head[:8], "little")  # a safetensors file: its JSON header
-            if len(head) < header < min(size, 1 << 27):
-                head += self.read(rel, len(head), header)
-            return [(0, head)]  # (anything else: its reader refuses it in its own words)
-        try:
-            directory = _directory_offset(tail, tail_start)
-            if directory < tail_start:  # a directory larger than the tail: fetch the rest of it
-                tail, tail_start = self.read(rel, directory, tail_start) + tail, directory
-            entries = _entries(_Tail(tail, tail_start, size))
-        except Exception:  # damaged or truncated: the bytes at hand, for the local reader to refuse in its words
-            return [(0, head), (tail_start, tail)]
-        wanted = [(e.header_offset, min(size, e.header_offset + HEADER_WINDOW +
-                                        (0 if "/data/" in e.filename else e.compress_size))) for e in entries]
-        jobs = [(rel, start, end) for start, end in joined_spans(wanted, gap=MERGE_GAP)
-                if not (end <= len(head) or start >= tail_start)]
-        return [(0, head), (tail_start, tail)] + [(job[1], data) for job, data in zip(jobs, self.read_many(jobs))]
+        """The ranges of object ``rel`` a reader parses before any storage (``io.skeleton``'s rule, in ranged
+        GETs: its first and last 64 KiB at once, then the entries' headers and records)."""
+        return skeleton(lambda spans: self.read_many([(rel, start, end) for start, end in spans]), size)
 
     # 3. fill
     def fill(self, local_root: Path, ranges: builtins.list[tuple[str, int, int]], storages, check: bool = True,
@@ -322,45 +297,3 @@ class ArrivingStorage(LocalStorage):
     def pread(self, name: Path, nbytes: int, offset: int, into: Any = None) -> bytes | bytearray:
         self.arrivals.wait(name, offset, nbytes)
         return super().pread(name, nbytes, offset, into)
-
-
-class _Tail:
-    """A file-like over the last bytes of an object: what ``zipfile`` reads to list the entries."""
-
-    def __init__(self, data: bytes, start: int, size: int):
-        self.data, self.start, self.size, self.pos = data, start, size, 0
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        if self.pos < self.start:
-            raise CorruptFileError(f"zip structure at byte {self.pos:,}, before the directory")
-        end = self.size if n < 0 else min(self.size, self.pos + n)
-        out = self.data[self.pos - self.start:end - self.start]
-        self.pos += len(out)
-        return out
-
-
-def _entries(tail: _Tail) -> list[zipfile.ZipInfo]:
-    with zipfile.ZipFile(tail) as zf:
-        return zf.infolist()
-
-
-def _directory_offset(tail: bytes, tail_start: int) -> int:
-    """Where the zip's central directory starts, from its end record (zip64's when the plain one says so)."""
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0:
-        raise CorruptFileError("no end-of-directory record in the object's last 64 KiB")
-    offset = int.from_bytes(tail[end + 16:end + 20], "little")
-    if offset != 0xFFFFFFFF:
-        return offset
-    locator = tail.rfind(b"PK\x06\x07", 0, end)
-    record = int.from_bytes(tail[locator + 8:locator + 16], "little") - tail_start
-    if locator < 0 or not 0 <= record < len(tail) - 56 or tail[record:record + 4] != b"PK\x06\x06":
-        raise CorruptFileError("a zip64 end record outside the object's last 64 KiB")
-    return int.from_bytes(tail[record + 48:record + 56], "little")

@@ -17,7 +17,8 @@ from pathlib import Path
 from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .output import publish_order
-from .remote import SMALL_OBJECT, filesystem, scratch_folder, typed_error
+from .remote import filesystem, scratch_folder, typed_error
+from .skeleton import SMALL
 from .multipart import PARTS_IN_FLIGHT, Streams, chunksize, signals_deferred
 
 def upload_order(names: list[str], last: str | None = None) -> list[str]:
@@ -61,7 +62,7 @@ class Upload:
         names: set[str] = set()
         try:
             for key in self.fs.glob(f"{self.root}/*.index.json"):
-                if self.fs.size(key) <= SMALL_OBJECT:
+                if self.fs.size(key) <= SMALL:  # (an index: read whole)
                     weight_map = json.loads(self.fs.cat_file(key)).get("weight_map", {})
                     names |= {v for v in weight_map.values() if isinstance(v, str) and "/" not in v}
         except (ValueError, AttributeError):  # not an index we wrote: its shards are left alone

@@ -30,6 +30,7 @@ from ..errors import CorruptFileError, DistributedError, DsckptError, OutputErro
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, is_torch_zip
 from ..formats.storage import is_url
+from ..io.skeleton import SMALL, skeleton
 from ..limits import limit
 from ..zero import layout as L
 from ..zero.reader import Checkpoint, open_checkpoint
@@ -39,7 +40,7 @@ from .survey import choose_tag, met, refuse, survey
 if TYPE_CHECKING:
     from ..io.remote import RemoteStore
 
-SMALL_FILE = 1 << 20  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
+SMALL_FILE = SMALL  # top-level files up to this size travel whole (latest, configs, trainer and RNG state)
 
 
 class Seen(enum.Enum):
@@ -135,21 +136,10 @@ def _read_latest(root: Path) -> str | tuple[str, str | None] | None:
 
 
 def _skeleton(path: Path, size: int) -> list[tuple[int, bytes]]:
-    """The bytes of ``path`` every process needs to read its metadata: all of a small file; a torch zip's
-    bytes outside its storages; nothing of anything else (its content travels when a writer needs it)."""
+    """The bytes of ``path`` every process needs to read its metadata (``io.skeleton``: the rule a bucket's view
+    follows too)."""
     with open(path, "rb") as fh:
-        if size <= SMALL_FILE:
-            return [(0, fh.read())]
-        try:
-            spans = sorted((loc.offset, loc.offset + loc.nbytes) for loc in StorageIndex(path).storages.values())
-        except CorruptFileError:
-            return []
-        out, pos = [], 0
-        for start, end in spans + [(size, size)]:
-            if start > pos:
-                out.append((pos, os.pread(fh.fileno(), start - pos, pos)))
-            pos = max(pos, end)
-        return out
+        return skeleton(lambda spans: [os.pread(fh.fileno(), end - start, start) for start, end in spans], size)
 
 
 def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
