@@ -17,9 +17,9 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import io
-import re
 import math
 import pickle
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable

@@ -92,16 +92,21 @@ class TensorParallel:
         return () if ckpt.universal else ckpt.tp_slices  # (a universal checkpoint holds each parameter whole)
 
     @staticmethod
-    def splits(ckpt: Checkpoint) -> dict[str, Split]:
-        """Each parameter's split, over every pipeline stage that is itself tensor parallel."""
-        return {n: split for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices for n, split in s.tp_splits.items()}
+    def joined(ckpt: Checkpoint) -> list[Checkpoint]:
+        """The checkpoint, or each pipeline stage of it, that is itself tensor parallel."""
+        return [s for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices]
+
+    @classmethod
+    def splits(cls, ckpt: Checkpoint) -> dict[str, Split]:
+        """Each parameter's split."""
+        return {n: split for s in cls.joined(ckpt) for n, split in s.tp_splits.items()}
 
     def shapes(self, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
         return {n: tuple(split.shape) for n, split in self.splits(ckpt).items()}
 
     def describe(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """Its degree, where the split description came from, and each parameter's split."""
-        joined = [s for s in (ckpt.pp_slices or (ckpt,)) if s.tp_slices]
+        joined = self.joined(ckpt)
         if not joined:
             return None
         splits = self.splits(ckpt)

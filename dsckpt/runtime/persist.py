@@ -30,6 +30,7 @@ import torch
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
+from ..formats.positional import pwrite_all
 from ..io import writeback
 
 CHUNK = 64 << 20
@@ -45,10 +46,9 @@ _CD_MAGIC = b"PK\x01\x02"
 @dataclass(frozen=True)
 class _Entry:
     key: str
-    header: int  # the local header's offset
     data: int  # the first byte of the storage's bytes
     nbytes: int
-    described: bool  # the CRC-32 is in a data descriptor after the bytes, not in the local header
+    crc_at: tuple[int, int]  # where its CRC-32 goes: data descriptor (or local header), central-directory record
 
 
 def write_snapshot(state: Any, path: str | os.PathLike[str]) -> None:
@@ -58,9 +58,11 @@ def write_snapshot(state: Any, path: str | os.PathLike[str]) -> None:
         torch.save(state, path, pickle_module=_recording_pickler(storages))
     fd = os.open(path, os.O_RDWR)
     try:
-        entries = _entries(path, fd)
+        entries = _entries(fd)
         crcs = _fill(path, fd, entries, storages)
-        _patch_crcs(fd, entries, crcs)
+        for entry in entries:
+            for at in entry.crc_at:
+                os.pwrite(fd, struct.pack("<I", crcs[entry.key]), at)
     finally:
         os.close(fd)
 
@@ -85,18 +87,27 @@ def _recording_pickler(found: dict[str, torch.UntypedStorage]) -> types.ModuleTy
     return module
 
 
-def _entries(path: str | os.PathLike[str], fd: int) -> list[_Entry]:
-    """The ``data/<key>`` entries of the zip torch just wrote, where their headers and bytes lie."""
-    out = []
-    with zipfile.ZipFile(path) as zf:
-        for info in zf.infolist():
-            folder, _, key = info.filename.rpartition("/data/")
-            if not folder or "/" in folder:
-                continue
-            head = os.pread(fd, 30, info.header_offset)
-            name_len, extra_len = struct.unpack("<HH", head[26:30])
-            out.append(_Entry(key, info.header_offset, info.header_offset + 30 + name_len + extra_len, info.file_size,
-                              bool(info.flag_bits & 0x08)))
+def _entries(fd: int) -> list[_Entry]:
+    """The ``data/<key>`` entries of the zip torch just wrote: where their bytes lie, where their CRC-32s go."""
+    with os.fdopen(os.dup(fd), "rb") as fh, zipfile.ZipFile(fh) as zf:
+        start, infos = zf.start_dir, zf.infolist()  # (in the directory's order; zip64 offsets resolved)
+    directory = os.pread(fd, os.fstat(fd).st_size - start, start)
+    out, at = [], 0
+    for info in infos:
+        magic, _crc, name_len, extra_len, comment_len = _CD_RECORD.unpack_from(directory, at)
+        if magic != _CD_MAGIC:
+            raise CorruptFileError(f"the central directory record at byte {start + at} is unreadable")
+        record, at = start + at, at + _CD_RECORD.size + name_len + extra_len + comment_len
+        folder, _, key = info.filename.rpartition("/data/")
+        if not folder or "/" in folder:
+            continue
+        local_name, local_extra = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
+        data = info.header_offset + 30 + local_name + local_extra
+        crc_at = info.header_offset + _CRC_FIELD
+        if info.flag_bits & 0x08:  # a data descriptor after the bytes, its signature optional
+            end = data + info.file_size
+            crc_at = end + 4 if os.pread(fd, 4, end) == _DESCRIPTOR_MAGIC else end
+        out.append(_Entry(key, data, info.file_size, (crc_at, record + 16)))
     return out
 
 
@@ -114,16 +125,15 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         if storage.nbytes() != entry.nbytes:
             raise CorruptFileError(f"{path}: storage {entry.key} holds {storage.nbytes()} bytes, its entry "
                                    f"{entry.nbytes}")
-        kept.append(storage)
+        kept.append(storage)  # (a copy off the GPU lives as long as the views of its address)
         if entry.nbytes:
             whole = memoryview((ctypes.c_char * entry.nbytes).from_address(storage.data_ptr())).cast("B")
             work += [(entry, whole[at:at + CHUNK], at) for at in range(0, entry.nbytes, CHUNK)]
 
     def write(entry: _Entry, chunk: memoryview, at: int) -> int:
         crc = crc32(chunk)
-        offset, done = entry.data + at, 0
-        while done < len(chunk):
-            done += os.pwrite(fd, chunk[done:], offset + done)
+        offset = entry.data + at
+        pwrite_all(fd, chunk, offset)
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
         if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
@@ -155,25 +165,3 @@ def _read_back_crc(fd: int, offset: int, nbytes: int, scratch: threading.local) 
             break
         crc, done = crc32(buffer[:got], crc), done + got
     return crc if done == nbytes else -1
-
-
-def _patch_crcs(fd: int, entries: list[_Entry], crcs: dict[str, int]) -> None:
-    """Each entry's CRC-32 written where zip readers look: its local header and its central-directory record."""
-    by_header = {entry.header: crcs[entry.key] for entry in entries}
-    for entry in entries:
-        at = entry.header + _CRC_FIELD
-        if entry.described:
-            end = entry.data + entry.nbytes
-            at = end + 4 if os.pread(fd, 4, end) == _DESCRIPTOR_MAGIC else end
-        os.pwrite(fd, struct.pack("<I", crcs[entry.key]), at)
-    with os.fdopen(os.dup(fd), "rb") as fh, zipfile.ZipFile(fh) as zf:
-        start, infos = zf.start_dir, zf.infolist()  # (in the directory's order; zip64 offsets resolved)
-    directory = os.pread(fd, os.fstat(fd).st_size - start, start)
-    at = 0
-    for info in infos:
-        magic, _crc, name_len, extra_len, comment_len = _CD_RECORD.unpack_from(directory, at)
-        if magic != _CD_MAGIC:
-            raise CorruptFileError(f"the central directory record at byte {start + at} is unreadable")
-        if info.header_offset in by_header:
-            os.pwrite(fd, struct.pack("<I", by_header[info.header_offset]), start + at + 16)
-        at += _CD_RECORD.size + name_len + extra_len + comment_len
