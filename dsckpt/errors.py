@@ -11,6 +11,8 @@ class Interrupted(BaseException):
     would answer with a stray newline on stderr in every process; a BaseException, as KeyboardInterrupt is,
     so that no library's ``except Exception`` swallows it."""
 
+    signalled = False  # set by a rank's SIGINT handler: a collective's error raised after it is this interruption
+
 
 class DsckptError(Exception):
     """Base class of every error dsckpt raises on purpose."""

@@ -283,6 +283,34 @@ def test_ctrl_c_during_a_two_rank_train(tmp_path):
     assert run_cli("consolidate", save, tmp_path / "m.safetensors", "-q").returncode == 0
 
 
+RANK_INTERRUPTED_IN_A_DEL = """
+import os, signal
+import click
+from dsckpt.cli import app
+
+class Collected:
+    def __del__(self):  # a signal handler that runs in here raises into "Exception ignored"
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(100000))
+
+@app.cli.command("broken-collective")
+def broken_collective():
+    Collected()
+    raise RuntimeError("gloo: Connection reset by peer")  # the peer that saw the SIGINT first has gone
+
+app.main(["broken-collective"])
+"""
+
+
+def test_a_rank_whose_sigint_lands_in_a_finalizer_still_ends_as_interrupted(tmp_path):
+    """CI saw it: a rank's handler ran inside a collected ``Popen.__del__``, then gloo's error surfaced as a
+    traceback."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "LOCAL_RANK": "1", "DSCKPT_ERROR_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", RANK_INTERRUPTED_IN_A_DEL], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=60)
+    assert proc.returncode == 130 and proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
 # -- quiet by default, and the small things ----------------------------------------------------------
 def test_a_training_run_is_quiet_and_writes_beside_foreign_files(trained_z3):
     err = (trained_z3 / "train.err").read_text()

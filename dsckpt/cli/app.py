@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 import click
 
@@ -170,7 +171,19 @@ def may_fork_ranks() -> bool:
 
 def become_rank() -> None:
     """A rank forked by ``--nproc`` (``cli.options.parallel_group``) from here on behaves as one it started."""
+    _handle_interrupts_as_rank()
+
+
+def _handle_interrupts_as_rank() -> None:
     signal.signal(signal.SIGINT, _raise_interrupted)
+    sys.unraisablehook = _unraisable_unless_interrupted
+
+
+def _unraisable_unless_interrupted(unraisable: Any) -> None:
+    """The handler may run inside a ``__del__`` (a collected ``Popen`` was seen), where Python prints the raise
+    as "Exception ignored"; the interruption is not lost: ``Interrupted.signalled`` stays set."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        sys.__unraisablehook__(unraisable)
 
 
 def _fail(message: str, hint: str | None, code: int, as_json: bool) -> int:
@@ -187,13 +200,14 @@ def _raise_interrupted(signum, frame) -> None:
     printed a stray newline for it).  Interrupted passes click by and ends the rank quietly in ``main``.
     Later SIGINTs are ignored: the launcher passes a Ctrl-C on, which the terminal may have sent already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    Interrupted.signalled = True
     raise Interrupted
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if in_launched_rank():
-        signal.signal(signal.SIGINT, _raise_interrupted)
+        _handle_interrupts_as_rank()
     global _in_main
     _in_main = True  # (every way out of here below ends a forked rank with os._exit)
     try:
@@ -258,3 +272,7 @@ def run(args: list[str]) -> int:
         return _fail(str(exc), exc.hint, EXIT_ERROR, as_json)
     except BrokenPipeError:
         return 1
+    except Exception:
+        if Interrupted.signalled and in_launched_rank():  # e.g. gloo's "Connection reset": a peer ended first
+            os._exit(EXIT_INTERRUPTED)
+        raise

@@ -104,7 +104,8 @@ def interruptible(save_dir: str | None):
     try:
         yield
     except BaseException as exc:  # torch elastic's SignalException by name: importing it costs a torch import
-        if not isinstance(exc, (KeyboardInterrupt, Interrupted)) and type(exc).__name__ != "SignalException":
+        signal_ended_it = Interrupted.signalled or type(exc).__name__ == "SignalException"
+        if not isinstance(exc, (KeyboardInterrupt, Interrupted)) and not signal_ended_it:
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             remove_partial_saves(save_dir)
