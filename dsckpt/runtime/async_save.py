@@ -37,6 +37,7 @@ import torch
 
 from ..errors import BackgroundSaveError, ConfigError, DsckptError
 from ..formats.storage import local_only
+from .kept_parameters import persistent_parameters_kept
 from .persist import write_snapshot
 from .save_queue import QueuedFile, QueuedTag, SaveRecord
 from .snapshot import HostPool, Snapshot
@@ -130,8 +131,9 @@ class AsyncSave:
             self.current, self.in_save = None, True
             self.idle.clear()
             try:
-                save(self.target.local, tag=tag, client_state=client_state, save_latest=False,
-                     exclude_frozen_parameters=exclude_frozen_parameters)
+                with persistent_parameters_kept(getattr(engine, "optimizer", None)):
+                    save(self.target.local, tag=tag, client_state=client_state, save_latest=False,
+                         exclude_frozen_parameters=exclude_frozen_parameters)
             except BaseException:
                 if self.current is not None:
                     self.current.aborted = True  # its temps are removed; `latest` stays

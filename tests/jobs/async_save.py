@@ -5,6 +5,7 @@ runtime.async_save (tag t), its persist slowed so that the next two steps rewrit
 runs; then a second save at once (t2, back to back); then a save that fails in the background (a file-size limit:
 EFBIG on rank 1 only), reported on both ranks at the next step; then t4 after it.  Finally the engine loads OUT/async tag t with DeepSpeed's own
 load_checkpoint and the optimizer's partitions must equal the ones captured in memory right before the save.
+At ZeRO-3 the persistent parameters come out of the background save as the very tensors they were.
 """
 import json
 import resource
@@ -125,7 +126,11 @@ def main(stage: str, out: str, report: str) -> None:
     before = capture(trainer.engine)
 
     runtime.saver = saver = AsyncSave(trainer.engine, write=slow_save)
+    persistent = getattr(trainer.engine.optimizer, "persistent_parameters", [])
+    held = [(p.data_ptr(), p.detach().clone()) for p in persistent]
     runtime.save_checkpoint(root / "async", client, tag="t")
+    kept = [p.ds_status.name == "AVAILABLE" and p.data_ptr() == ptr and torch.equal(p.detach(), value)
+            for p, (ptr, value) in zip(persistent, held)]  # put back as held, not gathered again
     blocked = saver.records[-1].blocked_s
     client["user"]["note"].append("changed after the save returned")  # must not reach the file
     client["user"]["tensor"].add_(100)
@@ -157,7 +162,7 @@ def main(stage: str, out: str, report: str) -> None:
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
             "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
-            "deferred": deferred,
+            "deferred": deferred, "stage": int(stage), "persistent_kept": kept,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
 
 
