@@ -120,15 +120,23 @@ def odd_run_combos() -> list[str]:
 @pytest.fixture(scope="session")
 def odd_runs(tmp_path_factory):
     """``odd_runs(n)``: ROOT with ROOT/z<stage>_<precision>/{ckpt, before.pt} for every combo, trained at n
-    ranks by one reshard_oracle.py job (made once per session and n)."""
-    made = {}
+    ranks by one reshard_oracle.py job, once per session and n: under xdist the workers share it (test_reshard and
+    test_convert both read the 2-rank runs; each writes its own names beside them)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # (one folder holds every worker's base temp)
 
     def train(n: int) -> Path:
-        if n not in made:
-            root = tmp_path_factory.mktemp(f"trained_ws{n}")
-            run_job("reshard_oracle.py", n, "train", root, ",".join(odd_run_combos()), ODD_STEPS, timeout=400)
-            made[n] = root
-        return made[n]
+        root = shared / f"odd_runs_ws{n}"
+        with FileLock(f"{root}.lock"):
+            if not (root / "trained").exists():
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir()
+                run_job("reshard_oracle.py", n, "train", root, ",".join(odd_run_combos()), ODD_STEPS, timeout=400)
+                (root / "trained").touch()
+        return root
     return train
 
 
