@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 import os
 
@@ -106,6 +107,12 @@ def test_inspect_shows_trainer_state_and_hf_folders(hf_run, tmp_path):
     assert "trainer state     global step 3" in human
     assert f"last logged loss {state['last_loss']:.4g}    (trainer_state.json)" in human  # as people read it
     assert ("client state" in human) == bool(report["client_state"])  # an empty section is left out
+    early = tmp_path / "early"  # saved before `logging_steps` was reached: the log holds no loss
+    shutil.copytree(hf_run / "checkpoint-3", early)
+    trainer_state = json.loads((early / "trainer_state.json").read_text())
+    trainer_state["log_history"] = [h for h in trainer_state["log_history"] if "loss" not in h]
+    (early / "trainer_state.json").write_text(json.dumps(trainer_state))
+    assert "last logged loss none logged yet    (trainer_state.json)" in run_cli("inspect", early).stdout
     assert run_cli("consolidate", hf_run / "checkpoint-3", tmp_path / "hf", "--hf", "-q").returncode == 0
     folder = json.loads(run_cli("inspect", tmp_path / "hf", "--json").stdout)
     assert folder["hf_config"]["model_type"] == "llama" and "tokenizer.json" in folder["hf_files"]

@@ -202,9 +202,9 @@ def render(s: dict[str, Any]) -> str:
     lines += table([(t["name"], str(t["shape"]), f"{t['numel']:>14,}") for t in s["largest"]], (40, 20, 14))
     if s.get("trainer_state"):
         t = s["trainer_state"]
-        loss = t["last_loss"]
+        loss = "none logged yet" if t["last_loss"] is None else _short(t["last_loss"])  # (logging_steps not reached)
         row("trainer state", t.get("error") or f"global step {t['global_step']}    epoch {_short(t['epoch'])}    "
-                                               f"last logged loss {_short(loss)}    (trainer_state.json)")
+                                               f"last logged loss {loss}    (trainer_state.json)")
     if s["client_state"]:
         lines.append("client state")
         lines += table([(k, d["type"], str(d.get("value", d.get("len", d.get("class", d.get("shape", ""))))))
