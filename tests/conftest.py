@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -89,19 +90,38 @@ def fixture_copy(tmp_path):
     return make
 
 
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder ``name``, filled by ``make(folder)`` once per test session: under xdist the workers share it (the
+    first one there makes it under a lock, the others wait for it), so a session fixture used by test files on
+    several workers trains once."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # (one folder holds every worker's base temp)
+    root, made = base / name, base / f"{name}.made"
+    with FileLock(f"{root}.lock"):
+        if not made.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            make(root)
+            made.touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def trained_z3(tmp_path_factory):
     """One real 2-rank ZeRO-3 run of the demo model, consolidated: shared by the resume tests."""
-    root = tmp_path_factory.mktemp("z3run")
-    (root / "ckpt").mkdir()
-    (root / "ckpt" / "README.md").write_text("kept\n")  # a file dsckpt did not write: the save goes beside it
-    proc = run_cli("train", "--stage", "3", "--nproc", fit_ranks(2), "--steps", "6", "--save-dir", root / "ckpt")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (root / "train.out").write_text(proc.stdout)
-    (root / "train.err").write_text(proc.stderr)
-    proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return root
+    def train(root: Path) -> None:
+        (root / "ckpt").mkdir()
+        (root / "ckpt" / "README.md").write_text("kept\n")  # a file dsckpt did not write: the save goes beside it
+        proc = run_cli("train", "--stage", "3", "--nproc", fit_ranks(2), "--steps", "6", "--save-dir", root / "ckpt")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (root / "train.out").write_text(proc.stdout)
+        (root / "train.err").write_text(proc.stderr)
+        proc = run_cli("consolidate", root / "ckpt", root / "model.safetensors", "-q")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return made_once(tmp_path_factory, "z3run", train)
 
 
 # reshard_oracle.py's runs of the odd model (tests/models/odd_model.py): shared by test_reshard and test_convert
@@ -120,42 +140,27 @@ def odd_run_combos() -> list[str]:
 @pytest.fixture(scope="session")
 def odd_runs(tmp_path_factory):
     """``odd_runs(n)``: ROOT with ROOT/z<stage>_<precision>/{ckpt, before.pt} for every combo, trained at n
-    ranks by one reshard_oracle.py job, once per session and n: under xdist the workers share it (test_reshard and
-    test_convert both read the 2-rank runs; each writes its own names beside them)."""
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # (one folder holds every worker's base temp)
-
+    ranks by one reshard_oracle.py job, once per session and n (test_reshard and test_convert both read the 2-rank
+    runs; each writes its own names beside them)."""
     def train(n: int) -> Path:
-        root = shared / f"odd_runs_ws{n}"
-        with FileLock(f"{root}.lock"):
-            if not (root / "trained").exists():
-                shutil.rmtree(root, ignore_errors=True)
-                root.mkdir()
-                run_job("reshard_oracle.py", n, "train", root, ",".join(odd_run_combos()), ODD_STEPS, timeout=400)
-                (root / "trained").touch()
-        return root
+        return made_once(tmp_path_factory, f"odd_runs_ws{n}", lambda root: run_job(
+            "reshard_oracle.py", n, "train", root, ",".join(odd_run_combos()), ODD_STEPS, timeout=400))
     return train
 
 
 @pytest.fixture(scope="session")
 def ds_universal(tmp_path_factory):
     """fixture name -> its universal form, written by DeepSpeed's own ds_to_universal (once per session)."""
-    made = {}
+    def convert(name: str, out: Path) -> None:
+        tag = (FIXTURES / name / "latest").read_text().strip()
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(FIXTURES / name / tag), "--output_folder", str(out / f"{tag}_universal"),
+                               "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
     def make(name: str) -> Path:
-        if name not in made:
-            out = tmp_path_factory.mktemp("universal") / name
-            tag = (FIXTURES / name / "latest").read_text().strip()
-            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(FIXTURES / name / tag), "--output_folder", str(out / f"{tag}_universal"),
-                                   "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                                  capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            made[name] = out
-        return made[name]
+        return made_once(tmp_path_factory, f"universal_{name}", lambda out: convert(name, out))
     return make
 
 
