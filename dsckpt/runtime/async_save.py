@@ -10,7 +10,9 @@ Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``e
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
    copies queued on the current stream) and the file queued. On a CPU an optimizer-states file's copies run on a
-   thread instead, and the optimizer's next ``step`` waits for them. ``latest`` is not written by DeepSpeed.
+   thread instead, and the optimizer's next ``step`` waits for them. ``latest`` is not written by DeepSpeed. At
+   ZeRO-3 the persistent parameters DeepSpeed partitions for the save are put back afterwards, not gathered again
+   (``kept_parameters``).
 3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` as ``torch.save`` would, from the host
    buffers on several threads, read back as written (``persist.write_snapshot``), and flushes it.  At the tag's end
    all ranks agree (a gather over the commit group): every rank publishes its temps (renamed into place and flushed;
