@@ -113,6 +113,43 @@ def test_client_state_sidecar_round_trips(tmp_path):
     assert torch.equal(client["user"]["tensor"], saved["user"]["tensor"])
 
 
+class Tags(list):
+    """A client's own list subclass: pickled as the object, then APPENDS of its items."""
+
+
+def test_client_containers_beyond_dict_and_list_are_read_and_round_trip(tmp_path, fixture_copy):
+    """A ``defaultdict`` (and any dict or list subclass: pickled as an object, then SETITEMS / APPENDS) stopped every
+    command with "cannot parse data.pkl (TypeError: 'defaultdict' object does not support item assignment)"; sets,
+    complex numbers and bytearrays came back from the sidecar as lists, an opaque name and bytes."""
+    from collections import Counter, defaultdict
+
+    from dsckpt import reshard
+    from dsckpt.export.sidecar import read_sidecar
+
+    root = fixture_copy("z2_ws2_fp32")
+    path = root / "step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)  # (the test's own copy of a committed fixture)
+    plain = {"aset": {1, (2, "x")}, "fset": frozenset({"a"}), "cplx": complex(1.5, float("nan")),
+             "ba": bytearray(b"\x00\xff"), "looks_tagged": {"__set__": [1]}}
+    foreign = {"seen": defaultdict(list, {"k": [1, 2]}), "counts": Counter(a=2), "tags": Tags(["x", "y"])}
+    state["user"] = {**state["user"], **plain, **foreign}
+    torch.save(state, path)
+
+    assert run_cli("inspect", root).returncode == 0
+    consolidate(root, tmp_path / "m.safetensors")
+    client = read_sidecar(tmp_path / "m.safetensors.client_state.json")["user"]
+    assert client["aset"] == plain["aset"] and type(client["fset"]) is frozenset and type(client["ba"]) is bytearray
+    assert client["ba"] == plain["ba"] and client["cplx"].real == 1.5 and client["cplx"].imag != client["cplx"].imag
+    assert client["looks_tagged"] == {"__set__": [1]}  # a user's dict is not read back as a tag
+    assert client["seen"] == {"__opaque__": "collections.defaultdict"}
+
+    left_out = reshard(root, tmp_path / "ws3", 3, options=WriteOptions(fsync=False))
+    assert "collections.defaultdict" in left_out.notes[0] and "test_consolidate.Tags" in left_out.notes[0]
+    reshard(root, tmp_path / "trusted", 3, options=WriteOptions(fsync=False, trust=True))
+    written = torch.load(tmp_path / "trusted" / "step3" / "mp_rank_00_model_states.pt", weights_only=False)["user"]
+    assert all(written[k] == v and type(written[k]) is type(v) for k, v in foreign.items()), written
+
+
 def test_output_refusals(tmp_path, fixture_copy):
     out = tmp_path / "m.safetensors"
     out.write_text("keep me")

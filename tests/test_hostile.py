@@ -228,6 +228,10 @@ def test_deep_nesting_everywhere_is_a_typed_error(tmp_path):
     path = next((root / "step3").glob("zero_pp_rank_1_*optim_states.pt"))
     replace_data_pkl(path, nested_lists_pickle(100_000))
     clean_error(run_cli("consolidate", root, tmp_path / "m.safetensors"), path.name, "nesting depth")
+    depth = 100_000  # the same inside a recorded object's items: defaultdict(None, {"k": [[[...]]]})
+    inside = b"\x80\x02ccollections\ndefaultdict\n)R(X\x01\x00\x00\x00k" + b"]" * depth + b"a" * (depth - 1) + b"u."
+    replace_data_pkl(path, inside)
+    clean_error(run_cli("consolidate", root, tmp_path / "m.safetensors"), path.name, "nesting depth")
     deep = "[" * 100_000 + "]" * 100_000
     st = tmp_path / "deep.safetensors"
     save_file({"x": torch.zeros(2)}, st)

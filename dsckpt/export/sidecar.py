@@ -9,6 +9,8 @@ JSON cannot hold every Python value, so a few tagged objects stand in (all code-
     {"__float__": "nan"}            nan / inf / -inf
     {"__opaque__": "pkg.Class"}     an object of a class dsckpt would not unpickle (kept as a name only)
     {"__int_hex__": "0x..."}        an int too long for decimal (str() refuses beyond 4300 digits)
+    {"__set__": [...]}              a set (also "__frozenset__"), {"__complex__": [re, im]}, {"__bytearray__": "<base64>"}
+A dict of the user's whose one key is one of these tags goes as "__dict_items__", so it is not read back as the tag.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def tensors_companion(json_path: Path) -> Path:
     return json_path.with_name(json_path.name[: -len(JSON_SUFFIX)] + TENSORS_SUFFIX)
 
 
+TAGS = {"__tuple__", "__dict_items__", "__tensor__", "__bytes__", "__bytearray__", "__float__", "__opaque__",
+        "__int_hex__", "__set__", "__frozenset__", "__complex__"}
 HUGE_INT_BITS = 10_000  # str() of an int refuses beyond 4300 digits (~14,000 bits): such ints go as hex
 
 
@@ -60,15 +64,19 @@ def encode(value: Any, tensors: dict[str, TensorRef]) -> Any:
         tensors[key] = value
         return {"__tensor__": key}
     if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value):
+        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in TAGS):
             return {k: encode_(v) for k, v in value.items()}
         return {"__dict_items__": [[encode_(k), encode_(v)] for k, v in value.items()]}
     if isinstance(value, tuple):
         return {"__tuple__": [encode_(v) for v in value]}
-    if isinstance(value, (list, set, frozenset)):
+    if isinstance(value, list):
         return [encode_(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {f"__{type(value).__name__}__": [encode_(v) for v in value]}
+    if isinstance(value, complex):
+        return {"__complex__": [encode_(value.real), encode_(value.imag)]}
     if isinstance(value, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
+        return {f"__{type(value).__name__}__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, float) and not math.isfinite(value):
         return {"__float__": repr(value)}
     if isinstance(value, Opaque):
@@ -97,6 +105,13 @@ def decode(value: Any, tensors: dict[str, Any]) -> Any:
             return int(inner, 16)
         if tag == "__bytes__":
             return base64.b64decode(inner)
+        if tag == "__bytearray__":
+            return bytearray(base64.b64decode(inner))
+        if tag in ("__set__", "__frozenset__"):
+            items = (_hashable(decode(v, tensors)) for v in inner)
+            return set(items) if tag == "__set__" else frozenset(items)
+        if tag == "__complex__":
+            return complex(*(decode(v, tensors) for v in inner))
         if tag == "__float__":
             return float(inner)
         if tag == "__opaque__":

@@ -127,7 +127,9 @@ class Opaque:
     """Inert stand-in for any class a pickle names that is not on the allowlist.
 
     Records how the pickle made it - ``via`` "newobj" (``cls.__new__(cls, *args)``, then BUILD with
-    ``state``: plain objects, dataclasses) or "reduce" (``cls(*args)``: enums) - and nothing else.
+    ``state``: plain objects, dataclasses) or "reduce" (``cls(*args)``: enums) - the items a list or dict
+    subclass was filled with (APPENDS / SETITEMS: a ``defaultdict``, a user's ``class Config(dict)``) in
+    ``listitems`` / ``dictitems``, and nothing else.
     """
 
     class_path = "?"
@@ -135,10 +137,12 @@ class Opaque:
     args: tuple[Any, ...]
     state: Any
     via: str
+    listitems: list[Any]
+    dictitems: list[tuple[Any, Any]]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
         obj = object.__new__(cls)
-        obj.args, obj.state, obj.via = args, None, "newobj"
+        obj.args, obj.state, obj.via, obj.listitems, obj.dictitems = args, None, "newobj", [], []
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # only REDUCE calls cls(*args); nothing to do but note it
@@ -146,6 +150,15 @@ class Opaque:
 
     def __setstate__(self, state: Any) -> None:  # BUILD: record, never apply
         self.state = state
+
+    def append(self, item: Any) -> None:  # APPENDS / APPEND: record
+        self.listitems.append(item)
+
+    def extend(self, items: Any) -> None:
+        self.listitems.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEMS / SETITEM: record
+        self.dictitems.append((key, value))
 
     def __repr__(self) -> str:
         return f"<opaque {self.class_path}>"

@@ -16,6 +16,8 @@ def opaque_class_paths(obj: Any) -> set[str]:
             found.add(value.class_path)
             stack.extend(value.args)
             stack.append(value.state)
+            stack.extend(value.listitems)
+            stack.extend(item for pair in value.dictitems for item in pair)
         elif isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())

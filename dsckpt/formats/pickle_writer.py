@@ -160,6 +160,17 @@ class _Writer:
         self.global_(*type(obj).pickle_global)
         self.save(tuple(obj.args))
         self.out += b"\x81" if obj.via == "newobj" else b"R"  # NEWOBJ: cls.__new__(cls, *args) | REDUCE: cls(*args)
+        if obj.listitems:  # (pickle's own order: the object, its items, then its state)
+            self.out += b"("
+            for item in obj.listitems:
+                self.save(item)
+            self.out += b"e"  # APPENDS
+        if obj.dictitems:
+            self.out += b"("
+            for key, value in obj.dictitems:
+                self.save(key)
+                self.save(value)
+            self.out += b"u"  # SETITEMS
         if obj.state is not None:
             self.save(obj.state)
             self.out += b"b"  # BUILD

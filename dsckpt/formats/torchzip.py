@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ByteRangeError, CorruptFileError, UnreadableFileError
 from ..limits import check, limit
-from .pickle_policy import StorageRef, TensorRef, unpickle  # noqa: F401  (re-exported)
+from .pickle_policy import Opaque, StorageRef, TensorRef, unpickle  # noqa: F401  (re-exported)
 from .storage import storage_for
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -176,14 +176,16 @@ def check_structure(obj: Any, where: str) -> None:
         value, depth = stack.pop()
         if depth > max_depth:
             check("MAX_NESTING", depth, where, "the nesting depth of data.pkl")
-        children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        children = [*value.keys(), *value.values()] if isinstance(value, dict) else \
+            [*value.args, value.state, *value.listitems, *(x for pair in value.dictitems for x in pair)] \
+            if isinstance(value, Opaque) else value
         visited += len(children)
         if visited > max_values:
             check("MAX_VALUES", visited, where, "the number of values in data.pkl (shared references counted per use)")
         stack.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset)
+_CONTAINERS = (dict, list, tuple, set, frozenset, Opaque)  # (an Opaque record holds what its pickle gave it)
 
 
 def is_torch_zip(path: Path) -> bool:
