@@ -358,6 +358,16 @@ def test_a_suffix_one_or_two_edits_from_a_format_is_a_question_not_a_folder(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["model.gguf", "weights.ONNX", "state.pkl"])
+def test_another_tools_file_suffix_is_refused_not_made_a_folder(tmp_path, name):
+    """`consolidate ckpt model.gguf` wrote a folder of safetensors shards named model.gguf."""
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / name)
+    clean_error(proc, "a file format dsckpt does not write (it writes .bin, ")
+    assert "end it with / for a sharded folder" in proc.stderr and list(tmp_path.iterdir()) == []
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", f"{tmp_path / name}/", "--json")  # asked for a folder
+    assert proc.returncode == 0 and json.loads(proc.stdout)["format"] == "sharded", proc.stderr
+
+
 def test_names_far_from_every_suffix_stay_folders(tmp_path):
     for name in ("Qwen2.5-0.5B-sft", "run.v2"):
         proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / name, "--json")

@@ -209,14 +209,23 @@ def _edits(a: str, b: str) -> int:
     return row[-1]
 
 
+# Other tools' file formats: OUT named so means a file of that kind, which no format here writes (not a folder)
+FOREIGN_FILE_SUFFIXES = (".gguf", ".ggml", ".onnx", ".pkl", ".pickle", ".npz", ".npy", ".h5", ".hdf5", ".msgpack",
+                         ".tflite", ".mlmodel", ".nemo", ".tar", ".zip", ".gz", ".json", ".txt")
+
+
 def _refuse_near_miss(out: Path) -> None:
-    """A folder name whose suffix looks like a typo of a file format's (``model.safetensor``, ``.savetensors``) or
-    hides one (``model.safetensors.tmp``): a folder is surely not what was meant.  ``Qwen2.5-0.5B-sft`` is far from
-    every suffix and stays a folder."""
+    """A folder name whose suffix looks like a typo of a file format's (``model.safetensor``, ``.savetensors``),
+    hides one (``model.safetensors.tmp``) or is another tool's file format (``model.gguf``): a folder is surely not
+    what was meant.  ``Qwen2.5-0.5B-sft`` is far from every suffix and stays a folder."""
     known = sorted({s for f in output_formats().values() if not f.directory for s in f.suffixes + f.accepts})
     suffixes = [s.lower() for s in out.suffixes]
     if not suffixes:
         return
+    if suffixes[-1] in FOREIGN_FILE_SUFFIXES:
+        raise OutputError(f"{out}: ends in {out.suffix!r}, a file format dsckpt does not write (it writes "
+                          f"{', '.join(known)}, or a folder)",
+                          hint=f"name OUT with one of those suffixes, or end it with / for a sharded folder of that name")
     hidden = next((s for s in suffixes[:-1] if s in known), None)
     near = [k for k in known if _edits(suffixes[-1], k) <= (1 if len(k) <= 4 else 2)]
     meant = hidden or (min(near, key=lambda k: _edits(suffixes[-1], k)) if near else None)
