@@ -150,6 +150,46 @@ def test_client_containers_beyond_dict_and_list_are_read_and_round_trip(tmp_path
     assert all(written[k] == v and type(written[k]) is type(v) for k, v in foreign.items()), written
 
 
+def test_numpy_client_state_is_data_carried_loaded_and_exported(tmp_path, fixture_copy):
+    """numpy arrays, scalars and RNG states (Megatron-DeepSpeed and GPT-NeoX save np.random.get_state() beside the
+    weights) are numpy's own rebuilders of plain numbers: reshard carries them without --trust-checkpoint, dsckpt's
+    weights-only loader for DeepSpeed rebuilds them, the sidecar keeps them as arrays.  They were foreign classes:
+    left out by reshard, refused by `resume`, names only in the sidecar."""
+    import numpy as np
+
+    from dsckpt import reshard
+    from dsckpt.export.sidecar import read_sidecar
+    from dsckpt.runtime.safe_load import check_checkpoint_classes, safe_torch_load
+    from dsckpt.zero.reader import open_checkpoint
+
+    root = fixture_copy("z2_ws2_fp32")
+    path = root / "step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)  # (the test's own copy of a committed fixture)
+    numpy_state = {"np_rng_state": np.random.RandomState(5).get_state(), "f64": np.arange(6.0).reshape(2, 3),
+                   "fortran": np.asfortranarray(np.arange(6, dtype=np.int32).reshape(2, 3)), "step": np.int64(9),
+                   "scale": np.float32(0.5)}
+    state["user"] = {**state["user"], **numpy_state}
+    torch.save(state, path)
+
+    def same(a, b):
+        if isinstance(a, np.ndarray):
+            return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        if isinstance(a, tuple):
+            return isinstance(b, tuple) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+
+    check_checkpoint_classes(open_checkpoint(root))  # what `resume` asks before DeepSpeed loads: no refusal
+    loaded = safe_torch_load(path)["user"]
+    assert all(same(v, loaded[k]) for k, v in numpy_state.items())
+    result = reshard(root, tmp_path / "ws3", 3, options=WriteOptions(fsync=False))
+    assert not result.notes, result.notes
+    written = safe_torch_load(tmp_path / "ws3" / "step3" / "mp_rank_00_model_states.pt")["user"]
+    assert all(same(v, written[k]) for k, v in numpy_state.items())
+    consolidate(root, tmp_path / "m.safetensors")
+    exported = read_sidecar(tmp_path / "m.safetensors.client_state.json")["user"]
+    assert all(same(v, exported[k]) for k, v in numpy_state.items()), exported
+
+
 def test_output_refusals(tmp_path, fixture_copy):
     out = tmp_path / "m.safetensors"
     out.write_text("keep me")

@@ -10,6 +10,8 @@ JSON cannot hold every Python value, so a few tagged objects stand in (all code-
     {"__opaque__": "pkg.Class"}     an object of a class dsckpt would not unpickle (kept as a name only)
     {"__int_hex__": "0x..."}        an int too long for decimal (str() refuses beyond 4300 digits)
     {"__set__": [...]}              a set (also "__frozenset__"), {"__complex__": [re, im]}, {"__bytearray__": "<base64>"}
+    {"__ndarray__": {"dtype": "<u4", "shape": [624], "fortran": false, "data": "<base64>"}}   a numpy array
+    {"__npscalar__": {"dtype": "<i8", "data": "<base64>"}}                                      a numpy scalar
 A dict of the user's whose one key is one of these tags goes as "__dict_items__", so it is not read back as the tag.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ def tensors_companion(json_path: Path) -> Path:
 
 
 TAGS = {"__tuple__", "__dict_items__", "__tensor__", "__bytes__", "__bytearray__", "__float__", "__opaque__",
-        "__int_hex__", "__set__", "__frozenset__", "__complex__"}
+        "__int_hex__", "__set__", "__frozenset__", "__complex__", "__ndarray__", "__npscalar__"}
 HUGE_INT_BITS = 10_000  # str() of an int refuses beyond 4300 digits (~14,000 bits): such ints go as hex
 
 
@@ -80,10 +82,47 @@ def encode(value: Any, tensors: dict[str, TensorRef]) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return {"__float__": repr(value)}
     if isinstance(value, Opaque):
-        return {"__opaque__": value.class_path}
+        return _numpy_record(value) or {"__opaque__": value.class_path}
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return {"__opaque__": type(value).__name__}
+
+
+def _numpy_dtype(record: Any) -> str | None:
+    """``"<u4"`` for a parsed ``numpy.dtype('u4', False, True)`` of plain numbers; None for any other."""
+    if not (isinstance(record, Opaque) and record.class_path == "numpy.dtype" and record.args
+            and isinstance(record.args[0], str) and isinstance(record.state, tuple) and len(record.state) >= 3):
+        return None
+    code, order, fields = record.args[0], record.state[1], record.state[2:5]
+    if code[:1] not in ("b", "i", "u", "f", "c") or order not in ("<", ">", "|") or any(x is not None for x in fields):
+        return None
+    return order + code
+
+
+def _numpy_record(value: Opaque) -> dict[str, Any] | None:
+    """A numpy array or scalar of plain numbers, as ``numpy.ndarray.__reduce__`` / ``numpy.generic`` recorded it."""
+    path = value.class_path
+    if path.endswith("multiarray._reconstruct") and isinstance(value.state, tuple) and len(value.state) == 5:
+        _, shape, dtype, fortran, data = value.state
+        code = _numpy_dtype(dtype)
+        if code and isinstance(data, bytes) and isinstance(shape, tuple) and all(isinstance(n, int) for n in shape):
+            return {"__ndarray__": {"dtype": code, "shape": list(shape), "fortran": bool(fortran),
+                                    "data": base64.b64encode(data).decode()}}
+    if path.endswith("multiarray.scalar") and len(value.args) == 2 and isinstance(value.args[1], bytes):
+        code = _numpy_dtype(value.args[0])
+        if code:
+            return {"__npscalar__": {"dtype": code, "data": base64.b64encode(value.args[1]).decode()}}
+    return None
+
+
+def _numpy_value(tag: str, inner: dict[str, Any]) -> Any:
+    import numpy as np
+
+    dtype = np.dtype(inner["dtype"])
+    flat = np.frombuffer(bytearray(base64.b64decode(inner["data"])), dtype=dtype)
+    if tag == "__npscalar__":
+        return flat[0]
+    return flat.reshape(inner["shape"], order="F" if inner["fortran"] else "C")
 
 
 def decode(value: Any, tensors: dict[str, Any]) -> Any:
@@ -116,6 +155,8 @@ def decode(value: Any, tensors: dict[str, Any]) -> Any:
             return float(inner)
         if tag == "__opaque__":
             return {"__opaque__": inner}
+        if tag in ("__ndarray__", "__npscalar__") and isinstance(inner, dict):
+            return _numpy_value(tag, inner)
     return {k: decode(v, tensors) for k, v in value.items()}
 
 
@@ -174,5 +215,5 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
         return decode(doc["client_state"], tensors)
     except CorruptFileError as exc:
         raise CorruptFileError(f"{json_path}: {exc}") from None
-    except (ValueError, TypeError, RecursionError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptFileError(f"{json_path}: malformed client state ({type(exc).__name__})") from None

@@ -50,10 +50,17 @@ def tensor_refs(value: Any) -> list[TensorRef]:
     return []
 
 
+# numpy's arrays, scalars and dtypes (np.random.get_state() in a client state: Megatron-DeepSpeed and GPT-NeoX save
+# one): numpy's own rebuilders of plain data, under both of numpy's module names (``core`` before 2.0).
+NUMPY_CLASSES = tuple(f"numpy.{core}.multiarray.{name}" for core in ("core", "_core") for name in ("_reconstruct", "scalar")) \
+    + ("numpy.ndarray", "numpy.dtype")
+DATA_CLASSES = DEEPSPEED_CLASSES + NUMPY_CLASSES  # what dsckpt writes back and lets DeepSpeed's load rebuild
+
+
 def foreign_classes(obj: Any) -> set[str]:
-    """Class paths in a parsed pickle beyond DeepSpeed's own: loading them with full pickle semantics
-    (DeepSpeed's loader, a torch.load without weights_only) would import and call them."""
-    return opaque_class_paths(obj) - set(DEEPSPEED_CLASSES)
+    """Class paths in a parsed pickle beyond DeepSpeed's own and numpy's data: loading them with full pickle
+    semantics (DeepSpeed's loader, a torch.load without weights_only) would import and call them."""
+    return opaque_class_paths(obj) - set(DATA_CLASSES)
 
 
 def opaque_int(value: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..dtypes import DTYPES, ITEMSIZE, Shaped
 from .pickle_policy import Opaque, StorageRef, TensorRef, TorchDevice, TorchDtype, TorchSize
-from .pickle_tree import DEEPSPEED_CLASSES
+from .pickle_tree import DATA_CLASSES
 
 
 @dataclass(frozen=True, eq=False)  # identity matters: one NewTensor named twice is one shared storage
@@ -53,7 +53,7 @@ class StorageOut:
 def dumps(obj: Any, allow_foreign: bool = False) -> tuple[bytes, list[StorageOut]]:
     """The pickle bytes of ``obj`` and the storages it names, in key order.
 
-    An ``Opaque`` record of a class beyond DeepSpeed's own is refused (``ValueError``) unless
+    An ``Opaque`` record of a class beyond DeepSpeed's own and numpy's data is refused (``ValueError``) unless
     ``allow_foreign``: the last guard, under every writer's own filtering, against writing a pickle
     that runs code when loaded without ``weights_only``."""
     writer = _Writer(allow_foreign)
@@ -155,7 +155,7 @@ class _Writer:
             raise TypeError(f"cannot write a {type(obj).__name__} into a torch pickle")
 
     def opaque(self, obj: Opaque) -> None:
-        if not self.allow_foreign and obj.class_path not in DEEPSPEED_CLASSES:
+        if not self.allow_foreign and obj.class_path not in DATA_CLASSES:
             raise ValueError(f"an object of {obj.class_path} would be written (its pickle runs code when loaded)")
         self.global_(*type(obj).pickle_global)
         self.save(tuple(obj.args))

@@ -6,19 +6,21 @@ dsckpt closes that path twice:
 
 1. before any rank starts, ``check_checkpoint_classes`` reads every rank file with dsckpt's own
    allowlist reader (nothing is imported or called) and refuses a checkpoint that names any class
-   beyond plain data, tensors and ``DEEPSPEED_CLASSES`` - the error names the class;
+   beyond plain data, tensors and ``DATA_CLASSES`` - the error names the class;
 2. in every rank, ``install`` replaces the engine's loader with ``torch.load(weights_only=True)``
-   that allows exactly ``DEEPSPEED_CLASSES`` besides what torch's safe unpickler allows.
+   that allows exactly ``DATA_CLASSES`` (DeepSpeed's own, numpy's arrays, scalars and dtypes) besides what torch's
+   safe unpickler allows.
 
 ``--trust-checkpoint`` (``trust=True``) restores DeepSpeed's own loader, with a warning.
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_tree import DEEPSPEED_CLASSES, foreign_classes
+from ..formats.pickle_tree import DEEPSPEED_CLASSES, NUMPY_CLASSES, foreign_classes
 
 TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickles may then run code)"
 
@@ -39,7 +41,7 @@ def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool
     import torch
     from torch.serialization import safe_globals
 
-    allowed = [_import(cls) for cls in DEEPSPEED_CLASSES]
+    allowed = [_import(cls) for cls in DEEPSPEED_CLASSES] + _numpy_allowed()
     try:
         with safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -49,6 +51,23 @@ def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool
             raise
         raise UnsafeCheckpointError(f"{name or path}: names {match.group(1)}, beyond DeepSpeed's own classes; refused "
                                     "(weights_only load)", hint=TRUST_HINT) from None
+
+
+@functools.cache
+def _numpy_allowed() -> list:
+    """numpy's rebuilders under the names this numpy pickles with, and its dtype classes (torch's weights-only
+    unpickler asks for the class of each dtype it BUILDs); none where numpy is absent."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    found = []
+    for dotted in NUMPY_CLASSES:
+        try:
+            found.append(_import(dotted))
+        except (ImportError, AttributeError):  # (numpy 1.x has no numpy._core)
+            pass
+    return found + sorted({type(np.dtype(code)) for code in np.typecodes["All"]}, key=str)
 
 
 def _import(dotted: str):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsckptError, UnsafeCheckpointError
-from ..formats.pickle_tree import DEEPSPEED_CLASSES, opaque_class_paths
+from ..formats.pickle_tree import DATA_CLASSES, opaque_class_paths
 
 # Per-rank files, by writer: (pattern with the rank as group "rank", the name at world size 1 or None).
 PER_RANK = (
@@ -35,9 +35,6 @@ PER_RANK = (
     # Accelerate's save_state: random_states_{process_index}.pkl at every world size
     (re.compile(r"^random_states_(?P<rank>\d+)\.pkl$"), None, "random_states_{rank}.pkl"),
 )
-# numpy's records inside RNG states (np.random.get_state()): rebuilt arrays and dtypes, no user code.
-NUMPY_RNG_CLASSES = ("numpy.dtype", "numpy.ndarray", "numpy.core.multiarray._reconstruct",
-                     "numpy._core.multiarray._reconstruct", "numpy.dtypes.UInt32DType")
 PICKLE_START = b"\x80"  # PROTO opcode: a raw pickle (torch.save zips start with PK)
 
 
@@ -131,7 +128,7 @@ def _foreign_pickle(path: Path) -> str | None:
         classes = _pickle_classes(path, zipped=head[:2] == b"PK")
     except DsckptError as exc:
         return f"not readable as a pickle ({exc})"
-    foreign = sorted(classes - set(DEEPSPEED_CLASSES) - set(NUMPY_RNG_CLASSES))
+    foreign = sorted(classes - set(DATA_CLASSES))
     if foreign:
         return f"it holds objects of {', '.join(foreign[:3])}, whose pickle code would run when loaded"
     return None
