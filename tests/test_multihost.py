@@ -11,7 +11,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, PYTHONPATH, ROOT, run_cli
+from dsckpt.runtime.launch import free_port
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.runtime  # starts process groups (no DeepSpeed): kept out of test-fast
@@ -42,10 +42,6 @@ needs_namespaces = pytest.mark.skipif(REFUSED is not None, reason=f"hosts cannot
                                       "the multi-host tests need private mount namespaces (root, or user namespaces)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Hosts:
@@ -70,7 +66,7 @@ class Hosts:
         return self.tmp / f"host{host}" / "out"
 
     def start(self, *args, nproc: int = 1, env: dict | None = None) -> list[subprocess.Popen]:
-        port = _free_port()
+        port = free_port()
         procs = []
         for host in range(self.k):
             run = (f"{shlex.quote(sys.executable)} -m torch.distributed.run --nnodes {self.k} --node-rank {host} "

@@ -21,15 +21,12 @@ import pytest
 import dsckpt
 
 from conftest import FIXTURES, JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job
+from dsckpt.runtime.launch import free_port
 
 BUCKET = "dsckpt-test"
 CKPTS = ("z3_ws2_fp32", "z2_ws3_bf16", "tp2_dp2_z1_fp32")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -48,7 +45,7 @@ def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subp
 @pytest.fixture(scope="module")
 def s3():
     """The server, the environment pointing at it, a bucket holding the fixtures; an fsspec filesystem on it."""
-    port = _free_port()
+    port = free_port()
     # parts of a few KiB (S3 takes 5 MiB or more): the small fixtures' streamed files then come in many parts
     server = _serve([sys.executable, "-m", "moto.server", "-p", str(port)], port, {"S3_UPLOAD_PART_MIN_SIZE": "4096"})
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
@@ -457,7 +454,7 @@ def _azurite() -> str | None:
 def test_gcs_and_azure_read_and_write_as_s3_does(scheme, tmp_path, monkeypatch):
     """The same commands through gcsfs and adlfs against their clouds' emulators: the local bytes, streamed (Azure's
     staged blocks, GCS's composed part objects), a truncated object named, nothing left at OUT."""
-    port = _free_port()
+    port = free_port()
     if scheme == "gs":
         pytest.importorskip("gcsfs")
         cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "--port", str(port), "--in-memory"]
@@ -600,7 +597,7 @@ def test_an_unreachable_store_is_one_clean_line(tmp_path):
     """gs:// whose endpoint does not answer (a closed local port stands in for missing credentials or network): the
     typed error, without the client's logged retry tracebacks before it."""
     pytest.importorskip("gcsfs")
-    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_free_port()}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     proc = run_cli("inspect", "gs://nobucket/run", env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("dsckpt: error: gs://nobucket/run"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 3, proc.stderr[-3000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -31,19 +30,15 @@ ENGINE_OWNED_KEYS = ("state_dict", "optimizer_states")  # the engine saves these
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> None:
     """Start the process group from the standard environment (torchrun, deepspeed launcher)."""
     import deepspeed
 
     if "RANK" not in os.environ:  # a plain `python` run: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from .launch import free_port
+
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.distributed.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -52,9 +52,30 @@ def should_launch(nproc: int) -> bool:
 
 
 def free_port() -> int:
+    """A port for a rendezvous store, below the kernel's ephemeral range where it can: a port from that range, free
+    when asked, may be taken by any process's outgoing connection (gloo opens one per pair of ranks) before the
+    store binds it (seen in the test suite: a store's clients reached another job's)."""
+    import random
+
+    low = _ephemeral_low()
+    for port in random.sample(range(20000, low), min(64, max(0, low - 20000))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # (Linux's default; elsewhere a guess)
 
 
 def rank_environment(rank: int, nproc: int, port: int) -> dict[str, str]:
