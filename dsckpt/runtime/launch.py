@@ -57,8 +57,8 @@ def free_port() -> int:
     store binds it (seen in the test suite: a store's clients reached another job's)."""
     import random
 
-    low = _ephemeral_low()
-    for port in random.sample(range(20000, low), min(64, max(0, low - 20000))):
+    low = _ephemeral_low()  # (the system's randomness: a run that seeded `random` would pick the ports of every other)
+    for port in random.SystemRandom().sample(range(20000, low), min(64, max(0, low - 20000))):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
