@@ -73,6 +73,7 @@ def damaged_on_disk(trainer, runtime, saver, root):
     except BackgroundSaveError as exc:
         failure = str(exc)
     saver.write = write_snapshot
+    torch.distributed.barrier()  # (wait() is this rank's: another may still be removing its temps of the tag)
     return failure, (root / "async" / "latest").read_text(), sorted(p.name for p in (root / "async" / "t3c").rglob("*"))
 
 
