@@ -131,6 +131,20 @@ def test_sigint_to_the_launcher_alone_stops_every_rank(tmp_path, how):
             os.killpg(parent.pid, signal.SIGKILL)
 
 
+def test_rendezvous_ports_come_from_below_the_ephemeral_range_whatever_the_seed():
+    """A port of the ephemeral range may be taken by any outgoing connection before the store binds it, and the
+    runtime seeds Python's random before it starts its process group: two runs picked the same port (both seen in
+    full test runs)."""
+    import random
+
+    low = launch._ephemeral_low()
+    random.seed(0)
+    first = [launch.free_port() for _ in range(8)]
+    random.seed(0)
+    second = [launch.free_port() for _ in range(8)]
+    assert all(20000 <= port < low for port in first + second) and first != second
+
+
 def test_interrupted_is_not_an_exception_libraries_swallow():
     assert not issubclass(Interrupted, Exception)  # as KeyboardInterrupt: `except Exception` lets it pass
 
