@@ -160,6 +160,10 @@ class Opaque:
     def __setitem__(self, key: Any, value: Any) -> None:  # SETITEMS / SETITEM: record
         self.dictitems.append((key, value))
 
+    def children(self) -> list[Any]:
+        """Every value the record holds (what a walk of the parsed tree descends into)."""
+        return [*self.args, self.state, *self.listitems, *(x for pair in self.dictitems for x in pair)]
+
     def __repr__(self) -> str:
         return f"<opaque {self.class_path}>"
 

@@ -14,10 +14,7 @@ def opaque_class_paths(obj: Any) -> set[str]:
         value = stack.pop()
         if isinstance(value, Opaque):
             found.add(value.class_path)
-            stack.extend(value.args)
-            stack.append(value.state)
-            stack.extend(value.listitems)
-            stack.extend(item for pair in value.dictitems for item in pair)
+            stack.extend(value.children())
         elif isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())

@@ -176,9 +176,8 @@ def check_structure(obj: Any, where: str) -> None:
         value, depth = stack.pop()
         if depth > max_depth:
             check("MAX_NESTING", depth, where, "the nesting depth of data.pkl")
-        children = [*value.keys(), *value.values()] if isinstance(value, dict) else \
-            [*value.args, value.state, *value.listitems, *(x for pair in value.dictitems for x in pair)] \
-            if isinstance(value, Opaque) else value
+        children: Any = [*value.keys(), *value.values()] if isinstance(value, dict) else \
+            value.children() if isinstance(value, Opaque) else value
         visited += len(children)
         if visited > max_values:
             check("MAX_VALUES", visited, where, "the number of values in data.pkl (shared references counted per use)")
