@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-between", type=int, default=3)
-    ap.add_argument("--modes", default="stock,async", help="of stock, async, async-torch, none (rotated each round)")
+    ap.add_argument("--modes", default="stock,async", help="of stock, async, async-torch, async-tN (N persist threads), async-rbM (an M MiB read-back "
+                    "buffer), none (rotated each round)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the checkpoints (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -106,12 +107,14 @@ def main() -> None:
           f"{summary['steps_after_async_s']:.3f} s" + (f", right after a stock save {summary['steps_after_stock_s']:.3f}"
                                                        " s" if "stock" in modes else ""))
     if "none" in modes:  # throughput with a save every --steps-between steps: the block and the steps after it
-        summary["async_interval_s"] = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows
-                                                        if r["mode"] == "async")
-        lost = summary["async_interval_s"] / summary["steps_no_save_s"] - 1
-        print(f"  a save every {args.steps_between} steps: the save's block and its steps "
-              f"{summary['async_interval_s']:.3f} s against {summary['steps_no_save_s']:.3f} s without a save in the "
-              f"same rounds: {lost * 100:.1f} % throughput lost")
+        for mode in (m for m in modes if m.startswith("async")):
+            interval = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows if r["mode"] == mode)
+            lost = interval / summary["steps_no_save_s"] - 1
+            summary[f"{mode}_interval_s"], summary[f"{mode}_lost"] = interval, lost
+            print(f"  {mode}: a save every {args.steps_between} steps: block {med(mode, 'blocked_s') * 1e3:.0f} ms, "
+                  f"the step's wait for the copies {med(mode, 'step_waited_s') * 1e3:.0f} ms, persist "
+                  f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s against "
+                  f"{summary['steps_no_save_s']:.3f} s without a save in the same rounds: {lost * 100:.1f} % lost")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.out is None:

@@ -3,7 +3,8 @@
 ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round runs every mode of BENCH_MODES (default
 "stock,async"), the order rotating from round to round: "stock" saves with DeepSpeed's own engine (then flushes its
 files, for the durable figure), "async" with runtime.async_save, "async-torch" with it writing through torch.save (the
-persist before persist.write_snapshot), "none" does not save.  After each, STEPS_BETWEEN training steps run, timed
+persist before persist.write_snapshot), "async-tN" with N persist threads, "async-rbM" with a read-back buffer of M MiB,
+"none" does not save.  After each, STEPS_BETWEEN training steps run, timed
 (an async save's persist overlaps them).  A first background save before the rounds allocates the host buffers
 the others reuse (its block is reported apart).  Rank 0 writes REPORT (JSON).
 """
@@ -21,14 +22,16 @@ from models import transformer  # noqa: E402
 
 from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
 from dsckpt.runtime.engine import Runtime, rank, shutdown  # noqa: E402
+from dsckpt.runtime import persist as persist_module  # noqa: E402
 from dsckpt.runtime.persist import write_snapshot  # noqa: E402
 from dsckpt.runtime.config import resolve_config  # noqa: E402
 from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
 
 
 def sync() -> None:
+    """What the training waits for: its own stream (the snapshot's deferred copies run on another one)."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def fsync_tree(folder: Path) -> None:
@@ -67,6 +70,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     saver = AsyncSave(engine, report=lambda text: None)
     async_save, async_engine = engine.save_checkpoint, engine.checkpoint_engine
     n, rows, root = int(steps_between), [], Path(out)
+    threads, read_back = persist_module.THREADS, persist_module.READ_BACK
     baseline = timed_steps(n, 100)  # no save at all
     modes = os.environ.get("BENCH_MODES", "stock,async").split(",")
     t0 = time.perf_counter()  # the first background save allocates the host buffers every later one reuses
@@ -92,10 +96,12 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 fsync_tree(root / mode / tag)
                 durable = time.perf_counter() - t0
                 steps = timed_steps(n, 200 + r)
-                persist = None
+                persist = step_waited = None
             else:
                 engine.checkpoint_engine = async_engine
                 saver.write = torch.save if mode == "async-torch" else write_snapshot
+                persist_module.THREADS = int(mode[7:]) if mode.startswith("async-t") and mode[7:].isdigit() else threads
+                persist_module.READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back
                 t0 = time.perf_counter()
                 async_save(str(root / mode), tag=tag)
                 sync()  # the snapshot's device-to-host copies are queued, not done, when the call returns
@@ -104,11 +110,12 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 saver.wait()
                 durable = time.perf_counter() - t0
                 persist = saver.records[-1].persist_s
+                step_waited = saver.records[-1].step_waited_s
             torch.distributed.barrier()
             if rank() == 0:
                 shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
             rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
-                         "persist_s": persist, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
+                         "persist_s": persist, "step_waited_s": step_waited, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
     saver.close()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     if rank() == 0:

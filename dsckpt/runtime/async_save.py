@@ -9,8 +9,9 @@ Lightning's ``DeepSpeedStrategy``, the HF Trainer, Accelerate: they all call ``e
 2. ``engine.save_checkpoint(dir, tag, ...)`` first waits for the previous save's persist (logged when it waited)
    and raises its failure, if any (``BackgroundSaveError``). DeepSpeed then builds each file's state and calls
    ``save(state, path)``: the state's tensor storages are copied to host memory (reused pinned buffers on a GPU,
-   copies queued on the current stream) and the file queued. On a CPU an optimizer-states file's copies run on a
-   thread instead, and the optimizer's next ``step`` waits for them. ``latest`` is not written by DeepSpeed. At
+   copies queued on the current stream) and the file queued. An optimizer-states file's copies are left out of the
+   call: on a CPU they run on a thread, on a GPU on a stream of their own beside the next forward and backward; the
+   optimizer's next ``step`` waits for them. ``latest`` is not written by DeepSpeed. At
    ZeRO-3 the persistent parameters DeepSpeed partitions for the save are put back afterwards, not gathered again
    (``kept_parameters``).
 3. The writer thread writes each file to ``<tag>/.dsckpt-saving/<name>`` as ``torch.save`` would, from the host
@@ -104,6 +105,8 @@ class AsyncSave:
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-check")
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # CPU copies left to the step
         self.staging: list[Future[None]] = []
+        self.copying: list[torch.cuda.Event] = []  # GPU copies left to the step, on ``copy_stream``
+        self.copy_stream: torch.cuda.Stream | None = None  # made at the first save, on the training's device
         self.defers = False  # the optimizer's step is wrapped: an optimizer-states file's copies may wait for it
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
         self.thread.start()
@@ -196,12 +199,17 @@ class AsyncSave:
         if self.current is None:  # a save outside save_checkpoint: written now, as stock does
             self.write(state, path)
             return
-        snap = Snapshot(self.pool, defer=self.defers and path.endswith("optim_states.pt"))  # (only the step changes it)
+        if self.copy_stream is None and torch.cuda.is_available():
+            self.copy_stream = torch.cuda.Stream()
+        snap = Snapshot(self.pool, defer=self.defers and path.endswith("optim_states.pt"),  # (only the step changes it)
+                        copy_stream=self.copy_stream)
         copied = snap.take(state)
         ready = None
         if any(pinned for _, pinned in snap.buffers):
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(self.copy_stream if snap.on_copy_stream else torch.cuda.current_stream())
+            if snap.on_copy_stream:
+                self.copying.append(ready)
         staged = self.stager.submit(snap.finish) if snap.pending else None
         if staged is not None:
             self.staging.append(staged)
@@ -224,11 +232,13 @@ class AsyncSave:
 
     def _staged(self) -> None:
         """Every deferred copy done (the time waited is the last save's ``step_waited_s``)."""
-        if not self.staging:
+        if not self.staging and not self.copying:
             return
-        staging, self.staging = self.staging, []
+        staging, self.staging, copying, self.copying = self.staging, [], self.copying, []
         start = time.perf_counter()
         wait(staging)
+        for event in copying:  # the host waits: the step's kernels may run on other streams than the current one
+            event.synchronize()
         if self.records:
             self.records[-1].step_waited_s += time.perf_counter() - start
 

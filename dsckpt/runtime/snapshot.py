@@ -3,9 +3,10 @@
 Every distinct tensor storage is copied once (views, offsets, strides, ``requires_grad`` and parameters kept), so the
 file written later holds the same storages stock ``torch.save`` would have written: the next optimizer step may
 rewrite the originals in place.  On a GPU the copies go to pinned host buffers reused from save to save, queued on
-the current stream (the caller records an event after them).  ``Snapshot(pool, defer=True)`` takes the tree at once
-but leaves the host tensors' copies to ``finish()`` (for state only the optimizer's step changes: the caller runs
-``finish`` before that step).
+the current stream (the caller records an event after them).  ``Snapshot(pool, defer=True)`` is for state only the
+optimizer's step changes: it takes the tree at once but leaves the host tensors' copies to ``finish()`` and queues
+the GPU tensors' copies on ``copy_stream`` (ordered after the work already queued on the current stream), so the
+forward and backward that follow run beside them; the caller makes the next step wait for both.
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ class HostPool:
 class Snapshot:
     """A file's state with every tensor storage copied to host memory, views kept as ``torch.save`` sees them."""
 
-    def __init__(self, pool: HostPool, defer: bool = False):
-        self.pool, self.nbytes, self.defer = pool, 0, defer
+    def __init__(self, pool: HostPool, defer: bool = False, copy_stream: Any = None):
+        self.pool, self.nbytes, self.defer, self.copy_stream = pool, 0, defer, copy_stream
+        self.on_copy_stream = False  # a GPU copy was queued on ``copy_stream``
         self.copies: dict[Any, Any] = {}
         self.buffers: list[tuple[torch.UntypedStorage, bool]] = []  # (buffer, pinned)
         self.pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (host, source) left to finish()
@@ -72,6 +74,8 @@ class Snapshot:
             host = self.pool.take(source.nbytes(), pinned=t.is_cuda)
             if self.defer and not t.is_cuda:
                 self.pending.append((host, source))
+            elif self.defer and self.copy_stream is not None:
+                self._copy_beside(host, t)
             else:
                 host.copy_(source, non_blocking=t.is_cuda)
             self.copies[key] = host
@@ -81,6 +85,14 @@ class Snapshot:
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(view, requires_grad=t.requires_grad)
         return view.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else view
+
+    def _copy_beside(self, host: torch.UntypedStorage, t: torch.Tensor) -> None:
+        if not self.on_copy_stream:  # the sources' last writes are on the current stream
+            self.copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+            self.on_copy_stream = True
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(t.detach().untyped_storage(), non_blocking=True)
+        t.record_stream(self.copy_stream)  # (the allocator keeps the source's memory until the copy ran)
 
     def finish(self) -> None:
         """The copies ``defer`` left (through tensors: their ``copy_`` runs without the GIL)."""

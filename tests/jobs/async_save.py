@@ -78,17 +78,24 @@ def damaged_on_disk(trainer, runtime, saver, root):
 
 
 def copies_after_the_call(trainer, runtime, saver, root):
-    """The optimizer-states file's copies are left to a thread past the call; slowed here, so that the next step
-    must wait for them: the tag holds the optimizer's state as of the call."""
-    finish = Snapshot.finish
+    """The optimizer-states file's copies are left past the call (a thread on CPU, a stream of their own on a GPU);
+    slowed here, so that the next step must wait for them: the tag holds the optimizer's state as of the call."""
+    finish, beside = Snapshot.finish, Snapshot._copy_beside
     Snapshot.finish = lambda snap: (time.sleep(0.5), finish(snap))[1]
+
+    def slowed_beside(snap, host, t):  # on a GPU: the copy stream held ~0.5 s before its copies
+        if not snap.on_copy_stream:
+            with torch.cuda.stream(snap.copy_stream):
+                torch.cuda._sleep(1_000_000_000)
+        beside(snap, host, t)
+    Snapshot._copy_beside = slowed_beside
     trainer.step()
     as_of_call = capture(trainer.engine)
     t0 = time.perf_counter()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t6")
     call_s = time.perf_counter() - t0
     trainer.step()
-    Snapshot.finish = finish
+    Snapshot.finish, Snapshot._copy_beside = finish, beside
     step_waited, deferred = saver.records[-1].step_waited_s, saver.defers
     saver.wait()
     runtime.load_checkpoint(root / "async", tag="t6")
