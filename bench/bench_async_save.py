@@ -79,6 +79,10 @@ def main() -> None:
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["mode"] == mode)
 
+    def spread(mode: str, value) -> str:
+        values = [value(r) for r in rows if r["mode"] == mode]
+        return f"{min(values):.3f}-{max(values):.3f}"
+
     def rate(mode: str) -> float:
         return nbytes * args.nproc / 1e9 / med(mode, "persist_s")
 
@@ -113,8 +117,9 @@ def main() -> None:
             summary[f"{mode}_interval_s"], summary[f"{mode}_lost"] = interval, lost
             print(f"  {mode}: a save every {args.steps_between} steps: block {med(mode, 'blocked_s') * 1e3:.0f} ms, "
                   f"the step's wait for the copies {med(mode, 'step_waited_s') * 1e3:.0f} ms, persist "
-                  f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s against "
-                  f"{summary['steps_no_save_s']:.3f} s without a save in the same rounds: {lost * 100:.1f} % lost")
+                  f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s "
+                  f"({spread(mode, lambda r: r['blocked_s'] + r['steps_s'])}) against {summary['steps_no_save_s']:.3f} s "
+                  f"({spread('none', lambda r: r['steps_s'])}) without a save in the same rounds: {lost * 100:.1f} % lost")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.out is None:

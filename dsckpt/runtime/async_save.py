@@ -106,7 +106,7 @@ class AsyncSave:
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # CPU copies left to the step
         self.staging: list[Future[None]] = []
         self.copying: list[torch.cuda.Event] = []  # GPU copies left to the step, on ``copy_stream``
-        self.copy_stream: torch.cuda.Stream | None = None  # made at the first save, on the training's device
+        self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # (the engine's device is current)
         self.defers = False  # the optimizer's step is wrapped: an optimizer-states file's copies may wait for it
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
         self.thread.start()
@@ -199,17 +199,12 @@ class AsyncSave:
         if self.current is None:  # a save outside save_checkpoint: written now, as stock does
             self.write(state, path)
             return
-        if self.copy_stream is None and torch.cuda.is_available():
-            self.copy_stream = torch.cuda.Stream()
         snap = Snapshot(self.pool, defer=self.defers and path.endswith("optim_states.pt"),  # (only the step changes it)
                         copy_stream=self.copy_stream)
         copied = snap.take(state)
-        ready = None
-        if any(pinned for _, pinned in snap.buffers):
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream if snap.on_copy_stream else torch.cuda.current_stream())
-            if snap.on_copy_stream:
-                self.copying.append(ready)
+        ready = snap.ready_event()
+        if snap.on_copy_stream:
+            self.copying.append(ready)
         staged = self.stager.submit(snap.finish) if snap.pending else None
         if staged is not None:
             self.staging.append(staged)

@@ -94,6 +94,14 @@ class Snapshot:
             host.copy_(t.detach().untyped_storage(), non_blocking=True)
         t.record_stream(self.copy_stream)  # (the allocator keeps the source's memory until the copy ran)
 
+    def ready_event(self) -> Any:
+        """A CUDA event after the GPU copies (on ``copy_stream`` when they went there), or None without any."""
+        if not any(pinned for _, pinned in self.buffers):
+            return None
+        event = torch.cuda.Event()
+        event.record(self.copy_stream if self.on_copy_stream else torch.cuda.current_stream())
+        return event
+
     def finish(self) -> None:
         """The copies ``defer`` left (through tensors: their ``copy_`` runs without the GIL)."""
         pending, self.pending = self.pending, []
