@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--steps-between", type=int, default=3)
     ap.add_argument("--modes", default="stock,async", help="of stock, async, async-torch, async-tN (N persist threads), async-rbM (an M MiB read-back "
                     "buffer), none (rotated each round)")
+    ap.add_argument("--paired", action="store_true", help="after each background save's persist, the same number of "
+                    "steps again: the steps during and after a persist compared within one round")
     ap.add_argument("--out", type=Path, default=None, help="folder for the checkpoints (default: a temp folder)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -63,6 +65,7 @@ def main() -> None:
     report = out / "report.json"
     dd_before = direct_write_rate(out, 4 << 30)  # the disk's figure before and after: the faster is the bar
     env = {"BENCH_DIM": str(args.dim), "BENCH_LAYERS": str(args.layers), "BENCH_VOCAB": str(args.vocab), "BENCH_MODES": args.modes,
+           "BENCH_PAIRED": "1" if args.paired else "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     codes = run_ranks([sys.executable, str(ROOT / "bench" / "jobs" / "async_save_rank.py"), str(out), str(args.stage),
                        args.precision, str(args.rounds), str(args.steps_between), str(report)], args.nproc, env)
@@ -120,6 +123,14 @@ def main() -> None:
                   f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s "
                   f"({spread(mode, lambda r: r['blocked_s'] + r['steps_s'])}) against {summary['steps_no_save_s']:.3f} s "
                   f"({spread('none', lambda r: r['steps_s'])}) without a save in the same rounds: {lost * 100:.1f} % lost")
+    if args.paired:  # within each round: the steps during the persist against the same steps right after it
+        for mode in (m for m in modes if m.startswith("async")):
+            ratios = sorted((r["blocked_s"] + r["steps_s"]) / r["steps_after_persist_s"] - 1 for r in rows
+                            if r["mode"] == mode)
+            summary[f"{mode}_paired_lost"] = statistics.median(ratios)
+            print(f"  {mode}, paired in each round (the save's block and the steps during its persist against the same "
+                  f"number right after it): {statistics.median(ratios) * 100:.1f} % lost (rounds "
+                  f"{', '.join(f'{x * 100:.1f}' for x in ratios)})")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.out is None:

@@ -96,7 +96,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 fsync_tree(root / mode / tag)
                 durable = time.perf_counter() - t0
                 steps = timed_steps(n, 200 + r)
-                persist = step_waited = None
+                persist = step_waited = after = None
             else:
                 engine.checkpoint_engine = async_engine
                 saver.write = torch.save if mode == "async-torch" else write_snapshot
@@ -109,13 +109,14 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 steps = timed_steps(n, 300 + r)
                 saver.wait()
                 durable = time.perf_counter() - t0
+                after = timed_steps(n, 500 + r) if os.environ.get("BENCH_PAIRED") else None
                 persist = saver.records[-1].persist_s
                 step_waited = saver.records[-1].step_waited_s
             torch.distributed.barrier()
             if rank() == 0:
                 shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
             rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
-                         "persist_s": persist, "step_waited_s": step_waited, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
+                         "persist_s": persist, "step_waited_s": step_waited, "steps_after_persist_s": after, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
     saver.close()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     if rank() == 0:
