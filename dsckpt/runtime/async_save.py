@@ -263,8 +263,9 @@ class AsyncSave:
         self.idle.wait()
         self.queue.put(None)
         self.thread.join()
-        for stop in (self.checker.shutdown, self.stager.shutdown, self.targets.close, self.pool.close):
-            stop()
+        self.checker.shutdown()
+        self.stager.shutdown()
+        self.targets.close()
         if self.failure is not None:
             self._raise()
 
