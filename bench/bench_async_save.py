@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-between", type=int, default=3)
-    ap.add_argument("--modes", default="stock,async", help="of stock, async, async-torch, async-tN (N persist threads), async-rbM (an M MiB read-back "
+    ap.add_argument("--modes", default="stock,async",
+                    help="of stock, async, async-torch, async-tN (N persist threads), async-rbM (an M MiB read-back "
                     "buffer), none (rotated each round)")
     ap.add_argument("--paired", action="store_true", help="after each background save's persist, the same number of "
                     "steps again: the steps during and after a persist compared within one round")
@@ -118,11 +119,13 @@ def main() -> None:
             interval = statistics.median(r["blocked_s"] + r["steps_s"] for r in rows if r["mode"] == mode)
             lost = interval / summary["steps_no_save_s"] - 1
             summary[f"{mode}_interval_s"], summary[f"{mode}_lost"] = interval, lost
+            with_save = spread(mode, lambda r: r["blocked_s"] + r["steps_s"])
+            without = spread("none", lambda r: r["steps_s"])
             print(f"  {mode}: a save every {args.steps_between} steps: block {med(mode, 'blocked_s') * 1e3:.0f} ms, "
                   f"the step's wait for the copies {med(mode, 'step_waited_s') * 1e3:.0f} ms, persist "
-                  f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s "
-                  f"({spread(mode, lambda r: r['blocked_s'] + r['steps_s'])}) against {summary['steps_no_save_s']:.3f} s "
-                  f"({spread('none', lambda r: r['steps_s'])}) without a save in the same rounds: {lost * 100:.1f} % lost")
+                  f"{rate(mode):.2f} GB/s; the save's block and its steps {interval:.3f} s ({with_save}) against "
+                  f"{summary['steps_no_save_s']:.3f} s ({without}) without a save in the same rounds: "
+                  f"{lost * 100:.1f} % lost")
     if args.paired:  # within each round: the steps during the persist against the same steps right after it
         for mode in (m for m in modes if m.startswith("async")):
             ratios = sorted((r["blocked_s"] + r["steps_s"]) / r["steps_after_persist_s"] - 1 for r in rows

@@ -116,7 +116,8 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
             if rank() == 0:
                 shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
             rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
-                         "persist_s": persist, "step_waited_s": step_waited, "steps_after_persist_s": after, "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
+                         "persist_s": persist, "step_waited_s": step_waited, "steps_after_persist_s": after,
+                         "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
     saver.close()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     if rank() == 0:

@@ -106,7 +106,7 @@ class AsyncSave:
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # CPU copies left to the step
         self.staging: list[Future[None]] = []
         self.copying: list[torch.cuda.Event] = []  # GPU copies left to the step, on ``copy_stream``
-        self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # (the engine's device is current)
+        self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # (on the engine's device)
         self.defers = False  # the optimizer's step is wrapped: an optimizer-states file's copies may wait for it
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
         self.thread.start()
