@@ -103,13 +103,38 @@ def test_background_save_from_gpu_equals_stock_save(tmp_path):
     run_job("async_save.py", 1, 3, tmp_path, tmp_path / "report.json")
     report = json.loads((tmp_path / "report.json").read_text())
     check_equal_to_stock(tmp_path, report)
-    deferred = report["deferred"]  # the optimizer's copies on their own stream, waited for by the next step
-    assert deferred["deferred"] and deferred["call_s"] < 0.5 and deferred["step_waited_s"] > 0.2, deferred
+    deferred = report["deferred"]  # the optimizer's copies on their own stream, still running when the call returned
+    assert deferred["deferred"] and deferred["call_s"] < 0.5 and deferred["pending_after_call"], deferred
+    assert deferred["next_step_s"] > 0.2, deferred
     assert deferred["restored"], deferred
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     ours = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "async"), tag="t")
     assert ours.keys() == load_state_dict(tmp_path / "ref", tag="t").keys()
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_pinned_at_their_size():
+    """A large pinned buffer is pinned in place at its own size (torch's pinned allocator rounds each allocation up
+    to a power of two); a GPU copy into it lands whole; a refused registration leaves no CUDA error behind for the
+    next kernel; ``close`` unpins."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsckpt.runtime.snapshot import pin_in_place
+
+    pool = HostPool()
+    nbytes = (5 << 20) + 7
+    buffer = pool.take(nbytes, pinned=True)
+    host = torch.empty(0, dtype=torch.uint8).set_(buffer)
+    assert buffer.nbytes() == nbytes and host.is_pinned() and pool.pinned == [buffer]
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    host.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, source.cpu())
+    assert not pin_in_place(buffer)  # registered twice: the driver refuses
+    assert int((torch.ones(4, device="cuda") + 1).sum()) == 8  # (the refusal's error did not linger)
+    pool.close()
+    assert not torch.empty(0, dtype=torch.uint8).set_(buffer).is_pinned() and pool.pinned == []
 
 
 def check_equal_to_stock(root: Path, report: dict) -> None:
@@ -151,7 +176,8 @@ def test_copies_left_past_the_call_finish_before_the_next_step(saved):
     waits for them (slowed to 0.5 s here): the call returned before they were done, the step waited, and the tag
     loads back as the optimizer's state at the call."""
     deferred = saved[1]["deferred"]
-    assert deferred["deferred"] and deferred["call_s"] < 0.5 and deferred["step_waited_s"] > 0.2, deferred
+    assert deferred["deferred"] and deferred["call_s"] < 0.5 and deferred["pending_after_call"], deferred
+    assert deferred["step_waited_s"] > 0.2, deferred
     assert deferred["restored"], deferred
 
 

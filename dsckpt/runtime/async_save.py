@@ -263,9 +263,8 @@ class AsyncSave:
         self.idle.wait()
         self.queue.put(None)
         self.thread.join()
-        self.checker.shutdown()
-        self.stager.shutdown()
-        self.targets.close()
+        for stop in (self.checker.shutdown, self.stager.shutdown, self.targets.close, self.pool.close):
+            stop()
         if self.failure is not None:
             self._raise()
 

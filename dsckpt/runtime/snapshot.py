@@ -11,31 +11,71 @@ forward and backward that follow run beside them; the caller makes the next step
 from __future__ import annotations
 
 import copy
+import ctypes
+import mmap
 import threading
 from typing import Any
 
 import torch
 
 
+PINNED_IN_PLACE = 1 << 20  # a smaller pinned buffer comes from torch's allocator (its rounding costs < 1 MiB)
+
+
 class HostPool:
     """Host buffers by size, kept from one save to the next: a fresh buffer faults on every page it is first written
-    (docs/dev/performance-log.md 28), so the rank keeps one copy of its state after the first save."""
+    (docs/dev/performance-log.md 28), so the rank keeps one copy of its state after the first save.  A large pinned
+    buffer is mapped memory pinned in place at its own size (``cudaHostRegister``): torch's pinned allocator rounds
+    each allocation up to a power of two, up to twice the state's bytes (log 34); ``close`` unpins them."""
 
     def __init__(self):
         self.free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self.lock = threading.Lock()
+        self.pinned: list[torch.UntypedStorage] = []
 
     def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
         with self.lock:
             spare = self.free.get((nbytes, pinned))
             if spare:
                 return spare.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+        if not pinned or nbytes < PINNED_IN_PLACE:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+        region = mmap.mmap(-1, nbytes)  # pages of its own: no other registered range shares one
+        buffer = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()  # (the storage keeps the region)
+        if not pin_in_place(buffer):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()  # (torch's, then)
+        with self.lock:
+            self.pinned.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        """Unpin what ``take`` pinned (the buffers are freed with the last reference to them)."""
+        with self.lock:
+            pinned, self.pinned, self.free = self.pinned, [], {}
+        for buffer in pinned:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
     def give_back(self, buffers: list[tuple[torch.UntypedStorage, bool]]) -> None:
         with self.lock:
             for buf, pinned in buffers:
                 self.free.setdefault((buf.nbytes(), pinned), []).append(buf)
+
+
+def pin_in_place(buffer: torch.UntypedStorage) -> bool:
+    """Page-lock host memory where it is (cudaHostRegister, portable to every device's context); False where the
+    driver refuses, its error then cleared so that torch's next kernel-launch check does not raise it."""
+    if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1)) == 0:
+        return True
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """cudaGetLastError of the runtime torch loaded (torch.cuda.cudart() does not expose it)."""
+    with open("/proc/self/maps") as maps:
+        runtime = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+    if runtime is not None:
+        ctypes.CDLL(runtime).cudaGetLastError()
 
 
 class Snapshot:

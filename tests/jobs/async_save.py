@@ -94,12 +94,16 @@ def copies_after_the_call(trainer, runtime, saver, root):
     t0 = time.perf_counter()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t6")
     call_s = time.perf_counter() - t0
-    trainer.step()
+    pending = any(not event.query() for event in saver.copying) or any(not f.done() for f in saver.staging)
+    t0 = time.perf_counter()
+    trainer.step()  # (it waits for the copies: in the optimizer's step, or where DeepSpeed syncs the device first)
+    next_step_s = time.perf_counter() - t0
     Snapshot.finish, Snapshot._copy_beside = finish, beside
-    step_waited, deferred = saver.records[-1].step_waited_s, saver.defers
+    deferred, step_waited = saver.defers, saver.records[-1].step_waited_s
     saver.wait()
     runtime.load_checkpoint(root / "async", tag="t6")
-    return {"deferred": deferred, "call_s": call_s, "step_waited_s": step_waited,
+    return {"deferred": deferred, "call_s": call_s, "pending_after_call": pending, "next_step_s": next_step_s,
+            "step_waited_s": step_waited,
             "restored": same(capture(trainer.engine), as_of_call)}
 
 
