@@ -4,6 +4,7 @@ ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round runs every mo
 "stock,async"), the order rotating from round to round: "stock" saves with DeepSpeed's own engine (then flushes its
 files, for the durable figure), "async" with runtime.async_save, "async-torch" with it writing through torch.save (the
 persist before persist.write_snapshot), "async-tN" with N persist threads, "async-rbM" with a read-back buffer of M MiB,
+"async-tp" with the snapshot's buffers from torch's pinned allocator (before they were pinned in place),
 "none" does not save.  After each, STEPS_BETWEEN training steps run, timed
 (an async save's persist overlaps them).  A first background save before the rounds allocates the host buffers
 the others reuse (its block is reported apart).  Rank 0 writes REPORT (JSON).
@@ -22,7 +23,7 @@ from models import transformer  # noqa: E402
 
 from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
 from dsckpt.runtime.engine import Runtime, rank, shutdown  # noqa: E402
-from dsckpt.runtime import persist as persist_module  # noqa: E402
+from dsckpt.runtime import persist as persist_module, snapshot as snapshot_module  # noqa: E402
 from dsckpt.runtime.persist import write_snapshot  # noqa: E402
 from dsckpt.runtime.config import resolve_config  # noqa: E402
 from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
@@ -80,6 +81,18 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     saver.wait()
     if rank() == 0:
         shutil.rmtree(root / "first")
+    in_place, own_pool, torch_pool = snapshot_module.PINNED_IN_PLACE, saver.pool, snapshot_module.HostPool()
+
+    def use_pool(mode: str) -> None:
+        torch_pinned = mode == "async-tp"
+        snapshot_module.PINNED_IN_PLACE = 1 << 62 if torch_pinned else in_place
+        saver.pool = torch_pool if torch_pinned else own_pool
+    if "async-tp" in modes:  # its buffers allocated before the rounds too
+        use_pool("async-tp")
+        async_save(str(root / "first"), tag="first")
+        saver.wait()
+        if rank() == 0:
+            shutil.rmtree(root / "first")
     for r in range(int(rounds)):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             tag = f"{mode}{r}"
@@ -100,6 +113,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
             else:
                 engine.checkpoint_engine = async_engine
                 saver.write = torch.save if mode == "async-torch" else write_snapshot
+                use_pool(mode)
                 persist_module.THREADS = int(mode[7:]) if mode.startswith("async-t") and mode[7:].isdigit() else threads
                 persist_module.READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back
                 t0 = time.perf_counter()
