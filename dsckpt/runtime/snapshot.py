@@ -26,7 +26,7 @@ class HostPool:
     """Host buffers by size, kept from one save to the next: a fresh buffer faults on every page it is first written
     (docs/dev/performance-log.md 28), so the rank keeps one copy of its state after the first save.  A large pinned
     buffer is mapped memory pinned in place at its own size (``cudaHostRegister``): torch's pinned allocator rounds
-    each allocation up to a power of two, up to twice the state's bytes (log 34); ``close`` unpins them."""
+    each allocation up to a power of two, 1.81x the state on the bench rank (logs 34, 35); ``close`` unpins them."""
 
     def __init__(self):
         self.free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
