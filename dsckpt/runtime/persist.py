@@ -15,6 +15,7 @@ The result is the file ``torch.save`` writes, byte for byte but for its random `
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import pickle
 import struct
@@ -157,7 +158,7 @@ def _read_back_crc(fd: int, offset: int, nbytes: int, scratch: threading.local) 
     """The CRC-32 of ``nbytes`` of the file from ``offset``, read through a buffer of the thread's own."""
     buffer = getattr(scratch, "buffer", None)
     if buffer is None:
-        buffer = scratch.buffer = memoryview(bytearray(READ_BACK))
+        buffer = scratch.buffer = memoryview(mmap.mmap(-1, READ_BACK))  # (a bytearray's zero-fill holds the GIL)
     crc, done = 0, 0
     while done < nbytes:
         got = os.preadv(fd, [buffer[:min(READ_BACK, nbytes - done)]], offset + done)
