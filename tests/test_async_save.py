@@ -1,6 +1,7 @@
 """dsckpt's background checkpoint engine (runtime/async_save.py) against DeepSpeed's own save and load."""
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -117,7 +118,7 @@ def test_background_save_from_gpu_equals_stock_save(tmp_path):
 def test_pinned_buffers_are_pinned_at_their_size():
     """A large pinned buffer is pinned in place at its own size (torch's pinned allocator rounds each allocation up
     to a power of two); a GPU copy into it lands whole; a refused registration leaves no CUDA error behind for the
-    next kernel; ``close`` unpins."""
+    next kernel; ``close`` unpins, and so does a pool dropped without it."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from dsckpt.runtime.snapshot import pin_in_place
@@ -135,6 +136,11 @@ def test_pinned_buffers_are_pinned_at_their_size():
     assert int((torch.ones(4, device="cuda") + 1).sum()) == 8  # (the refusal's error did not linger)
     pool.close()
     assert not torch.empty(0, dtype=torch.uint8).set_(buffer).is_pinned() and pool.pinned == []
+    dropped = HostPool()  # a pool no one closes unpins when it goes
+    buffer = dropped.take(nbytes, pinned=True)
+    del dropped
+    gc.collect()
+    assert not torch.empty(0, dtype=torch.uint8).set_(buffer).is_pinned()
 
 
 def check_equal_to_stock(root: Path, report: dict) -> None:

@@ -14,6 +14,7 @@ import copy
 import ctypes
 import mmap
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ class HostPool:
         self.free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self.lock = threading.Lock()
         self.pinned: list[torch.UntypedStorage] = []
+        self._unpin = weakref.finalize(self, _unpin_all, self.pinned)  # a pool dropped without close() unpins too
+        self._unpin.atexit = False  # (the process's end frees them)
 
     def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
         with self.lock:
@@ -51,14 +54,19 @@ class HostPool:
     def close(self) -> None:
         """Unpin what ``take`` pinned (the buffers are freed with the last reference to them)."""
         with self.lock:
-            pinned, self.pinned, self.free = self.pinned, [], {}
-        for buffer in pinned:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            self.free = {}
+        self._unpin()
 
     def give_back(self, buffers: list[tuple[torch.UntypedStorage, bool]]) -> None:
         with self.lock:
             for buf, pinned in buffers:
                 self.free.setdefault((buf.nbytes(), pinned), []).append(buf)
+
+
+def _unpin_all(buffers: list[torch.UntypedStorage]) -> None:
+    for buffer in buffers:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    buffers.clear()
 
 
 def pin_in_place(buffer: torch.UntypedStorage) -> bool:
