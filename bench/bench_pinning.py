@@ -1,13 +1,12 @@
 """Pinned host buffers for a background save's snapshot: torch's pinned allocator against pinning in place (issue 54).
 
-The background engine copies a rank's GPU state into pinned host buffers it keeps from save to save
-(``runtime.snapshot.HostPool``, through ``torch.empty(..., pin_memory=True)``), so their size is the host memory a
-save costs.  torch's pinned allocator rounds every allocation up to a power of two (``CachingHostAllocator``); the
-alternative measured here maps each buffer on pages of its own and pins it in place with ``cudaHostRegister``
-(docs/dev/performance-log.md 34: not adopted until this bench has run on a GPU).  Each method runs in a fresh
-process, alternating: the time to allocate and pin buffers of the given sizes, the host memory the system lost
-(``MemAvailable`` before and after), and a device-to-host copy into one buffer (pinned memory takes it at the
-link's speed, pageable memory far slower).
+The background engine copies a rank's GPU state into pinned host buffers it keeps from save to save, so their size
+is the host memory a save costs.  torch's pinned allocator (``torch.empty(..., pin_memory=True)``,
+``CachingHostAllocator``) rounds every allocation up to a power of two; ``runtime.snapshot.HostPool`` maps each
+buffer on pages of its own and pins it in place (``pin_in_place``: ``cudaHostRegister``).  Each method runs in a
+fresh process, alternating: the time to allocate and pin buffers of the given sizes, the host memory the system lost
+(``MemAvailable`` before and after), and a device-to-host copy into one buffer (pinned memory takes it at the link's
+speed, pageable memory far slower).  docs/dev/performance-log.md 34-35.
 
     python bench/bench_pinning.py --sizes-gb 4.84,4.84,4.84 --rounds 2     (on a GPU host)
 """
@@ -15,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -32,18 +33,21 @@ def available() -> int:
 def one(method: str, sizes: list[int]) -> dict:
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from dsckpt.runtime.snapshot import HostPool
+
     torch.cuda.init()
     source = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
+    pool = HostPool()
     before = available()
     t0 = time.perf_counter()
     if method == "torch":
         buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=True).untyped_storage() for n in sizes]
-    else:  # pages of its own for each buffer (two registered ranges may not share one), pinned at its size
-        buffers = [torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).untyped_storage() for n in sizes]
-        for buffer in buffers:
-            if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1)) != 0:
-                raise SystemExit(f"cudaHostRegister of {buffer.nbytes():,} bytes failed")
+    else:
+        buffers = [pool.take(n, pinned=True) for n in sizes]
+        if len(pool.pinned) != len(buffers):
+            raise SystemExit("cudaHostRegister refused a buffer: HostPool fell back to torch's allocator")
     pin_s = time.perf_counter() - t0
     lost = before - available()
     host = torch.empty(0, dtype=torch.uint8).set_(buffers[0], 0, (source.numel(),))
@@ -55,9 +59,7 @@ def one(method: str, sizes: list[int]) -> dict:
         torch.cuda.synchronize()
         rates.append(source.numel() / 1e9 / (time.perf_counter() - t0))
     pinned = host.is_pinned()  # (asked before the buffers are unpinned)
-    if method != "torch":
-        for buffer in buffers:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    pool.close()
     return {"method": method, "pin_s": pin_s, "host_bytes_lost": lost, "state_bytes": sum(sizes),
             "d2h_gbps": max(rates), "is_pinned": pinned}
 
