@@ -7,7 +7,9 @@ snapshot's host buffers by several threads and checked as they land.
    pickle's keys is recorded as torch's own pickler names it (``_recording_pickler``).
 2. Each storage's bytes go into their hole in chunks, on ``THREADS`` threads: a chunk's CRC-32 is taken from the
    host buffer, the chunk written, its write-back started (``sync_file_range``), then read back and compared.  The
-   file's lock serialises the copies into the page cache, not the CRC-32s around them.
+   file's lock serialises the copies into the page cache, not the CRC-32s around them.  A chunk is a handful of
+   calls that release the GIL (one ``pwrite``, one ``preadv``): each return must take the GIL back from the
+   training thread, which a Python-bound ZeRO-3 step holds (docs/dev/performance-log.md 37).
 3. The CRC-32s go where torch's writer puts them: each entry's data descriptor (or local header) and its
    central-directory record.  The caller fsyncs the file.
 The result is the file ``torch.save`` writes, byte for byte but for its random ``.data/serialization_id``.
@@ -31,11 +33,11 @@ import torch
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
-from ..formats.positional import pwrite_all
 from ..io import writeback
 
 CHUNK = 64 << 20
-READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back
+READ_BACK = CHUNK  # a thread's buffer for reading its chunks back: a chunk in one read
+WRITE_PIECE = CHUNK  # the most one pwrite takes: a chunk in one call
 STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
 _CRC_FIELD = 14  # a local header's CRC-32, from its start
@@ -134,7 +136,9 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
     def write(entry: _Entry, chunk: memoryview, at: int) -> int:
         crc = crc32(chunk)
         offset = entry.data + at
-        pwrite_all(fd, chunk, offset)
+        written = 0
+        while written < len(chunk):
+            written += os.pwrite(fd, chunk[written:written + WRITE_PIECE], offset + written)
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
         if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
