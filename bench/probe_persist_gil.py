@@ -1,9 +1,11 @@
-"""Does the background persist slow a Python-bound training thread through the GIL (issue 54's throughput)?
+"""Does the background persist slow a Python-bound training thread, and how (issue 54's throughput)?
 
-A spin loop's rate on the main thread while ``persist.write_snapshot`` of PROBE_GB of CPU tensors runs on threads of
-this process, against the same persist run by another process (no GIL shared), for 4 and 1 persist threads; each
-figure is the loop's rate against its rate alone.  Run where cores are ample (the GPU host): on 2 cores the persist's
-CPU use dominates.
+A loop of small torch operations (Python-bound, as ZeRO-3's step is) on the main thread while
+``persist.write_snapshot`` of PROBE_GB of CPU tensors runs: on threads of this process (the GIL shared), in another
+process (no GIL shared), in another process at nice 19, and against as many busy processes that do no I/O; for 4
+and 1 persist threads.  Each line gives the work's time and the loop's rate against its rate alone; every loop tests
+the same plain flag and every child is started before the timing, so the rates compare.  Run where cores are ample
+(the GPU host): on 2 cores the persist's own CPU use dominates.
 
     PROBE_GB=4 python bench/probe_persist_gil.py
 """
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -27,15 +30,28 @@ def make_state() -> dict[str, torch.Tensor]:
     return {key: torch.ones(int(GB * 1e9 / 4 / 3), dtype=torch.float32) for key in "abc"}
 
 
-def spin_until(done) -> float:
-    """Loop iterations a second until ``done()``."""
+def loop_rate_while(work: Callable[[], object]) -> tuple[float, float]:
+    """The main loop's iterations a second while ``work()`` runs on a thread, and the time ``work`` took."""
+    done, took, small = [False], [0.0], torch.zeros(8)
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        work()
+        took[0], done[0] = time.perf_counter() - t0, True
+
+    thread = threading.Thread(target=run)
     n, t0 = 0, time.perf_counter()
-    while not done():
+    thread.start()
+    while not done[0]:
+        small.add_(1.0).mul_(0.5)
         n += 1
-    return n / (time.perf_counter() - t0)
+    rate = n / (time.perf_counter() - t0)
+    thread.join()
+    return rate, took[0]
 
 
-def child(threads: int) -> None:
+def child(threads: int, nice: int) -> None:
+    os.nice(nice)
     persist.THREADS = threads
     state = make_state()
     print("ready", flush=True)
@@ -43,31 +59,56 @@ def child(threads: int) -> None:
     persist.write_snapshot(state, CHILD_OUT)
 
 
+def ready_child(threads: int, nice: int = 0) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, __file__, "child", str(threads), str(nice)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"  # its state made
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    proc.wait()
+
+
+def busy(processes: int, seconds: float) -> None:
+    """``processes`` pure-Python spinners (no I/O, no shared GIL) for ``seconds``."""
+    spin = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    for proc in [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(processes)]:
+        proc.wait()
+
+
+def machine() -> str:
+    quota = "/sys/fs/cgroup/cpu.max"
+    cpu_max = open(quota).read().strip() if os.path.exists(quota) else "n/a"
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "?")
+    return f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable), cgroup cpu.max {cpu_max}, {model}"
+
+
 def main() -> None:
+    print(machine(), flush=True)
     state = make_state()
-    end = time.perf_counter() + 2.0
-    alone = spin_until(lambda: time.perf_counter() > end)
+    alone, _ = loop_rate_while(lambda: time.sleep(2.0))
+    print(f"alone: {alone:.0f} loops/s", flush=True)
     for threads in (4, 1):
         persist.THREADS = threads
         for _ in range(2):
-            writer = threading.Thread(target=persist.write_snapshot, args=(state, OUT))
-            t0 = time.perf_counter()
-            writer.start()
-            rate = spin_until(lambda: not writer.is_alive())
-            print(f"threads {threads}: in-process persist {time.perf_counter() - t0:.2f} s, main loop "
-                  f"{rate / alone:.2f}x", flush=True)
+            rate, took = loop_rate_while(lambda: persist.write_snapshot(state, OUT))
+            print(f"threads {threads}: in-process persist {took:.2f} s, main loop {rate / alone:.2f}x", flush=True)
             os.remove(OUT)
-            proc = subprocess.Popen([sys.executable, __file__, "child", str(threads)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True)
-            proc.stdout.readline()  # its state made
-            t0 = time.perf_counter()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            rate = spin_until(lambda: proc.poll() is not None)
-            print(f"threads {threads}: subprocess persist {time.perf_counter() - t0:.2f} s, main loop "
-                  f"{rate / alone:.2f}x", flush=True)
-            os.remove(CHILD_OUT)
+            for nice in (0, 19):
+                proc = ready_child(threads, nice)
+                rate, took = loop_rate_while(lambda: go(proc))
+                print(f"threads {threads}: subprocess persist at nice {nice} {took:.2f} s, main loop "
+                      f"{rate / alone:.2f}x", flush=True)
+                os.remove(CHILD_OUT)
+            rate, took = loop_rate_while(lambda: busy(threads, 1.5))
+            print(f"threads {threads}: {threads} busy processes (no I/O) {took:.2f} s, main loop {rate / alone:.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    child(int(sys.argv[2])) if sys.argv[1:2] == ["child"] else main()
+    child(int(sys.argv[2]), int(sys.argv[3])) if sys.argv[1:2] == ["child"] else main()

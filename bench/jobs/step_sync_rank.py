@@ -1,0 +1,88 @@
+"""Where does the step after a background save wait for the snapshot's device-to-host copies?  (issue 54, GPU only)
+
+One rank: the bench transformer (BENCH_DIM, BENCH_LAYERS) under ZeRO-3 bf16, a background save, then one step with
+its forward, backward and optimizer step each timed on the host (no sync between them) and CUDA's synchronising
+calls reported with the Python stack that made them (``torch.cuda.set_sync_debug_mode``); the same for a step
+without a save before it.  Run by bench/probe_step_sync.py.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from models import transformer  # noqa: E402
+
+from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
+from dsckpt.runtime.config import resolve_config  # noqa: E402
+from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
+from dsckpt.runtime.engine import Runtime, shutdown  # noqa: E402
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    config = resolve_config(None, preset=None, precision="bf16", stage=3)
+    config["train_micro_batch_size_per_gpu"] = 1
+    config.pop("train_batch_size", None)
+    engine = Runtime(config, async_save=False).setup(transformer, lambda p: torch.optim.AdamW(p, lr=1e-4))
+    model = engine.module
+    seen: list[str] = []
+
+    def shown(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        seen.append(f"{message}\n{stack}")
+
+    def timed_step(i: int) -> dict[str, float]:
+        tokens = synthetic_batch(i, seed=0, batch_size=1, seq_len=model.seq_len, vocab_size=model.vocab_size)
+        tokens = tokens.to(engine.device)
+        times, t0 = {}, time.perf_counter()
+        loss = engine(tokens)
+        times["forward_s"] = time.perf_counter() - t0
+        engine.backward(loss)
+        times["backward_s"] = time.perf_counter() - t0 - times["forward_s"]
+        engine.step()
+        times["step_s"] = time.perf_counter() - t0 - times["forward_s"] - times["backward_s"]
+        torch.cuda.synchronize()
+        times["total_s"] = time.perf_counter() - t0
+        return times
+
+    for i in range(3):
+        timed_step(i)
+    saver = AsyncSave(engine, report=lambda text: None)
+    out = tempfile.mkdtemp(prefix="step-sync-")
+    engine.save_checkpoint(out, tag="first")  # pins the buffers
+    saver.wait()
+    for i in range(3):
+        timed_step(10 + i)
+    warnings.showwarning = shown
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    plain = timed_step(20)
+    plain_syncs, seen[:] = list(seen), []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.save_checkpoint(out, tag="second")
+    call_s, pending = time.perf_counter() - t0, bool(saver.copying)
+    after = timed_step(21)
+    torch.cuda.set_sync_debug_mode(0)
+    saver.wait()
+    print(f"save call {call_s:.3f} s; copies pending after it: {pending}")
+    print("step without a save:", {k: round(v, 3) for k, v in plain.items()})
+    print("step after the save:", {k: round(v, 3) for k, v in after.items()})
+    for name, syncs in (("without a save", plain_syncs), ("after the save", seen)):
+        print(f"--- synchronising calls in the step {name}: {len(syncs)}")
+        for text in dict.fromkeys(syncs):
+            print(text)
+    shutdown(engine)
+
+
+if __name__ == "__main__":
+    main()
