@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--modes", default="stock,async",
                     help="of stock, async, async-torch, async-tN (N persist threads), async-tp (torch's pinned "
                     "allocator), async-rbM (an M MiB read-back buffer), async-small-calls (the persist's calls before "
-                    "round 23), none (rotated each round)")
+                    "round 23), async-niceN (the persist threads' nice value raised by N), none (rotated each round)")
     ap.add_argument("--paired", action="store_true", help="after each background save's persist, the same number of "
                     "steps again: the steps during and after a persist compared within one round")
     ap.add_argument("--out", type=Path, default=None, help="folder for the checkpoints (default: a temp folder)")

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,9 @@ def test_engine_writer_writes_what_torch_save_writes(tmp_path, monkeypatch):
     from dsckpt.runtime import persist
 
     monkeypatch.setattr(persist, "CHUNK", 4096)  # many chunks, the last one short
+    monkeypatch.setattr(persist, "WRITE_PIECE", 1000)  # a chunk in several writes and read-backs, none dividing it
+    monkeypatch.setattr(persist, "READ_BACK", 1500)
+    monkeypatch.setattr(persist, "NICE", 1)
     flat = torch.randn(10_007)
     state = {"a": flat[3:], "b": flat[:7].view(7, 1), "empty": torch.empty(0), "ids": torch.arange(13),
              "bf": torch.randn(4099).bfloat16(), "p": torch.nn.Parameter(torch.randn(5, 3).t()),
@@ -79,6 +84,11 @@ def test_engine_writer_writes_what_torch_save_writes(tmp_path, monkeypatch):
         back = torch.load(ours, weights_only=True)
     assert back["note"].text == "as of the call" and back["nested"][0]["shared"].data_ptr() == back["a"].data_ptr() - 12
     assert all(torch.equal(back[k], state[k]) for k in ("a", "b", "empty", "ids", "bf", "p"))
+    niced: list[int] = []
+    thread = threading.Thread(target=lambda: (persist._lower_priority(),
+                                              niced.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))))
+    thread.start(), thread.join()
+    assert niced == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)]  # the persist thread's own, not the process's
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])

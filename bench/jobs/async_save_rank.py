@@ -5,7 +5,8 @@ ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round runs every mo
 files, for the durable figure), "async" with runtime.async_save, "async-torch" with it writing through torch.save (the
 persist before persist.write_snapshot), "async-tN" with N persist threads, "async-rbM" with a read-back buffer of M MiB,
 "async-tp" with the snapshot's buffers from torch's pinned allocator (before they were pinned in place),
-"async-small-calls" with the persist's calls before round 23 (1 MiB pwrites, 8 MiB read-backs),
+"async-small-calls" with the persist's calls before round 23 (1 MiB pwrites, 8 MiB read-backs), "async-niceN" with
+the persist threads' nice value raised by N,
 "none" does not save.  After each, STEPS_BETWEEN training steps run, timed
 (an async save's persist overlaps them).  A first background save before the rounds allocates the host buffers
 the others reuse (its block is reported apart).  Rank 0 writes REPORT (JSON).
@@ -73,6 +74,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     async_save, async_engine = engine.save_checkpoint, engine.checkpoint_engine
     n, rows, root = int(steps_between), [], Path(out)
     threads, read_back, write_piece = persist_module.THREADS, persist_module.READ_BACK, persist_module.WRITE_PIECE
+    nice = persist_module.NICE
     baseline = timed_steps(n, 100)  # no save at all
     modes = os.environ.get("BENCH_MODES", "stock,async").split(",")
     t0 = time.perf_counter()  # the first background save allocates the host buffers every later one reuses
@@ -118,6 +120,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 persist_module.THREADS = int(mode[7:]) if mode.startswith("async-t") and mode[7:].isdigit() else threads
                 persist_module.READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back
                 persist_module.WRITE_PIECE = write_piece
+                persist_module.NICE = int(mode[10:]) if mode.startswith("async-nice") else nice
                 if mode == "async-small-calls":
                     persist_module.READ_BACK, persist_module.WRITE_PIECE = 8 << 20, 1 << 20
                 t0 = time.perf_counter()
