@@ -7,9 +7,8 @@ snapshot's host buffers by several threads and checked as they land.
    pickle's keys is recorded as torch's own pickler names it (``_recording_pickler``).
 2. Each storage's bytes go into their hole in chunks, on ``THREADS`` threads: a chunk's CRC-32 is taken from the
    host buffer, the chunk written, its write-back started (``sync_file_range``), then read back and compared.  The
-   file's lock serialises the copies into the page cache, not the CRC-32s around them.  A chunk is a handful of
-   calls that release the GIL (one ``pwrite``, one ``preadv``): each return must take the GIL back from the
-   training thread, which a Python-bound ZeRO-3 step holds (docs/dev/performance-log.md 37).
+   file's lock serialises the copies into the page cache, not the CRC-32s around them.  A chunk is one ``pwrite`` and one
+   ``preadv``: each call's return takes the GIL back from the training thread (docs/dev/performance-log.md 37).
 3. The CRC-32s go where torch's writer puts them: each entry's data descriptor (or local header) and its
    central-directory record.  The caller fsyncs the file.
 The result is the file ``torch.save`` writes, byte for byte but for its random ``.data/serialization_id``.
@@ -40,7 +39,7 @@ READ_BACK = CHUNK  # a thread's buffer for reading its chunks back: a chunk in o
 WRITE_PIECE = CHUNK  # the most one pwrite takes: a chunk in one call
 STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
-NICE = 0  # added to the persist threads' nice value (Linux: per thread), so the training's threads go first
+NICE = 0  # added to the persist threads' nice value (Linux: per thread); 0 until measured (performance-log 37)
 _CRC_FIELD = 14  # a local header's CRC-32, from its start
 _DESCRIPTOR_MAGIC = b"PK\x07\x08"  # a data descriptor (the CRC-32 after the bytes: torch's writer sets flag bit 3)
 _CD_RECORD = struct.Struct("<4s12xI8xHHH12x")  # a central-directory record: signature, CRC-32, name/extra/comment lengths
