@@ -9,6 +9,8 @@
 #   bash bench/device_session.sh s3 $OUT LAYERS [DIM]    bench_s3.py against a local moto server (wheels in .whl/s3/)
 #   bash bench/device_session.sh async $OUT STAGE [MODES] [STEPS] [ROUNDS]   bench_async_save.py, 1.21B bf16 on the GPU
 #   bash bench/device_session.sh gpu-tests $OUT [-k EXPR]    the GPU-marked tests (Lightning's own strategy among them)
+#   bash bench/device_session.sh persist-loss $OUT    issue 54's open questions in one run (performance-log 37): the
+#        copy engines, the persist beside a Python-bound thread in and out of process, nice 19 on the throughput
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
 # as wheels in .whl/ (installed to /tmp/site).
 part=${1:?part}; out=${2:?OUT}
@@ -37,6 +39,13 @@ case $part in
     shift 2
     timeout 500 python3 -m pytest -q -m gpu tests/test_trainer_flows.py tests/test_async_save.py "$@" 2>&1 | grep -v -i warn | tail -60 \
       | tee $out/gpu_tests.txt ;;
+  persist-loss)
+    nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep -i "^thread\|^core\|^socket\|model name"
+    PROBE_GB=8 timeout 60 python3 bench/probe_copy_engine.py 2>&1 | grep -v -i warn | tee $out/copy_engine.txt
+    PROBE_GB=2 timeout 150 python3 bench/probe_persist_gil.py 2>&1 | tee $out/persist_gil.txt
+    timeout 300 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
+      --rounds 2 --modes async,async-nice19,none --steps-between 30 --paired --out /tmp/async \
+      --json $out/async-nice.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-nice.txt ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks
