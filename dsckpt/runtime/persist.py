@@ -7,8 +7,8 @@ snapshot's host buffers by several threads and checked as they land.
    pickle's keys is recorded as torch's own pickler names it (``_recording_pickler``).
 2. Each storage's bytes go into their hole in chunks, on ``THREADS`` threads: a chunk's CRC-32 is taken from the
    host buffer, the chunk written, its write-back started (``sync_file_range``), then read back and compared.  The
-   file's lock serialises the copies into the page cache, not the CRC-32s around them.  A chunk is one ``pwrite``
-   and one ``preadv``: each call's return takes the GIL back from the training thread (performance-log 37).
+   file's lock serialises the copies into the page cache, not the CRC-32s around them.  A chunk is one ``pwrite``:
+   each call's return takes the GIL back from the training thread (performance-log 37).
 3. The CRC-32s go where torch's writer puts them: each entry's data descriptor (or local header) and its
    central-directory record.  The caller fsyncs the file.
 The result is the file ``torch.save`` writes, byte for byte but for its random ``.data/serialization_id``.
@@ -35,7 +35,7 @@ from ..formats.crc import crc32, crc32_combine
 from ..io import writeback
 
 CHUNK = 64 << 20
-READ_BACK = CHUNK  # a thread's buffer for reading its chunks back: a chunk in one read
+READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back (a 64 MiB one, mapped anew per file, is slower)
 WRITE_PIECE = CHUNK  # the most one pwrite takes: a chunk in one call
 STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
