@@ -56,12 +56,12 @@ def write_all(fp: Any, data: Buffer) -> int:
     return len(view)
 
 
-def pwrite_all(fd: int, data: Buffer, offset: int) -> int:
-    """``os.pwrite`` of all of ``data`` at ``offset``, in ``WRITE_SLICE`` calls; returns the bytes written."""
+def pwrite_all(fd: int, data: Buffer, offset: int, piece: int = WRITE_SLICE) -> int:
+    """``os.pwrite`` of all of ``data`` at ``offset``, at most ``piece`` bytes a call; returns the bytes written."""
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
-        done += os.pwrite(fd, view[done:done + WRITE_SLICE], offset + done)
+        done += os.pwrite(fd, view[done:done + piece], offset + done)
     return len(view)
 
 

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
+from ..formats.positional import pwrite_all
 from ..io import writeback
 
 CHUNK = 64 << 20
@@ -136,9 +137,7 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
     def write(entry: _Entry, chunk: memoryview, at: int) -> int:
         crc = crc32(chunk)
         offset = entry.data + at
-        written = 0
-        while written < len(chunk):
-            written += os.pwrite(fd, chunk[written:written + WRITE_PIECE], offset + written)
+        pwrite_all(fd, chunk, offset, WRITE_PIECE)
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
         if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
