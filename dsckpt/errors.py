@@ -5,6 +5,8 @@ and keeps its traceback.  ``DSCKPT_DEBUG=1`` shows the traceback for dsckpt erro
 """
 from __future__ import annotations
 
+from typing import Callable
+
 
 class Interrupted(BaseException):
     """Ctrl-C (or a launcher's SIGINT/SIGTERM) ended a run: exit 130.  Not a KeyboardInterrupt, which click
@@ -15,14 +17,31 @@ class Interrupted(BaseException):
 
 
 class DsckptError(Exception):
-    """Base class of every error dsckpt raises on purpose."""
+    """Base class of every error dsckpt raises on purpose.
+
+    ``at`` is what the error is about - a file, a folder, a tensor - kept as data apart from the ``message`` and
+    shown first (``str(error)`` is ``"<at>: <message>"``), so that whoever knows a file by another name (a
+    bucket's local view, a copy another host sent) renames it with ``named`` instead of rewriting text."""
 
     hint: str | None = None  # advice for the user (CLI flags belong here, not in the message)
+    at: object = None  # str or os.PathLike: the file or place it concerns (None: the message says all)
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, at: object = None):
         super().__init__(message)
+        self.message = message
         if hint is not None:
             self.hint = hint
+        if at is not None:
+            self.at = at
+
+    def __str__(self) -> str:
+        return self.message if self.at is None else f"{self.at}: {self.message}"
+
+    def named(self, name: "Callable[[object], object]") -> "DsckptError":
+        """This error with ``at`` as ``name`` gives it (a local view's path as the URL the user typed)."""
+        if self.at is not None:
+            self.at = name(self.at)
+        return self
 
 
 class MissingExtraError(DsckptError):

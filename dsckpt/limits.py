@@ -40,8 +40,8 @@ def check(name: str, value: int, where: str, what: str) -> None:
     """Raise ``LimitExceededError`` when ``value`` exceeds ``limit(name)``."""
     bound = limit(name)
     if value > bound:
-        raise LimitExceededError(f"{where}: {what} is {value:,}, above the limit of {bound:,}",
-                                 hint=f"if the file is trusted and this is intended, set DSCKPT_{name} higher")
+        raise LimitExceededError(f"{what} is {value:,}, above the limit of {bound:,}",
+                                 hint=f"if the file is trusted and this is intended, set DSCKPT_{name} higher", at=where)
 
 
 def defaults() -> dict[str, int]:

@@ -25,7 +25,7 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
     """Tensors, dtypes and metadata of a consolidated file, read through its format (``io.formats``)."""
     fmt = for_input(path)
     if fmt is None:
-        raise CorruptFileError(f"{path}: not a weights file any registered format reads")
+        raise CorruptFileError("not a weights file any registered format reads", at=path)
     rows: list[tuple[str, str, list[int]]] = []
     metadata: dict[str, str] = {}
     problems: list[str] = []

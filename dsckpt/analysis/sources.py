@@ -44,8 +44,8 @@ def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
     if kind.kind == "weights":
         fmt = kind.reader
         if optimizer:
-            raise UnsupportedCheckpointError(f"{p}: a consolidated file holds weights only; --optimizer reads Adam's "
-                                             "moments from a ZeRO-1/2/3 checkpoint", hint="drop --optimizer, or pass the checkpoint folder")
+            raise UnsupportedCheckpointError("a consolidated file holds weights only; --optimizer reads Adam's "
+                                             "moments from a ZeRO-1/2/3 checkpoint", hint="drop --optimizer, or pass the checkpoint folder", at=p)
         listing = fmt.read(p)
         out = [Source(t.name, "tensor", t.dtype, t.shape, (Segment(t.path, t.offset, t.span_bytes),))
                for t in listing.tensors if t.stride is None]
@@ -60,9 +60,9 @@ def _sources(p: Path, tag: str | None, optimizer: bool) -> list[Source]:
     ckpt = open_checkpoint(p, tag)
     out = _plan_sources(build_plan(ckpt), prefix="")
     if optimizer and not ckpt.zero_stage:
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint keeps its optimizer inside the "
+        raise UnsupportedCheckpointError("a ZeRO-0 checkpoint keeps its optimizer inside the "
                                          "model states as DeepSpeed's own record; --optimizer reads ZeRO-1/2/3 partitions",
-                                         hint="drop --optimizer")
+                                         hint="drop --optimizer", at=ckpt.layout.tag_dir)
     if optimizer:
         for state in ckpt.optimizer_state_keys():
             out += [Source(f"{state}/{s.name}", state, s.dtype, s.shape, s.pieces)

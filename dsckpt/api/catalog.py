@@ -42,16 +42,16 @@ class Entry:
 def _local(root: str | os.PathLike[str], verb: str) -> Path:
     from ..formats.storage import local_only
 
-    return local_only(root, OutputError(f"{root}: {verb} works on a local folder of runs",
+    return local_only(root, OutputError(f"{verb} works on a local folder of runs",
                                         hint="for a bucket's tags: `dsckpt inspect URL` lists them, "
-                                             "`dsckpt verify URL --all-tags` checks each"))
+                                             "`dsckpt verify URL --all-tags` checks each", at=root))
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
     """Every checkpoint under ``root`` (a DeepSpeed save folder or an HF ``output_dir``), oldest first."""
     root = _local(root, "list")
     if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: not a folder", hint="pass the folder a run saves into")
+        raise CheckpointNotFoundError("not a folder", hint="pass the folder a run saves into", at=root)
     numbered = {p: int(m.group(1)) for p in root.iterdir() if p.is_dir()
                 for m in [HF_CHECKPOINT.match(p.name)] if m is not None and L.list_tags(p)}
     hf = sorted(numbered, key=lambda p: numbered[p])

@@ -270,14 +270,14 @@ def verify_output(plan: Plan, out: Path, fmt: Format, only: set[str] | None = No
             if stored.name in plan.aliases or stored.name in others:
                 continue
             if stored.name not in expected:
-                raise VerificationError(f"{out}: unexpected tensor {stored.name!r}")
+                raise VerificationError(f"unexpected tensor {stored.name!r}", at=out)
             data = read_range(stored.path, stored.offset, stored.span_bytes)
             if stored.stride is not None or data != reader.read(expected[stored.name]):
-                raise VerificationError(f"{out}: tensor {stored.name!r} differs from the checkpoint")
+                raise VerificationError(f"tensor {stored.name!r} differs from the checkpoint", at=out)
             seen.add(stored.name)
     missing = set(expected) - seen
     if missing:
-        raise VerificationError(f"{out}: {len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}")
+        raise VerificationError(f"{len(missing)} tensors missing, e.g. {sorted(missing)[0]!r}", at=out)
 
 
 def load_state_dict(checkpoint: str | os.PathLike[str], tag: str | None = None, dtype: str | None = None,

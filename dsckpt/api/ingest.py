@@ -107,8 +107,8 @@ def into_deepspeed(source: str | os.PathLike[str], out: str | os.PathLike[str], 
         begin(options.progress, Phase.WRITE, total)
         groups = storage_groups(group, out)
         if len(groups.leaders) > 1:
-            raise UnsupportedCheckpointError(f"{out}: the processes see {len(groups.leaders)} different filesystems "
-                                             "there; convert --to deepspeed writes on storage every process shares")
+            raise UnsupportedCheckpointError(f"the processes see {len(groups.leaders)} different filesystems "
+                                             "there; convert --to deepspeed writes on storage every process shares", at=out)
         staged = GroupStaging(group, groups, out, directory=True, fsync=options.fsync, publishing={groups.of[0]})
         biggest_first = sorted(plan.files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
         mine = [f for i, f in enumerate(biggest_first) if i % group.size == group.rank]
@@ -185,11 +185,11 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
     try:
         ckpt = open_checkpoint(folder)
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"{folder}: neither a torch.distributed.checkpoint folder (no {METADATA_FILE}) "
-                                      "nor a DeepSpeed universal checkpoint") from None
+        raise CheckpointNotFoundError(f"neither a torch.distributed.checkpoint folder (no {METADATA_FILE}) "
+                                      "nor a DeepSpeed universal checkpoint", at=folder) from None
     if not ckpt.universal:
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: already a DeepSpeed ZeRO checkpoint",
-                                         hint="dsckpt reshard writes it for another world size or ZeRO stage")
+        raise UnsupportedCheckpointError("already a DeepSpeed ZeRO checkpoint",
+                                         hint="dsckpt reshard writes it for another world size or ZeRO stage", at=ckpt.layout.tag_dir)
     if group_order is not None:
         raise ConfigError("--group-order is for torchtitan's layout; a universal checkpoint records its groups")
     ckpt.require_complete()
@@ -202,14 +202,14 @@ def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[Par
                    given: Path) -> tuple[DcpState, list[Path], Path]:
     """``path``: the weights file or sharded folder; ``given``: what the user named (a folder holding it, or it)."""
     if model is None or param_groups is None:
-        raise ConfigError(f"{path}: a weights file holds no optimizer: the model's names and the optimizer's param "
+        raise ConfigError("a weights file holds no optimizer: the model's names and the optimizer's param "
                           "groups must be given", hint="dsckpt convert ... --to deepspeed --group-settings "
-                          "'{\"lr\": 3e-4}' (and --model MODULE:FACTORY for a file without config.json)")
+                          "'{\"lr\": 3e-4}' (and --model MODULE:FACTORY for a file without config.json)", at=path)
     listing = classify(path).reader.read(path)
     tensors = []
     for s in listing.tensors:
         if s.stride is not None:
-            raise UnsupportedCheckpointError(f"{s.path}: {s.name!r} is stored as a strided view; not supported")
+            raise UnsupportedCheckpointError(f"{s.name!r} is stored as a strided view; not supported", at=s.path)
         pieces = (Segment(s.path, s.offset, s.span_bytes),) if s.span_bytes else ()
         tensors.append(TensorPlan(s.name, s.shape, s.dtype, s.dtype, "param", pieces))
     state = build_weights_state(tensors, model, param_groups, path)

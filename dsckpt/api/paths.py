@@ -56,7 +56,7 @@ def classify(path: str | os.PathLike[str]) -> PathKind:
 
 def _classify_local(p: Path) -> PathKind:
     if not os.path.lexists(p):
-        raise CheckpointNotFoundError(f"{p}: no such file or directory")
+        raise CheckpointNotFoundError("no such file or directory", at=p)
     if p.is_file() and RANK_FILE_RE.match(p.name):
         return PathKind("deepspeed")
     if p.is_dir():
@@ -81,9 +81,9 @@ def open_local_checkpoint(path: str | os.PathLike[str], tag: str | None = None) 
     from ..formats.storage import local_only
     from ..zero.reader import open_checkpoint
 
-    refusal = CheckpointNotFoundError(f"{path}: open_checkpoint reads a local folder",
+    refusal = CheckpointNotFoundError("open_checkpoint reads a local folder",
                                       hint="for a bucket: `dsckpt inspect URL --json`, dsckpt.load_state_dict(URL), "
-                                           "dsckpt.verify(URL), or copy the checkpoint down first")
+                                           "dsckpt.verify(URL), or copy the checkpoint down first", at=path)
     return open_checkpoint(local_only(path, refusal), tag)
 
 
@@ -118,6 +118,6 @@ def require_checkpoint(path: str | os.PathLike[str]) -> None:
     what = "folder" if p.is_dir() else "file"
     quoted = shlex.quote(str(p))
     raise CheckpointNotFoundError(
-        f"{p}: a {kind.reader.name} weights {what} (full tensors), not a DeepSpeed checkpoint's rank files",
+        f"a {kind.reader.name} weights {what} (full tensors), not a DeepSpeed checkpoint's rank files",
         hint=f"weights load with `dsckpt resume --full-weights {quoted}` or dsckpt.load_into(model, {str(p)!r}); "
-             f"`dsckpt diff CKPT {quoted}` compares them with a checkpoint, `dsckpt inspect {quoted}` describes them")
+             f"`dsckpt diff CKPT {quoted}` compares them with a checkpoint, `dsckpt inspect {quoted}` describes them", at=p)

@@ -213,7 +213,7 @@ def _pickle(f: OutputFile, trust: bool) -> Pickled:
     try:
         return dumps(f.tree, allow_foreign=trust)
     except ValueError as exc:
-        raise UnsupportedCheckpointError(f"{f.template}: {exc}; it cannot be written back") from None
+        raise UnsupportedCheckpointError(f"{exc}; it cannot be written back", at=f.template) from None
 
 
 def write_files(plan: ReshardPlan, root: Path, files: Sequence[OutputFile], companions: Sequence[Copy],
@@ -253,5 +253,5 @@ def check_written(root: Path, plan: ReshardPlan) -> None:
     written = open_checkpoint(root)
     written.require_complete(tensor_parallel=True, pipeline=True)
     if written.world_size != plan.world_size or written.zero_stage != plan.stage:
-        raise InconsistentCheckpointError(f"{root}: wrote stage {written.zero_stage} at world size "
-                                          f"{written.world_size}, meant stage {plan.stage} at {plan.world_size}")
+        raise InconsistentCheckpointError(f"wrote stage {written.zero_stage} at world size "
+                                          f"{written.world_size}, meant stage {plan.stage} at {plan.world_size}", at=root)

@@ -31,20 +31,20 @@ class WeightsFile:
     def __init__(self, path: str | Path, strip_prefixes: tuple[str, ...] = ()):
         self.path = Path(path)
         if not self.path.exists():
-            raise CheckpointNotFoundError(f"{self.path}: no such weights file or folder")
+            raise CheckpointNotFoundError("no such weights file or folder", at=self.path)
         kind = classify(self.path)
         if kind.kind != "weights":
             what = "a DeepSpeed checkpoint, not a weights file" if kind.is_checkpoint else \
                 "not a weights file (.safetensors, a sharded folder or its index.json, .pt/.pth/.bin)"
-            raise CorruptFileError(f"{self.path}: {what}",
-                                   hint="for a DeepSpeed checkpoint folder, resume CKPT_DIR or consolidate it first")
+            raise CorruptFileError(f"{what}",
+                                   hint="for a DeepSpeed checkpoint folder, resume CKPT_DIR or consolidate it first", at=self.path)
         fmt = kind.reader
         try:
             listing = fmt.read(self.path)
         except (OSError, ValueError) as exc:
-            raise CorruptFileError(f"{self.path}: cannot read weights ({exc})") from None
+            raise CorruptFileError(f"cannot read weights ({exc})", at=self.path) from None
         if not listing.tensors:
-            raise CorruptFileError(f"{self.path}: holds no tensors")
+            raise CorruptFileError("holds no tensors", at=self.path)
         self.entries: dict[str, Stored] = {t.name: t for t in listing.tensors}
         self._beside = listing.extra  # a .pt training checkpoint's other top-level entries
         aliases = parse_aliases(listing.metadata.get(M.ALIASES), self.path)

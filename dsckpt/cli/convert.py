@@ -123,8 +123,8 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
         model = names_of(module) if module is not None else None
         if group_settings is not None:
             if module is None:
-                raise ConfigError(f"{source}: --group-settings needs the model: --model MODULE:FACTORY (an HF folder's "
-                                  "config.json is read by itself)")
+                raise ConfigError("--group-settings needs the model: --model MODULE:FACTORY (an HF folder's "
+                                  "config.json is read by itself)", at=source)
             param_groups = weight_groups(module, _json_object(group_settings, "--group-settings"), group_mode)
     order = tuple(n.strip() for n in group_order.split(",") if n.strip()) if group_order else None
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)

@@ -193,7 +193,7 @@ def write_dcp(state: TrainingState, out: Path, context: WriteContext, fsync: boo
             cause = next((c for c in causes if isinstance(c, BaseException)), None)
             if isinstance(cause, (OSError, DsckptError)):
                 raise cause from None
-            raise OutputError(f"{out}: torch.distributed.checkpoint could not write it ({cause!r})") from None
+            raise OutputError(f"torch.distributed.checkpoint could not write it ({cause!r})", at=out) from None
 
 
 class DcpTarget(Target):

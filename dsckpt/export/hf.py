@@ -55,8 +55,8 @@ def find_companions(root: Path, config: Path | None = None, trust: bool = False)
     if not trust:
         for path in (() if config else (chosen,)) + others:
             if path.is_symlink() and not inside(path.resolve(), root):
-                raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; "
-                                            "not copied into the export", hint=TRUST_HINT)
+                raise UnsafeCheckpointError(f"a symlink to {path.resolve()}, outside the checkpoint; "
+                                            "not copied into the export", hint=TRUST_HINT, at=path)
     read_json(chosen)  # a broken config fails now, before any weight is written
     return Companions(chosen, others)
 
@@ -108,8 +108,8 @@ def check_config_fits(config_path: Path, names_shapes: dict[str, tuple[int, ...]
     if missing or unexpected or shapes:
         parts = [f"{len(v)} {k}, e.g. {v[0]!r}" for k, v in (("missing", missing), ("unexpected", unexpected),
                                                             ("of another shape", shapes)) if v]
-        raise ConfigError(f"{where}: does not describe these weights ({'; '.join(parts)})",
-                          hint="pass the config.json the model was built from (--strip-prefix for a wrapper's prefix)")
+        raise ConfigError(f"does not describe these weights ({'; '.join(parts)})",
+                          hint="pass the config.json the model was built from (--strip-prefix for a wrapper's prefix)", at=where)
 
 
 def _meta_state(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]] | None, set[str]]:
@@ -150,12 +150,12 @@ def _check_counts(config: dict[str, Any], names_shapes: dict[str, tuple[int, ...
     layers = {int(m.group(1)) for n in names_shapes for m in [re.search(r"\.(?:layers|h|layer|blocks)\.(\d+)\.", n)] if m}
     want = config.get("num_hidden_layers", config.get("n_layer"))
     if isinstance(want, int) and layers and len(layers) != want:
-        raise ConfigError(f"{where}: says {want} layers, the weights hold {len(layers)}",
-                          hint="pass the config.json the model was built from")
+        raise ConfigError(f"says {want} layers, the weights hold {len(layers)}",
+                          hint="pass the config.json the model was built from", at=where)
     vocab = config.get("vocab_size")
     if isinstance(vocab, int) and not any(vocab in shape for shape in names_shapes.values()):
-        raise ConfigError(f"{where}: says a vocabulary of {vocab}, and no tensor of the weights has that size",
-                          hint="pass the config.json the model was built from")
+        raise ConfigError(f"says a vocabulary of {vocab}, and no tensor of the weights has that size",
+                          hint="pass the config.json the model was built from", at=where)
 
 
 class HuggingFaceFormat(Format):

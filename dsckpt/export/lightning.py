@@ -68,9 +68,9 @@ class LightningFormat(Format):
         try:  # pickled here, once: a value the format cannot hold is refused before a byte is written
             pickled = dumps(tree)
         except ValueError as exc:
-            raise UnsupportedCheckpointError(f"{ckpt.model_files[0].path}: client state: {exc}; it cannot be "
+            raise UnsupportedCheckpointError(f"client state: {exc}; it cannot be "
                                              "written into a Lightning checkpoint",
-                                             hint="write another format (model.safetensors): its client state goes to a sidecar") from None
+                                             hint="write another format (model.safetensors): its client state goes to a sidecar", at=ckpt.model_files[0].path) from None
         notes = tuple(f"client-state entry {k!r} left out: it holds objects of {', '.join(sorted(c))}, which dsckpt "
                       "does not load (OUT stays loadable with torch.load(weights_only=True))" for k, c in dropped.items())
         return Prepared(self, plan, request, client_state=ckpt.client_state, notes=notes, pickled=pickled)

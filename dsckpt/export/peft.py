@@ -43,12 +43,12 @@ def adapter_plan(plan: Plan, source: Path) -> Plan:
             name = t.name[:match.start("adapter") - 1] + t.name[match.end("adapter"):]
             tensors.append(TensorPlan(name, t.shape, t.src_dtype, t.dtype, t.kind, t.pieces))
     if not tensors:
-        raise ConfigError(f"{source}: has {ADAPTER_CONFIG} but the checkpoint holds no adapter tensors "
+        raise ConfigError(f"has {ADAPTER_CONFIG} but the checkpoint holds no adapter tensors "
                           "(names with lora_A/lora_B/modules_to_save)",
-                          hint="for the full model, pass --config PATH/config.json")
+                          hint="for the full model, pass --config PATH/config.json", at=source)
     if len(adapters) > 1:
-        raise ConfigError(f"{source}: holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); "
-                          "PEFT's folder holds one")
+        raise ConfigError(f"holds {len(adapters)} adapters ({', '.join(sorted(adapters))}); "
+                          "PEFT's folder holds one", at=source)
     return Plan(tuple(tensors), {}, dict(plan.metadata))
 
 

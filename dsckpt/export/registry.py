@@ -223,17 +223,17 @@ def _refuse_near_miss(out: Path) -> None:
     if not suffixes:
         return
     if suffixes[-1] in FOREIGN_FILE_SUFFIXES:
-        raise OutputError(f"{out}: ends in {out.suffix!r}, a file format dsckpt does not write (it writes "
+        raise OutputError(f"ends in {out.suffix!r}, a file format dsckpt does not write (it writes "
                           f"{', '.join(known)}, or a folder)",
-                          hint=f"name OUT with one of those suffixes, or end it with / for a sharded folder of that name")
+                          hint=f"name OUT with one of those suffixes, or end it with / for a sharded folder of that name", at=out)
     hidden = next((s for s in suffixes[:-1] if s in known), None)
     near = [k for k in known if _edits(suffixes[-1], k) <= (1 if len(k) <= 4 else 2)]
     meant = hidden or (min(near, key=lambda k: _edits(suffixes[-1], k)) if near else None)
     if meant:
         stem = out.name[:out.name.lower().index(hidden)] if hidden else out.name[:-len(suffixes[-1])]
         fixed = out.with_name(stem + meant)
-        raise OutputError(f"{out}: ends in {out.suffix!r}, which no format writes; did you mean {fixed.name}?",
-                          hint=f"write {shlex.quote(str(fixed))}, or end OUT with / for a sharded folder of that name")
+        raise OutputError(f"ends in {out.suffix!r}, which no format writes; did you mean {fixed.name}?",
+                          hint=f"write {shlex.quote(str(fixed))}, or end OUT with / for a sharded folder of that name", at=out)
 
 
 def for_output(out: str | Path, form: str | None = None) -> Format:
@@ -253,15 +253,15 @@ def for_output(out: str | Path, form: str | None = None) -> Format:
         return next(f for f in output_formats().values() if f.directory and f.default_for_folders)
     fmt = by_name(form)
     if fmt.directory and suffix:
-        raise OutputError(f"{out}: ends in {suffix}, a file suffix, but {fmt.name} writes a folder",
-                          hint="name the folder without a file suffix (or end it with /)")
+        raise OutputError(f"ends in {suffix}, a file suffix, but {fmt.name} writes a folder",
+                          hint="name the folder without a file suffix (or end it with /)", at=out)
     if not fmt.directory and names_a_folder(out):
-        raise OutputError(f"{out}: names a folder, but {fmt.name} writes one file")
+        raise OutputError(f"names a folder, but {fmt.name} writes one file", at=out)
     if not fmt.directory and suffix and suffix not in fmt.suffixes + fmt.accepts:
         owner = next(f.name for f in output_formats().values() if suffix in f.suffixes)
-        raise OutputError(f"{out}: ends in {suffix}, the suffix of {owner} files, but --format {fmt.name} "
+        raise OutputError(f"ends in {suffix}, the suffix of {owner} files, but --format {fmt.name} "
                           f"writes {'/'.join(fmt.suffixes + fmt.accepts)}",
-                          hint=f"name it {shlex.quote(str(Path(out).with_suffix(fmt.suffixes[0])))}" if fmt.suffixes else None)
+                          hint=f"name it {shlex.quote(str(Path(out).with_suffix(fmt.suffixes[0])))}" if fmt.suffixes else None, at=out)
     return fmt
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def read_sharded(path: Path) -> Listing:
     index = path if path.is_file() else next(path.glob(f"*{INDEX_SUFFIX}"), None)
     if index is None:
-        raise CorruptFileError(f"{path}: folder holds no *.index.json")
+        raise CorruptFileError("folder holds no *.index.json", at=path)
     metadata, weight_map = read_index(index)
     tensors, files = [], []
     for shard in sorted(set(weight_map.values())):
@@ -39,9 +39,9 @@ def replaced_shards(out: Path) -> tuple[str, ...]:
         return ()
     for name in SHADOWING_WEIGHTS:
         if (out / name).exists():
-            raise OutputError(f"{out}: holds {name}, which from_pretrained would load instead of the sharded "
+            raise OutputError(f"holds {name}, which from_pretrained would load instead of the sharded "
                               "weights written beside it; dsckpt does not delete files it did not write",
-                              hint=f"move {shlex.quote(str(out / name))} away, or write to another folder")
+                              hint=f"move {shlex.quote(str(out / name))} away, or write to another folder", at=out)
     if not (out / INDEX_NAME).is_file():
         return ()
     try:

@@ -199,7 +199,7 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
 
     doc = read_json(json_path, "dsckpt client-state sidecar")
     if not isinstance(doc, dict) or "client_state" not in doc:
-        raise CorruptFileError(f"{json_path}: not a dsckpt client-state sidecar (no 'client_state' entry)")
+        raise CorruptFileError("not a dsckpt client-state sidecar (no 'client_state' entry)", at=json_path)
     tensors: dict[str, Any] = {}
     tensors_path = tensors_companion(json_path)
     if tensors_path.exists():
@@ -214,6 +214,6 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
     try:
         return decode(doc["client_state"], tensors)
     except CorruptFileError as exc:
-        raise CorruptFileError(f"{json_path}: {exc}") from None
+        raise CorruptFileError(f"{exc}", at=json_path) from None
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        raise CorruptFileError(f"{json_path}: malformed client state ({type(exc).__name__})") from None
+        raise CorruptFileError(f"malformed client state ({type(exc).__name__})", at=json_path) from None

@@ -21,7 +21,7 @@ def read_torch(path: Path) -> Listing:
         extra = {k: v for k, v in obj.items() if k != "state_dict"}
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
-        raise CorruptFileError(f"{path}: not a state dict")
+        raise CorruptFileError("not a state dict", at=path)
     tensors = []
     for name, ref in obj.items():
         if isinstance(ref, TensorRef):

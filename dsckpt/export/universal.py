@@ -110,8 +110,8 @@ def _check_written(root: Path, plan: UniversalPlan) -> None:
     written = open_checkpoint(root, plan.tag)
     written.require_complete(tensor_parallel=True, pipeline=True)
     if not written.universal or written.zero_stage != plan.stage:
-        raise InconsistentCheckpointError(f"{root}: wrote a universal checkpoint that reads back as stage "
-                                          f"{written.zero_stage} (universal: {written.universal}), meant {plan.stage}")
+        raise InconsistentCheckpointError("wrote a universal checkpoint that reads back as stage "
+                                          f"{written.zero_stage} (universal: {written.universal}), meant {plan.stage}", at=root)
 
 
 register_target(UniversalTarget())

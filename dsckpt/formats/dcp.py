@@ -69,20 +69,20 @@ class DcpIndex:
 def _state(obj: Any, cls: str, where: str) -> Any:
     """The recorded state of an inert ``torch.distributed.checkpoint...<cls>`` record."""
     if not (isinstance(obj, Opaque) and obj.class_path.rsplit(".", 1)[-1] == cls):
-        raise CorruptFileError(f"{where}: expected a {cls} record, found {type(obj).__name__}")
+        raise CorruptFileError(f"expected a {cls} record, found {type(obj).__name__}", at=where)
     return obj.state
 
 
 def _field(state: Any, name: str, kind: type | tuple[type, ...], where: str) -> Any:
     value = state.get(name) if isinstance(state, dict) else None
     if not isinstance(value, kind):
-        raise CorruptFileError(f"{where}: field {name!r} is missing or not a {getattr(kind, '__name__', kind)}")
+        raise CorruptFileError(f"field {name!r} is missing or not a {getattr(kind, '__name__', kind)}", at=where)
     return value
 
 
 def _counts(value: Any, where: str) -> tuple[int, ...]:
     if not (isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value)):
-        raise CorruptFileError(f"{where}: {value!r:.80} is not a list of sizes")
+        raise CorruptFileError(f"{value!r:.80} is not a list of sizes", at=where)
     return tuple(value)
 
 
@@ -92,14 +92,14 @@ def read_index(folder: str | Path) -> DcpIndex:
     folder = Path(folder)
     meta = folder / METADATA_FILE
     if not meta.is_file():
-        raise CorruptFileError(f"{folder}: no {METADATA_FILE}; not a torch.distributed.checkpoint folder")
+        raise CorruptFileError(f"no {METADATA_FILE}; not a torch.distributed.checkpoint folder", at=folder)
     where = str(meta)
     check("MAX_PICKLE_BYTES", meta.stat().st_size, where, "the size of .metadata")
     try:
         root = unpickle(meta.read_bytes(), None)
     except Exception as exc:  # hostile or damaged bytes: every failure is a format error
-        raise CorruptFileError(f"{where}: cannot parse the DCP metadata pickle ({type(exc).__name__}: "
-                               f"{str(exc)[:200]})") from None
+        raise CorruptFileError(f"cannot parse the DCP metadata pickle ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})", at=where) from None
     check_structure(getattr(root, "state", None), where)
     state = _state(root, "Metadata", where)
     described = _field(state, "state_dict_metadata", dict, where)
@@ -114,32 +114,32 @@ def read_index(folder: str | Path) -> DcpIndex:
         name = _field(info_state, "relative_path", str, where)
         file = folder / name
         if Path(name).name != name or name.startswith("."):
-            raise CorruptFileError(f"{where}: item {fqn!r} names {name!r}, not a file of the folder")
+            raise CorruptFileError(f"item {fqn!r} names {name!r}, not a file of the folder", at=where)
         if file not in sizes:
             if not file.is_file():
-                raise CorruptFileError(f"{file}: missing; {where} names it for {fqn!r}")
+                raise CorruptFileError(f"missing; {where} names it for {fqn!r}", at=file)
             sizes[file] = file.stat().st_size
         start, length = _field(info_state, "offset", int, where), _field(info_state, "length", int, where)
         if start < 0 or length <= 0 or start + length > sizes[file]:
-            raise CorruptFileError(f"{file}: {fqn!r} at bytes [{start}, {start + length}) of a {sizes[file]}-byte "
-                                   "file (truncated?)")
+            raise CorruptFileError(f"{fqn!r} at bytes [{start}, {start + length}) of a {sizes[file]}-byte "
+                                   "file (truncated?)", at=file)
         locations[fqn, None if offset is None else _counts(tuple(offset), where)] = (file, start, length)
     tensors, values = {}, {}
     for key, item in described.items():
         if not isinstance(key, str):
-            raise CorruptFileError(f"{where}: a key that is not a string ({key!r:.60})")
+            raise CorruptFileError(f"a key that is not a string ({key!r:.60})", at=where)
         kind = type(item).__name__
         if kind == "BytesStorageMetadata":
             found = locations.get((key, None))
             if found is None:
-                raise CorruptFileError(f"{where}: {key!r} is described but no file holds it")
+                raise CorruptFileError(f"{key!r} is described but no file holds it", at=where)
             values[key] = DcpValue(key, *found)
             continue
         item_state = _state(item, "TensorStorageMetadata", where)
         props = _state(item_state.get("properties"), "TensorProperties", where)
         dtype = props[0] if isinstance(props, tuple) and props else props.get("dtype") if isinstance(props, dict) else None
         if not isinstance(dtype, TorchDtype):
-            raise CorruptFileError(f"{where}: {key!r} has no dtype torch can name")
+            raise CorruptFileError(f"{key!r} has no dtype torch can name", at=where)
         shape = _counts(tuple(_field(item_state, "size", tuple, where)), where)
         chunks = []
         for chunk in _field(item_state, "chunks", list, where):
@@ -147,7 +147,7 @@ def read_index(folder: str | Path) -> DcpIndex:
             offsets, chunk_sizes = _counts(tuple(c.get("offsets", ())), where), _counts(tuple(c.get("sizes", ())), where)
             found = locations.get((key, offsets))
             if found is None:
-                raise CorruptFileError(f"{where}: {key!r} chunk at {list(offsets)} is described but no file holds it")
+                raise CorruptFileError(f"{key!r} chunk at {list(offsets)} is described but no file holds it", at=where)
             chunks.append(Chunk(offsets, chunk_sizes, *found))
         tensors[key] = DcpTensor(key, str(dtype), shape, tuple(chunks))
     paths = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, tuple)}
@@ -164,26 +164,26 @@ def tensor_ranges(tensor: DcpTensor) -> list[tuple[Path, int, int]]:
     (dim-0 shards, as FSDP2 and a one-process save write them) that tile it exactly."""
     where = f"{tensor.chunks[0].file if tensor.chunks else tensor.key}: {tensor.key!r}"
     if any(c.offsets[1:] != (0,) * (len(tensor.shape) - 1) or c.sizes[1:] != tensor.shape[1:] for c in tensor.chunks):
-        raise UnsupportedCheckpointError(f"{where}: saved in chunks that split a dimension after the first "
-                                         "(a 2-D sharding); dsckpt reads dim-0 shards only")
+        raise UnsupportedCheckpointError("saved in chunks that split a dimension after the first "
+                                         "(a 2-D sharding); dsckpt reads dim-0 shards only", at=where)
     out, row = [], 0
     for chunk in sorted(tensor.chunks, key=lambda c: c.offsets[:1]):
         if len(chunk.sizes) != len(tensor.shape):
-            raise CorruptFileError(f"{where}: a chunk of {len(chunk.sizes)} dims for a {len(tensor.shape)}-dim tensor")
+            raise CorruptFileError(f"a chunk of {len(chunk.sizes)} dims for a {len(tensor.shape)}-dim tensor", at=where)
         if tensor.shape and chunk.offsets[0] != row:
-            raise CorruptFileError(f"{where}: chunks do not tile the tensor (row {row} expected, "
-                                   f"{chunk.offsets[0]} found)")
+            raise CorruptFileError(f"chunks do not tile the tensor (row {row} expected, "
+                                   f"{chunk.offsets[0]} found)", at=where)
         rows = chunk.sizes[0] if tensor.shape else 1
         row += rows
         if math.prod(chunk.sizes) == 0:
             continue
         ref = TorchFile(chunk.file, (chunk.offset, chunk.length)).obj
         if not isinstance(ref, TensorRef) or ref.shape != chunk.sizes or ref.dtype != tensor.dtype:
-            raise CorruptFileError(f"{chunk.file}: the item of {tensor.key!r} at byte {chunk.offset} holds "
-                                   f"{ref!r:.80}, metadata says {tensor.dtype} {list(chunk.sizes)}")
+            raise CorruptFileError(f"the item of {tensor.key!r} at byte {chunk.offset} holds "
+                                   f"{ref!r:.80}, metadata says {tensor.dtype} {list(chunk.sizes)}", at=chunk.file)
         out.append(tensor_byte_range(ref))
     if (row if tensor.shape else min(row, 1)) != (tensor.shape[0] if tensor.shape else 1):
-        raise CorruptFileError(f"{where}: chunks cover {row} of {tensor.shape[0] if tensor.shape else 1} rows")
+        raise CorruptFileError(f"chunks cover {row} of {tensor.shape[0] if tensor.shape else 1} rows", at=where)
     return out
 
 

@@ -29,5 +29,5 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """A config file's JSON object; a ConfigError when it is anything else."""
     value = read_json(path, what, ConfigError)
     if not isinstance(value, dict):
-        raise ConfigError(f"{path}: {what} must be a JSON object")
+        raise ConfigError(f"{what} must be a JSON object", at=path)
     return value

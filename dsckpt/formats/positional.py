@@ -22,7 +22,7 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: Any =
     """``nbytes`` at ``offset`` of the open file ``fd`` (``path`` names it in errors); ``into`` (a writable
     buffer: bytearray, memoryview) is filled in place when given (one buffer, no copy)."""
     if offset < 0 or nbytes < 0:
-        raise CorruptFileError(f"{path}: read of {nbytes} bytes at offset {offset} is out of range")
+        raise CorruptFileError(f"read of {nbytes} bytes at offset {offset} is out of range", at=path)
     data: bytes | bytearray
     if into is not None:
         view, got = memoryview(into).cast("B"), 0
@@ -36,7 +36,7 @@ def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str, into: Any =
         data = os.pread(fd, nbytes, offset)
         got = len(data)
     if got != nbytes:
-        raise CorruptFileError(f"{path}: short read of {nbytes} bytes at offset {offset} (file truncated?)")
+        raise CorruptFileError(f"short read of {nbytes} bytes at offset {offset} (file truncated?)", at=path)
     return data
 
 
@@ -99,6 +99,6 @@ def read_range_into(path: Path | str, offset: int, nbytes: int, into: Any) -> No
     for done in pieces:
         error = done.exception()
         if isinstance(error, CorruptFileError):  # a piece came short: name the whole range, as one read would
-            raise CorruptFileError(f"{path}: short read of {nbytes} bytes at offset {offset} (file truncated?)")
+            raise CorruptFileError(f"short read of {nbytes} bytes at offset {offset} (file truncated?)", at=path)
         if error:
             raise error

@@ -52,31 +52,31 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         with open(path, "rb") as fh:
             prefix = fh.read(8)
             if len(prefix) != 8:
-                raise CorruptFileError(f"{path}: too short for a safetensors file ({size} bytes)")
+                raise CorruptFileError(f"too short for a safetensors file ({size} bytes)", at=path)
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER or 8 + n > size:
-                raise CorruptFileError(f"{path}: header length {n} exceeds the file ({size} bytes)")
+                raise CorruptFileError(f"header length {n} exceeds the file ({size} bytes)", at=path)
             raw = fh.read(n)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such file") from None
+        raise CheckpointNotFoundError("no such file", at=path) from None
     except IsADirectoryError:
-        raise CorruptFileError(f"{path}: is a directory, expected a safetensors file") from None
+        raise CorruptFileError("is a directory, expected a safetensors file", at=path) from None
     except PermissionError:
-        raise UnreadableFileError(f"{path}: permission denied") from None
+        raise UnreadableFileError("permission denied", at=path) from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
-        raise CorruptFileError(f"{path}: header is not valid JSON") from None
+        raise CorruptFileError("header is not valid JSON", at=path) from None
     except RecursionError:
-        raise CorruptFileError(f"{path}: header JSON is nested too deeply") from None
+        raise CorruptFileError("header JSON is nested too deeply", at=path) from None
     if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: header is not a JSON object")
+        raise CorruptFileError("header is not a JSON object", at=path)
     data_start = 8 + n
     spans = []
     for name, info in header.items():
         if name == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                raise CorruptFileError(f"{path}: __metadata__ must map strings to strings")
+                raise CorruptFileError("__metadata__ must map strings to strings", at=path)
             continue
         try:
             dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
@@ -84,21 +84,21 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             if dtype not in ITEMSIZE or not isinstance(shape, list) or not all(map(_is_count, [*shape, b, e])):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry") from None
+            raise CorruptFileError(f"tensor {name!r} has a malformed header entry", at=path) from None
         if not 0 <= b <= e or e - b != math.prod(shape) * ITEMSIZE[dtype]:
-            raise CorruptFileError(f"{path}: tensor {name!r} offsets [{b}, {e}) do not match its shape and dtype")
+            raise CorruptFileError(f"tensor {name!r} offsets [{b}, {e}) do not match its shape and dtype", at=path)
         if data_start + e > size:
-            raise CorruptFileError(f"{path}: tensor {name!r} points past the end of the file")
+            raise CorruptFileError(f"tensor {name!r} points past the end of the file", at=path)
         spans.append((b, e, name))
     spans.sort()
     pos = 0
     for b, e, name in spans:
         if b != pos:
             what = "overlaps another tensor" if b < pos else "leaves a gap before it"
-            raise CorruptFileError(f"{path}: tensor {name!r} {what}")
+            raise CorruptFileError(f"tensor {name!r} {what}", at=path)
         pos = e
     if data_start + pos != size:
-        raise CorruptFileError(f"{path}: {size - data_start - pos} trailing bytes after the last tensor")
+        raise CorruptFileError(f"{size - data_start - pos} trailing bytes after the last tensor", at=path)
     return header, data_start
 
 
@@ -115,15 +115,15 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     doc = read_json(path, "safetensors index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CorruptFileError(f"{path}: not a safetensors index ('weight_map' must map tensor names to file names)")
+        raise CorruptFileError("not a safetensors index ('weight_map' must map tensor names to file names)", at=path)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: 'metadata' is a {type(metadata).__name__}, expected an object")
+        raise CorruptFileError(f"'metadata' is a {type(metadata).__name__}, expected an object", at=path)
     for shard in sorted(set(weight_map.values())):
         if Path(shard).name != shard or shard in (".", ".."):
-            raise CorruptFileError(f"{path}: shard {shard[:120]!r} is a path; an index names files in its own folder")
+            raise CorruptFileError(f"shard {shard[:120]!r} is a path; an index names files in its own folder", at=path)
         if not (path.parent / shard).is_file():
-            raise CorruptFileError(f"{path}: names shard {shard!r}, which does not exist")
+            raise CorruptFileError(f"names shard {shard!r}, which does not exist", at=path)
     return metadata, weight_map
 
 
@@ -132,7 +132,7 @@ def check_shard_names(index: Path, weight_map: dict[str, str], shard: str, names
     for name in names:
         if name != "__metadata__" and weight_map.get(name) != shard:
             where = f"the index puts it in {weight_map[name]!r}" if name in weight_map else "the index does not list it"
-            raise CorruptFileError(f"{index}: tensor {name!r} is in shard {shard!r}, but {where}")
+            raise CorruptFileError(f"tensor {name!r} is in shard {shard!r}, but {where}", at=index)
 
 
 def parse_aliases(text: str | None, where: Path) -> dict[str, str]:
@@ -142,7 +142,7 @@ def parse_aliases(text: str | None, where: Path) -> dict[str, str]:
     try:
         aliases = json.loads(text)
     except (ValueError, RecursionError):
-        raise CorruptFileError(f"{where}: metadata 'dsckpt.aliases' is not JSON") from None
+        raise CorruptFileError("metadata 'dsckpt.aliases' is not JSON", at=where) from None
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        raise CorruptFileError(f"{where}: metadata 'dsckpt.aliases' must map names to names")
+        raise CorruptFileError("metadata 'dsckpt.aliases' must map names to names", at=where)
     return aliases

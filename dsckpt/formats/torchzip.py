@@ -50,28 +50,28 @@ class StorageIndex:
             whole = storage.size(self.path)
             self.base, self.size = span if span is not None else (0, whole)
             if self.base < 0 or self.size < 0 or self.base + self.size > whole:
-                raise ByteRangeError(f"{self.path}: an archive at bytes [{self.base}, {self.base + self.size}) "
-                                     f"of a {whole}-byte file (truncated?)")
+                raise ByteRangeError(f"an archive at bytes [{self.base}, {self.base + self.size}) "
+                                     f"of a {whole}-byte file (truncated?)", at=self.path)
             with storage.open(self.path) as raw:
                 fh = _Slice(raw, self.base, self.size) if span is not None else raw
                 if fh.read(4) != _LOCAL_MAGIC:
-                    raise CorruptFileError(f"{self.path}: not a torch zip checkpoint (legacy or foreign format, or empty)")
+                    raise CorruptFileError("not a torch zip checkpoint (legacy or foreign format, or empty)", at=self.path)
                 with zipfile.ZipFile(fh) as zf:
                     self._read(fh, zf)
         except CorruptFileError:
             raise
         except IsADirectoryError:
-            raise CorruptFileError(f"{self.path}: is a directory, expected a checkpoint file") from None
+            raise CorruptFileError("is a directory, expected a checkpoint file", at=self.path) from None
         except PermissionError:
-            raise UnreadableFileError(f"{self.path}: permission denied") from None
+            raise UnreadableFileError("permission denied", at=self.path) from None
         except Exception as exc:  # hostile bytes reach zipfile's parser: every failure is a format error
-            raise CorruptFileError(f"{self.path}: unreadable zip archive ({type(exc).__name__}: {exc}); "
-                                   "truncated or damaged?") from None
+            raise CorruptFileError(f"unreadable zip archive ({type(exc).__name__}: {exc}); "
+                                   "truncated or damaged?", at=self.path) from None
 
     def _read(self, fh: Any, zf: zipfile.ZipFile) -> None:
         pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pickles) != 1:
-            raise CorruptFileError(f"{self.path}: no data.pkl in the archive; not a torch checkpoint")
+            raise CorruptFileError("no data.pkl in the archive; not a torch checkpoint", at=self.path)
         self._pickle = pickles[0]
         self.prefix = self._pickle.filename[: -len("data.pkl")]
         check("MAX_PICKLE_BYTES", self._pickle.file_size, str(self.path), "the size data.pkl declares")
@@ -82,10 +82,10 @@ class StorageIndex:
             if not info.filename.startswith(data_dir):
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptFileError(f"{self.path}: storage {info.filename} is compressed; torch never does that")
+                raise CorruptFileError(f"storage {info.filename} is compressed; torch never does that", at=self.path)
             key = info.filename[len(data_dir):]
             if key in self.storages:
-                raise CorruptFileError(f"{self.path}: storage {info.filename} appears twice in the archive")
+                raise CorruptFileError(f"storage {info.filename} appears twice in the archive", at=self.path)
             start, end = self._entry_span(fh, info)
             spans.append((start, end, info.filename))
             self.storages[key] = StorageLocation(self.base + start, info.file_size, info.CRC)
@@ -96,21 +96,21 @@ class StorageIndex:
         fh.seek(info.header_offset)
         head = fh.read(_LOCAL_HEADER.size)
         if len(head) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(head)[0] != _LOCAL_MAGIC:
-            raise CorruptFileError(f"{self.path}: bad local header for {info.filename}")
+            raise CorruptFileError(f"bad local header for {info.filename}", at=self.path)
         fields = _LOCAL_HEADER.unpack(head)
         start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         end = start + info.compress_size
         if end > self.size:
-            raise ByteRangeError(f"{self.path}: entry {info.filename} runs past the end of the file (truncated)")
+            raise ByteRangeError(f"entry {info.filename} runs past the end of the file (truncated)", at=self.path)
         return start, end
 
     def locate(self, storage: "StorageRef") -> StorageLocation:
         loc = self.storages.get(storage.key)
         if loc is None:
-            raise CorruptFileError(f"{self.path}: pickle references storage {storage.key!r}, absent from the archive")
+            raise CorruptFileError(f"pickle references storage {storage.key!r}, absent from the archive", at=self.path)
         if loc.nbytes < storage.numel * storage.itemsize:
-            raise CorruptFileError(f"{self.path}: storage {storage.key!r} holds {loc.nbytes} bytes, "
-                                   f"needs {storage.numel * storage.itemsize}")
+            raise CorruptFileError(f"storage {storage.key!r} holds {loc.nbytes} bytes, "
+                                   f"needs {storage.numel * storage.itemsize}", at=self.path)
         return loc
 
 
@@ -149,7 +149,7 @@ class TorchFile(StorageIndex):
         except CorruptFileError:
             raise
         except Exception as exc:  # any failure of a hostile or damaged pickle is a format error
-            raise CorruptFileError(f"{self.path}: cannot parse data.pkl ({type(exc).__name__}: {str(exc)[:200]})") from None
+            raise CorruptFileError(f"cannot parse data.pkl ({type(exc).__name__}: {str(exc)[:200]})", at=self.path) from None
         check_structure(self.obj, str(self.path))
 
 
@@ -158,7 +158,7 @@ def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:
     spans.sort()
     for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
         if start < end:
-            raise ByteRangeError(f"{path}: zip entries {name} and {other} overlap (byte {start} is in both)")
+            raise ByteRangeError(f"zip entries {name} and {other} overlap (byte {start} is in both)", at=path)
 
 
 def check_structure(obj: Any, where: str) -> None:
@@ -196,13 +196,13 @@ def is_torch_zip(path: Path) -> bool:
 def tensor_byte_range(ref: TensorRef) -> tuple[Path, int, int]:
     """(file, absolute offset, length) of a contiguous tensor's bytes."""
     if not ref.is_contiguous():
-        raise CorruptFileError(f"{ref.file.path}: tensor with shape {ref.shape} stride {ref.stride} is not contiguous")
+        raise CorruptFileError(f"tensor with shape {ref.shape} stride {ref.stride} is not contiguous", at=ref.file.path)
     loc = ref.file.locate(ref.storage)
     start = ref.offset * ref.storage.itemsize
     length = math.prod(ref.shape) * ref.storage.itemsize
     if start < 0 or start + length > loc.nbytes:
-        raise ByteRangeError(f"{ref.file.path}: tensor view [{start}, {start + length}) exceeds storage "
-                               f"{ref.storage.key!r} of {loc.nbytes} bytes")
+        raise ByteRangeError(f"tensor view [{start}, {start + length}) exceeds storage "
+                               f"{ref.storage.key!r} of {loc.nbytes} bytes", at=ref.file.path)
     return ref.file.path, loc.offset + start, length
 
 

@@ -50,7 +50,7 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int
     if nbytes <= SMALL_COPY:
         data = os.pread(src_fd, nbytes, src_off)
         if len(data) < nbytes:
-            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
+            raise CorruptFileError(f"ends before byte {src_off + nbytes} while being copied (truncated?)", at=src_path)
         pwrite_all(dst_fd, data, dst_off)
         if ledger is not None:
             ledger.add(src_path, src_off, data)
@@ -64,7 +64,7 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: int
         except OSError:  # filesystems without support: fall back to pread/pwrite
             n = pwrite_all(dst_fd, os.pread(src_fd, min(nbytes, FALLBACK_CHUNK), src_off), dst_off)
         if n == 0:
-            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
+            raise CorruptFileError(f"ends before byte {src_off + nbytes} while being copied (truncated?)", at=src_path)
         started(dst_off, n)
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
 
@@ -101,7 +101,7 @@ def _copy_buffered(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off:
     while done < nbytes:
         n = os.preadv(src_fd, [view[:min(len(view), nbytes - done)]], src_off + done)
         if n == 0:
-            raise CorruptFileError(f"{src_path}: ends before byte {src_off + nbytes} while being copied (truncated?)")
+            raise CorruptFileError(f"ends before byte {src_off + nbytes} while being copied (truncated?)", at=src_path)
         pwrite_all(dst_fd, view[:n], dst_off + done)
         part_crc = crc32(view[:n])
         if ledger is not None:
@@ -144,7 +144,7 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
                 with view[start:start + n] as copied:
                     ledger.add(src_path, src_off, copied, crc)
         if crc is None:
-            raise CorruptFileError(f"{src_path}: shrank while being copied (truncated by another process?)")
+            raise CorruptFileError("shrank while being copied (truncated by another process?)", at=src_path)
         started(dst_off, n)
         nbytes, src_off, dst_off = nbytes - n, src_off + n, dst_off + n
     return nbytes, src_off, dst_off

@@ -169,5 +169,5 @@ def _check(path: Path, loc: StorageLocation, key: str, noted=()) -> None:
         if pos < end:
             crc = _read_crc(storage, path, pos, end - pos, crc)
     if crc != loc.crc32:
-        raise CorruptFileError(f"{path}: storage {key!r} fails its CRC-32 check (data damaged)",
-                               hint="restore this file from a copy; --skip-crc-check reads it anyway")
+        raise CorruptFileError(f"storage {key!r} fails its CRC-32 check (data damaged)",
+                               hint="restore this file from a copy; --skip-crc-check reads it anyway", at=path)

@@ -35,34 +35,34 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, *, directory: b
     resolved = out.resolve()
     inputs = [Path(src).resolve() for src in inputs]
     if resolved in inputs:
-        raise OutputError(f"{out}: refusing to write over an input of this command")
+        raise OutputError("refusing to write over an input of this command", at=out)
     if tree is not None:
         root = tree.resolve()
         if resolved == root:
-            raise OutputError(f"{out}: is the checkpoint folder itself; write the output elsewhere")
+            raise OutputError("is the checkpoint folder itself; write the output elsewhere", at=out)
         if root in resolved.parents:
-            raise OutputError(f"{out}: inside the checkpoint {tree}; write the output elsewhere")
+            raise OutputError(f"inside the checkpoint {tree}; write the output elsewhere", at=out)
     for src in inputs:
         if resolved in src.parents:
-            raise OutputError(f"{out}: refusing to write over a folder holding an input of this command ({src})")
+            raise OutputError(f"refusing to write over a folder holding an input of this command ({src})", at=out)
     if os.path.lexists(out):
         if not force:
-            raise OutputError(f"{out}: already exists", hint="--force replaces it (force=True in the API)")
+            raise OutputError("already exists", hint="--force replaces it (force=True in the API)", at=out)
         if directory and not out.is_dir():
-            raise OutputError(f"{out}: is a file, and a sharded output is a folder; choose another name")
+            raise OutputError("is a file, and a sharded output is a folder; choose another name", at=out)
         if not directory and out.is_dir():
-            raise OutputError(f"{out}: is a directory; choose a file name or remove it")
+            raise OutputError("is a directory; choose a file name or remove it", at=out)
 
 
 def check_parent(out: Path) -> None:
     """OUT's folder exists and is writable (checked before anything - a distributed run's view - goes there)."""
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise OutputError(f"{out}: folder {parent} does not exist",
+        raise OutputError(f"folder {parent} does not exist",
                           hint=f"create it first (mkdir -p {shlex.quote(str(parent))}): a typo in OUT should not make "
-                               "folders")
+                               "folders", at=out)
     if not os.access(parent, os.W_OK):
-        raise OutputError(f"{out}: folder {parent} is not writable")
+        raise OutputError(f"folder {parent} is not writable", at=out)
 
 
 def _temp_name(out: Path) -> Path:
@@ -199,8 +199,8 @@ def write_errors(out: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         if exc.filename and TEMP_MARK not in Path(exc.filename).name:  # not ours: an input
-            raise CorruptFileError(f"{exc.filename}: reading failed ({exc.strerror or exc}); nothing was left at {out}") from None
+            raise CorruptFileError(f"reading failed ({exc.strerror or exc}); nothing was left at {out}", at=exc.filename) from None
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
-            raise OutputError(f"{out}: writing failed ({exc.strerror or exc}); nothing was left at OUT") from None
-        raise OutputError(f"{out}: copying into OUT failed ({exc.strerror or exc}: a source or the destination); "
-                          "nothing was left at OUT") from None
+            raise OutputError(f"writing failed ({exc.strerror or exc}); nothing was left at OUT", at=out) from None
+        raise OutputError(f"copying into OUT failed ({exc.strerror or exc}: a source or the destination); "
+                          "nothing was left at OUT", at=out) from None

@@ -277,8 +277,8 @@ def check_replicas(replicas: Iterable[Any], reads: Callable[[Path], bool] = lamb
             if files and all(reads(f) for f in files) and crc(reader, replica.source) != crc(reader, replica.written):
                 where = next(p.path for p in replica.source.pieces if isinstance(p, Segment))
                 raise InconsistentCheckpointError(
-                    f"{where}: {replica.axis} {replica.rank}'s copy of the replicated parameter {replica.name!r} "
-                    f"differs from the one written", hint="the ranks drifted apart, or the files come from two runs")
+                    f"{replica.axis} {replica.rank}'s copy of the replicated parameter {replica.name!r} "
+                    f"differs from the one written", hint="the ranks drifted apart, or the files come from two runs", at=where)
 
 
 def _interleave(runs: dict[int, bytearray], joined: Interleaved, k: int, width: int, by_numpy: bool) -> memoryview:

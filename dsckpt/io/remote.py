@@ -59,8 +59,8 @@ def filesystem(url: str):
 
         return url_to_fs(f"{scheme}://{rest}")
     except ImportError:
-        raise MissingExtraError(f"{url}: reading {scheme}:// needs fsspec and {package}, not installed",
-                                hint=f"pip install 'dsckpt[{extra}]'") from None
+        raise MissingExtraError(f"reading {scheme}:// needs fsspec and {package}, not installed",
+                                hint=f"pip install 'dsckpt[{extra}]'", at=url) from None
 
 
 def counted(fs: Any, inside: str, progress: Progress | None) -> Any:
@@ -90,11 +90,11 @@ def counted(fs: Any, inside: str, progress: Progress | None) -> Any:
 
 def typed_error(url: str, exc: BaseException, doing: str) -> Exception:
     if isinstance(exc, FileNotFoundError):
-        return CheckpointNotFoundError(f"{url}: no such object or prefix")
+        return CheckpointNotFoundError("no such object or prefix", at=url)
     if isinstance(exc, PermissionError):
-        return UnreadableFileError(f"{url}: access denied while {doing}", hint="check the credentials the cloud's "
-                                   "own tools use (AWS_PROFILE, the credential chain) and the bucket's policy")
-    return UnreadableFileError(f"{url}: {doing} failed ({type(exc).__name__}: {str(exc)[:200]})")
+        return UnreadableFileError(f"access denied while {doing}", hint="check the credentials the cloud's "
+                                   "own tools use (AWS_PROFILE, the credential chain) and the bucket's policy", at=url)
+    return UnreadableFileError(f"{doing} failed ({type(exc).__name__}: {str(exc)[:200]})", at=url)
 
 
 @dataclass
@@ -134,7 +134,7 @@ class RemoteStore:
                 if rel and not any(part.startswith(".") for part in rel.split("/")):
                     out[rel] = int(info["size"])
         if not out:
-            raise CheckpointNotFoundError(f"{self.url}: no such object or prefix (nothing listed under it)")
+            raise CheckpointNotFoundError("no such object or prefix (nothing listed under it)", at=self.url)
         return out
 
     def starting_with(self, prefix: str) -> dict[str, int]:
@@ -152,8 +152,8 @@ class RemoteStore:
         except Exception as exc:
             raise typed_error(self.object_url(rel), exc, f"reading bytes {start}-{end}") from None
         if exact and len(data) != end - start:
-            raise CorruptFileError(f"{self.object_url(rel)}: {len(data):,} of {end - start:,} bytes at offset {start:,} "
-                                   "(the object is shorter than listed: truncated or replaced while reading?)")
+            raise CorruptFileError(f"{len(data):,} of {end - start:,} bytes at offset {start:,} "
+                                   "(the object is shorter than listed: truncated or replaced while reading?)", at=self.object_url(rel))
         return data
 
     def read_many(self, jobs: Iterable[tuple[str, int, int]]) -> builtins.list[bytes]:
@@ -245,8 +245,8 @@ class RemoteStore:
                 crcs[key] = part if key not in crcs else crc32_combine(crcs[key], part, n)
         for (rel, start), (nbytes, crc) in spans.items():
             if check and crcs.get((rel, start), 0) != crc:
-                raise CorruptFileError(f"{self.object_url(rel)}: the storage at byte {start:,} ({nbytes:,} bytes) "
-                                       "fails its CRC-32 check: the object is damaged")
+                raise CorruptFileError(f"the storage at byte {start:,} ({nbytes:,} bytes) "
+                                       "fails its CRC-32 check: the object is damaged", at=self.object_url(rel))
         return sum(n for _, _, n in results)
 
 

@@ -51,7 +51,7 @@ class Upload:
         except Exception as exc:
             raise typed_error(self.url, exc, "looking at the destination") from None
         if exists and not self.force:
-            raise OutputError(f"{self.url}: already exists", hint="--force replaces what dsckpt writes there")
+            raise OutputError("already exists", hint="--force replaces what dsckpt writes there", at=self.url)
         if exists:
             self.superseded = self._indexed_shards()
             self.shadowing = [name for name in SHADOWING_WEIGHTS if self.fs.exists(f"{self.root}/{name}")]
@@ -82,9 +82,9 @@ class Upload:
         written = {rel.split("/", 1)[1] for rel in files if "/" in rel}
         for name in self.shadowing if self.local.is_dir() else ():  # (as locally: export.sharded.replaced_shards)
             if name not in written:
-                raise OutputError(f"{self.url}: holds {name}, which from_pretrained would load instead of the sharded "
+                raise OutputError(f"holds {name}, which from_pretrained would load instead of the sharded "
                                   "weights written beside it; dsckpt does not delete objects it did not write",
-                                  hint=f"move {self.url}/{name} away, or write to another prefix")
+                                  hint=f"move {self.url}/{name} away, or write to another prefix", at=self.url)
         try:
             with signals_deferred() as stop:  # (Ctrl-C lands between two objects)
                 for rel in upload_order(list(files), last=single):
@@ -98,8 +98,8 @@ class Upload:
         except BaseException as exc:
             self.abort()
             if isinstance(exc, Exception):
-                raise OutputError(f"{self.url}: upload failed ({type(exc).__name__}: {str(exc)[:200]}); what this "
-                                  "run uploaded was deleted") from None
+                raise OutputError(f"upload failed ({type(exc).__name__}: {str(exc)[:200]}); what this "
+                                  "run uploaded was deleted", at=self.url) from None
             raise
         out = self.local.name
         for name in sorted(self.superseded - {rel.split("/", 1)[1] for rel in files if rel.startswith(out + "/")}):

@@ -86,6 +86,6 @@ def choose_tag(files: dict[str, int], tag: str | None, latest: str | None, ckpt:
     if chosen is None and len(tags) > 1:
         raise L.several_tags(ckpt, tags)
     if chosen is None or chosen not in tags:
-        raise TagError(f"{ckpt}: {'tag ' + repr(chosen) + ' not found' if chosen else 'no tags'}; tags present: "
-                       f"{', '.join(tags) or 'none'}", hint="--tag TAG names one")
+        raise TagError(f"{'tag ' + repr(chosen) + ' not found' if chosen else 'no tags'}; tags present: "
+                       f"{', '.join(tags) or 'none'}", hint="--tag TAG names one", at=ckpt)
     return chosen

@@ -163,13 +163,13 @@ def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scra
     for rank, (seen, _) in enumerate(surveyed):
         for rel, size in seen.items():
             if rel in sizes and sizes[rel] != size:
-                raise DistributedError(f"{ckpt / rel}: {sizes[rel]:,} bytes on process {owners[rel]} but {size:,} on "
-                                       f"process {rank}: the hosts hold different checkpoints at this path")
+                raise DistributedError(f"{sizes[rel]:,} bytes on process {owners[rel]} but {size:,} on "
+                                       f"process {rank}: the hosts hold different checkpoints at this path", at=ckpt / rel)
             owners.setdefault(rel, rank)
             sizes[rel] = size
     if not sizes and not any(problems for _, problems in surveyed):
-        raise DistributedError(f"{ckpt}: no process sees any file there", hint="run the command with the "
-                               "checkpoint's path as each host sees it")
+        raise DistributedError("no process sees any file there", hint="run the command with the "
+                               "checkpoint's path as each host sees it", at=ckpt)
     latest = owners.get(L.LATEST_FILE)
     text = group.broadcast(_read_latest(ckpt) if group.rank == latest else None, latest) if latest is not None else None
     if isinstance(text, tuple):  # the owner's read refused it (too long, a link out, not text): all say so
@@ -208,8 +208,8 @@ def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scra
                     for offset, data in payloads[rel]:
                         pwrite_all(fh.fileno(), data, offset)
     except OSError as exc:
-        error = OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - this process's view of the "
-                            "checkpoint, made beside OUT; nothing was left there")
+        error = OutputError(f"writing failed ({exc.strerror or exc}) - this process's view of the "
+                            "checkpoint, made beside OUT; nothing was left there", at=scratch)
     try:
         group.agree(error)
     except BaseException:
@@ -255,7 +255,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
             view.path(rel).touch()
     except OSError as exc:
         view.close()
-        raise OutputError(f"{scratch}: writing failed ({exc.strerror or exc}) - the local view of {url}") from None
+        raise OutputError(f"writing failed ({exc.strerror or exc}) - the local view of {url}", at=scratch) from None
     except BaseException:
         view.close()
         raise

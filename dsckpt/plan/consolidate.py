@@ -56,8 +56,8 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
         strip_prefixes = prefixes(strip_prefixes)
         return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
     if state != "fp32" and ckpt.zero_stage == 0:
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a ZeRO-0 checkpoint's optimizer moments are not "
-                                         "partitioned; dsckpt gathers moments at stages 1-3")
+        raise UnsupportedCheckpointError("a ZeRO-0 checkpoint's optimizer moments are not "
+                                         "partitioned; dsckpt gathers moments at stages 1-3", at=ckpt.layout.tag_dir)
     moments = state != "fp32"
     out_dtype = output_dtype(dtype)
     tensors: dict[str, TensorPlan] = {}
@@ -95,7 +95,7 @@ def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list
         try:
             spaces.append(FlatSpace([g.fp32 if state == "fp32" else g.moments[state] for g in groups]))
         except KeyError:
-            raise InconsistentCheckpointError(f"{rank.path}: holds no {state!r} optimizer state") from None
+            raise InconsistentCheckpointError(f"holds no {state!r} optimizer state", at=rank.path) from None
     return spaces
 
 
@@ -107,8 +107,8 @@ def group_plans(ckpt: Checkpoint, state: str) -> list[TensorPlan]:
     """Optimizer state ``state`` of the parameters whose flat groups hold it - an optimizer that keeps different
     state per group (DeepSpeed's Muon: momentum for its matrices, Adam's moments for the rest)."""
     if ckpt.tp_slices:
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a tensor-parallel run whose optimizer keeps "
-                                         f"{state!r} in some param groups only; not joined yet")
+        raise UnsupportedCheckpointError("a tensor-parallel run whose optimizer keeps "
+                                         f"{state!r} in some param groups only; not joined yet", at=ckpt.layout.tag_dir)
     tensors: list[TensorPlan] = []
 
     def add(name: str, shape: Iterable[int], src_dtype: str, kind: str, pieces: Iterable[Piece],
@@ -133,8 +133,8 @@ def _plan_flat_groups(ckpt: Checkpoint, add: AddTensor, state: str, holding_only
         for pos, (rank, space) in enumerate(zip(group.ranks, spaces)):
             trimmed = stage12_trimmed(layout, pos) if state == "fp32" and ckpt.zero_stage != 3 else 0
             if space.numel != layout.partition_numel - trimmed:
-                raise InconsistentCheckpointError(f"{ckpt.optim_files[rank].path}: group {g} partition holds {space.numel} "
-                                                  f"elements, the recorded shapes need {layout.partition_numel - trimmed}")
+                raise InconsistentCheckpointError(f"group {g} partition holds {space.numel} "
+                                                  f"elements, the recorded shapes need {layout.partition_numel - trimmed}", at=ckpt.optim_files[rank].path)
         for i, name in enumerate(group.names):
             add(name, group.shapes[i], spaces[0].dtype, "param",
                 _pieces(layout, i, spaces, f"{ckpt.layout.tag_dir}: group {g} parameter {name!r}"), "F32")
@@ -147,16 +147,16 @@ def _plan_universal(ckpt: Checkpoint, add: AddTensor, state: str) -> None:
     for name, shape in ckpt.trainable.items():
         shape = full.get(name, shape)
         if "/" in name or "\\" in name or name in (".", ".."):  # a recorded name must not lead out of zero/
-            raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: parameter name {name!r} is not a folder name")
+            raise InconsistentCheckpointError(f"parameter name {name!r} is not a folder name", at=ckpt.model_files[0].path)
         path = folder / name / L.UNIVERSAL_STATE_FILES[state]
         if not path.is_file():
-            raise InconsistentCheckpointError(f"{path}: missing - the universal checkpoint holds no {state} for {name!r}")
+            raise InconsistentCheckpointError(f"missing - the universal checkpoint holds no {state} for {name!r}", at=path)
         obj = TorchFile(path).obj
         ref = obj.get(L.UNIVERSAL_PARAM_KEY) if isinstance(obj, dict) else obj
         if not isinstance(ref, TensorRef) or ref.numel != math.prod(shape):
             held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else f"a {type(ref).__name__}"
-            raise InconsistentCheckpointError(f"{path}: holds {held}, parameter {name!r} of shape {list(shape)} "
-                                              f"needs {math.prod(shape)} elements")
+            raise InconsistentCheckpointError(f"holds {held}, parameter {name!r} of shape {list(shape)} "
+                                              f"needs {math.prod(shape)} elements", at=path)
         add(name, shape, ref.dtype, "param", ref_segments(ref), "F32")
 
 
@@ -165,10 +165,10 @@ def _plan_frozen(ckpt: Checkpoint, add: AddTensor) -> None:
     if ckpt.unsaved:
         more = f" (+{len(ckpt.unsaved) - 5} more)" if len(ckpt.unsaved) > 5 else ""
         raise UnsupportedCheckpointError(
-            f"{where}: {len(ckpt.unsaved)} parameters have no saved values: {', '.join(ckpt.unsaved[:5])}{more} "
+            f"{len(ckpt.unsaved)} parameters have no saved values: {', '.join(ckpt.unsaved[:5])}{more} "
             f"('{L.MODULE}' holds empty placeholders, '{L.PARAM_SHAPES}' and '{L.FROZEN_PARAM_SHAPES}' do not list them)",
             hint="parameters in no optimizer param group, or frozen ones of a DeepSpeed that did not record them; "
-                 "--exclude-frozen writes the rest")
+                 "--exclude-frozen writes the rest", at=where)
     fragments = ckpt.frozen_fragments  # stage 2: rank 0's file holds each whole; stage 3: each rank its part
     for name, shape in ckpt.frozen.items():
         n = math.prod(shape)
@@ -185,8 +185,8 @@ def _plan_frozen(ckpt: Checkpoint, add: AddTensor) -> None:
             held = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "nothing"
             source = f"'{L.FROZEN_PARAM_FRAGMENTS}'" if in_fragments else f"'{L.MODULE}'"
             gap = f"no '{L.FROZEN_PARAM_FRAGMENTS}' entry; " if not in_fragments and (fragments or ckpt.zero_stage == 3) else ""
-            raise InconsistentCheckpointError(f"{where}: frozen {name!r} (shape {list(shape)}): {gap}{source} holds "
-                                              f"{held} for it")
+            raise InconsistentCheckpointError(f"frozen {name!r} (shape {list(shape)}): {gap}{source} holds "
+                                              f"{held} for it", at=where)
         add(name, shape, ref.dtype, "frozen", ref_segments(ref), "F32")
 
 
@@ -196,7 +196,7 @@ def _plan_stage0(ckpt: Checkpoint, add: AddTensor, exclude_frozen: bool) -> None
         for path in layer.files:
             for name, ref in TorchFile(path).obj.items():
                 if not isinstance(ref, TensorRef):
-                    raise InconsistentCheckpointError(f"{path}: entry {str(name)[:80]!r} is not a tensor")
+                    raise InconsistentCheckpointError(f"entry {str(name)[:80]!r} is not a tensor", at=path)
                 add(str(name), ref.shape, ref.dtype, "param", ref_segments(ref), "F32")
     for name, ref in ckpt.module.items():
         if name in ckpt.buffers or name in ckpt.shared or not isinstance(ref, TensorRef):

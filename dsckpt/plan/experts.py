@@ -56,8 +56,8 @@ def moved_expert_groups(groups: list[FlatGroup], experts: dict[str, int], new_ep
     the index of its source parameter in ``joined_source(groups)``)."""
     old_ep = len(groups)
     if any(any(g.paddings or ()) for g in groups):
-        raise UnsupportedCheckpointError(f"{where}: an expert group with parameter alignment paddings; changing "
-                                         "its ep_size is not supported")
+        raise UnsupportedCheckpointError("an expert group with parameter alignment paddings; changing "
+                                         "its ep_size is not supported", at=where)
     index = {}  # (layer path, global id, tensor suffix) -> index in the joined source
     for e, group in enumerate(groups):
         for j, name in enumerate(group.recorded):

@@ -45,8 +45,8 @@ class ModelNames:
         wrong = [f"{n} {list(s)} (the model's {list(self.shapes[n])})" for n, s in stored.items()
                  if n in self.shapes and tuple(self.shapes[n]) != tuple(s)]
         if wrong:
-            raise StateDictMismatchError(f"{where}: shapes differ from the model's: {'; '.join(wrong[:4])}"
-                                         f"{' ...' if len(wrong) > 4 else ''}")
+            raise StateDictMismatchError(f"shapes differ from the model's: {'; '.join(wrong[:4])}"
+                                         f"{' ...' if len(wrong) > 4 else ''}", at=where)
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ def _split(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, st
     (group -> setting -> key) and the keys neither holds."""
     missing = [key for key in [*index.tensors, *index.values] if key not in index.paths]
     if missing:
-        raise CorruptFileError(f"{index.metadata_file}: no saved path for {missing[0]!r} (planner_data); a DCP folder "
-                               "written by torch >= 2.4 records one for every key")
+        raise CorruptFileError(f"no saved path for {missing[0]!r} (planner_data); a DCP folder "
+                               "written by torch >= 2.4 records one for every key", at=index.metadata_file)
     paths = {key: index.paths[key] for key in [*index.tensors, *index.values]}
     layout = TORCHTITAN if any(p[0] == "optimizer" for p in paths.values()) else FSDP2
     model: dict[str, str] = {}
@@ -99,7 +99,7 @@ def _tensor_plan(index: DcpIndex, contents: DcpContents, key: str, name: str, ki
                  dtype: str | None = None) -> TensorPlan:
     t = index.tensors.get(key)
     if t is None:
-        raise CorruptFileError(f"{index.metadata_file}: {key!r} is a value, expected a tensor")
+        raise CorruptFileError(f"{key!r} is a value, expected a tensor", at=index.metadata_file)
     pieces = tuple(Segment(path, offset, n) for path, offset, n in contents.ranges[key])
     return TensorPlan(name, t.shape, t.dtype, dtype or t.dtype, kind, pieces)
 
@@ -111,8 +111,8 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
     where = index.metadata_file
     layout, entries, state, group_entries, other = _split(index)
     if not entries:
-        raise UnsupportedCheckpointError(f"{where}: no model entries (neither {FSDP2}'s \"model.<fqn>\" nor "
-                                         f"{TORCHTITAN}'s top-level <fqn>)")
+        raise UnsupportedCheckpointError(f"no model entries (neither {FSDP2}'s \"model.<fqn>\" nor "
+                                         f"{TORCHTITAN}'s top-level <fqn>)", at=where)
     notes = []
     if layout == FSDP2:
         groups = []
@@ -120,7 +120,7 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
             settings = {k: contents.values.get(v, contents.scalars.get(v)) for k, v in group_entries[i].items()}
             names = settings.pop("params", None)
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-                raise CorruptFileError(f"{where}: param group {i} lists no parameter names")
+                raise CorruptFileError(f"param group {i} lists no parameter names", at=where)
             groups.append(ParamGroup(settings, tuple(names)))
     else:
         by_settings: dict[str, tuple[dict[str, Any], list[str]]] = {}
@@ -131,15 +131,15 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
         groups = _ordered([ParamGroup(settings, tuple(names)) for settings, names in by_settings.values()],
                           group_order, where)
     if layout == FSDP2 and group_order is not None:
-        raise ConfigError(f"{where}: FSDP2's DCP lists its param groups in order; --group-order is for torchtitan's "
-                          "layout, which keeps settings per parameter")
+        raise ConfigError("FSDP2's DCP lists its param groups in order; --group-order is for torchtitan's "
+                          "layout, which keeps settings per parameter", at=where)
     trainable = [n for g in groups for n in g.params]
     unknown = [n for n in trainable if n not in entries]
     if unknown:
-        raise StateDictMismatchError(f"{where}: the optimizer's param groups name {unknown[:5]} "
-                                     f"{'...' if len(unknown) > 5 else ''} which the model entries lack")
+        raise StateDictMismatchError(f"the optimizer's param groups name {unknown[:5]} "
+                                     f"{'...' if len(unknown) > 5 else ''} which the model entries lack", at=where)
     if len(set(trainable)) != len(trainable):
-        raise CorruptFileError(f"{where}: a parameter is listed in two param groups")
+        raise CorruptFileError("a parameter is listed in two param groups", at=where)
     kinds = _kinds(index, entries, set(trainable), model)
     aliases = {n: target for n, (kind, target) in kinds.items() if kind == "tied" and target is not None}
     tensors = [_tensor_plan(index, contents, entries[n], n, kinds[n][0]) for n in entries if kinds[n][0] != "tied"]
@@ -152,18 +152,18 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
                        if v in index.tensors and index.tensors[v].shape != ()}
             for k, plan in moments.items():
                 if plan.shape != index.tensors[entries[name]].shape:
-                    raise CorruptFileError(f"{where}: {k} of {name!r} has shape {list(plan.shape)}, the parameter "
-                                           f"{list(index.tensors[entries[name]].shape)}")
+                    raise CorruptFileError(f"{k} of {name!r} has shape {list(plan.shape)}, the parameter "
+                                           f"{list(index.tensors[entries[name]].shape)}", at=where)
             step_key = found.get("step")
             if step_key is not None and step_key not in contents.scalars:
-                raise UnsupportedCheckpointError(f"{where}: the step of {name!r} is not a stored 0-d tensor")
+                raise UnsupportedCheckpointError(f"the step of {name!r} is not a stored 0-d tensor", at=where)
             group_steps.add(contents.scalars.get(step_key) if step_key else None)
             step = _tensor_plan(index, contents, step_key, "step", "step") if step_key else None
             params.append(ParamState(name, _tensor_plan(index, contents, entries[name], name, "param", "F32"),
                                      moments, step, g))
         if len(group_steps) > 1:
-            raise UnsupportedCheckpointError(f"{where}: param group {g} holds parameters at different optimizer steps "
-                                             f"{sorted(map(str, group_steps))}; ZeRO keeps one step per group")
+            raise UnsupportedCheckpointError(f"param group {g} holds parameters at different optimizer steps "
+                                             f"{sorted(map(str, group_steps))}; ZeRO keeps one step per group", at=where)
         steps |= group_steps
     kept = {k for k in other if index.paths[k][0] in TORCHTITAN_EXTRAS}
     carried_elsewhere = sorted({str(index.paths[k][0]) for k in kept} - {"train_state"})
@@ -182,10 +182,10 @@ def _ordered(groups: list[ParamGroup], order: tuple[str, ...] | None, where: Pat
     if order is None:
         if len(groups) > 1:
             described = "; ".join(f"{g.params[0]} and {len(g.params) - 1} more" for g in groups)
-            raise ConfigError(f"{where}: the parameters fall into {len(groups)} param groups by their settings "
+            raise ConfigError(f"the parameters fall into {len(groups)} param groups by their settings "
                               f"({described}); their order in the DeepSpeed job's optimizer is not recorded",
                               hint="--group-order NAME,NAME,...: one parameter of each group, in the order the "
-                                   "DeepSpeed job passes the groups to its optimizer")
+                                   "DeepSpeed job passes the groups to its optimizer", at=where)
         return groups
     picked = []
     for name in order:
@@ -209,8 +209,8 @@ def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
         known = set(model.parameters) | set(model.buffers) | set(model.ties)
         missing, extra = sorted(known - set(entries)), sorted(set(entries) - known)
         if missing or extra:
-            raise StateDictMismatchError(f"{where}: the model and the checkpoint disagree - missing from the "
-                                         f"checkpoint: {missing[:5]}; not in the model: {extra[:5]}")
+            raise StateDictMismatchError("the model and the checkpoint disagree - missing from the "
+                                         f"checkpoint: {missing[:5]}; not in the model: {extra[:5]}", at=where)
         model.check_shapes({n: index.tensors[k].shape for n, k in entries.items()}, where)
         out: dict[str, tuple[str, str | None]] = {}
         for name in entries:
@@ -222,16 +222,16 @@ def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
                 out[name] = ("param" if name in trainable else "frozen", None)
         frozen_in_groups = [n for n in trainable if out[n][0] != "param"]
         if frozen_in_groups:
-            raise StateDictMismatchError(f"{where}: the optimizer holds {frozen_in_groups[:3]}, which the model "
-                                         "names as buffers or tied copies")
+            raise StateDictMismatchError(f"the optimizer holds {frozen_in_groups[:3]}, which the model "
+                                         "names as buffers or tied copies", at=where)
         return out
     unclear = [n for n in entries if n not in trainable and index.tensors[entries[n]].dtype in FLOATING]
     if unclear:
-        raise ConfigError(f"{where}: {len(unclear)} floating-point model entries no optimizer holds "
+        raise ConfigError(f"{len(unclear)} floating-point model entries no optimizer holds "
                           f"({', '.join(unclear[:4])}{', ...' if len(unclear) > 4 else ''}): frozen parameters, "
                           "buffers and a tied parameter's second name look the same in DCP",
                           hint="pass --model MODULE:FACTORY (the model is built on the meta device to read its "
-                               "names; no weights are computed)")
+                               "names; no weights are computed)", at=where)
     return {n: ("param" if n in trainable else "buffer", None) for n in entries}
 
 

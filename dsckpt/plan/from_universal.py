@@ -24,14 +24,14 @@ def build_universal_state(ckpt: Checkpoint) -> tuple[TrainingState, int]:
     folder = ckpt.layout.tag_dir / L.UNIVERSAL_DIR
     optimizer_file = folder / L.UNIVERSAL_OPTIMIZER_FILE
     if not optimizer_file.is_file():
-        raise UnsupportedCheckpointError(f"{optimizer_file}: missing - a universal checkpoint keeps its param groups' "
-                                         "settings there")
+        raise UnsupportedCheckpointError("missing - a universal checkpoint keeps its param groups' "
+                                         "settings there", at=optimizer_file)
     optimizer = TorchFile(optimizer_file).obj
     settings = optimizer.get(L.UNIVERSAL_PARAM_GROUPS) if isinstance(optimizer, dict) else None
     if not (isinstance(settings, list) and all(isinstance(g, dict) for g in settings)) \
             or len(settings) != len(ckpt.param_groups):
-        raise UnsupportedCheckpointError(f"{optimizer_file}: {len(settings or [])} recorded param groups for "
-                                         f"{len(ckpt.param_groups)} groups of parameters in the model file")
+        raise UnsupportedCheckpointError(f"{len(settings or [])} recorded param groups for "
+                                         f"{len(ckpt.param_groups)} groups of parameters in the model file", at=optimizer_file)
     with structure_errors(ckpt):
         model = build_plan(ckpt)
         masters = {t.name: t for t in model.tensors if t.kind == "param"}
@@ -59,6 +59,6 @@ def _step(ckpt: Checkpoint, optimizer: dict[str, Any], group: int, first: str | 
     if ref is None:
         return None
     if not isinstance(ref, TensorRef) or ref.shape != ():
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: the step of param group {group} is {ref!r:.60}, "
-                                         "not a stored 0-d tensor")
+        raise UnsupportedCheckpointError(f"the step of param group {group} is {ref!r:.60}, "
+                                         "not a stored 0-d tensor", at=ckpt.layout.tag_dir)
     return TensorPlan("step", (), ref.dtype, "F32", "step", ref_segments(ref))

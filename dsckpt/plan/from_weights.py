@@ -25,8 +25,8 @@ def build_weights_state(tensors: list[TensorPlan], model: ModelNames, groups: tu
     missing = [n for n in wanted if n not in stored]
     extra = [n for n in stored if n not in wanted and n not in model.ties]
     if missing or extra:
-        raise StateDictMismatchError(f"{where}: the weights and the model disagree - missing from the weights: "
-                                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; not in the model: {extra[:5]}")
+        raise StateDictMismatchError("the weights and the model disagree - missing from the weights: "
+                                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; not in the model: {extra[:5]}", at=where)
     model.check_shapes({n: stored[n].shape for n in wanted}, where)
     trainable = [n for g in groups for n in g.params]
     unknown = [n for n in trainable if n not in model.parameters or n in model.ties]

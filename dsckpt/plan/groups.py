@@ -69,8 +69,8 @@ def stage12_groups(ckpt: Checkpoint) -> list[FlatGroup]:
         numels = [math.prod(s) for s in shapes.values()]
         pad = tuple(paddings[g]) if paddings is not None else None
         if pad is not None and len(pad) != len(numels):
-            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: group {g} has {len(numels)} parameters "
-                                              f"but {len(pad)} alignment paddings")
+            raise InconsistentCheckpointError(f"group {g} has {len(numels)} parameters "
+                                              f"but {len(pad)} alignment paddings", at=ckpt.optim_files[0].path)
         align = parameter_alignment(list(pad or []), itemsize)
         ep_size = expert_groups.get(g, 1)
         layout = stage12_group(numels, world // ep_size, list(pad) if pad is not None else None, align)
@@ -98,14 +98,14 @@ def stage3_groups(ckpt: Checkpoint) -> list[FlatGroup]:
         while i < len(names) and numels[i] == 0 and g == len(states) - 1:
             i += 1
         if size != state.fp32.numel:
-            raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: sub-group {g} holds {state.fp32.numel} "
-                                              "elements, which no run of the recorded parameters fills")
+            raise InconsistentCheckpointError(f"sub-group {g} holds {state.fp32.numel} "
+                                              "elements, which no run of the recorded parameters fills", at=ckpt.optim_files[0].path)
         out.append(FlatGroup(g, tuple(names[start:i]), tuple(ckpt.trainable[n] for n in names[start:i]),
                              stage3_group(numels[start:i], ckpt.world_size), 3, tuple(range(ckpt.world_size)),
                              tuple(names[start:i])))
     if i != len(names):
-        raise InconsistentCheckpointError(f"{ckpt.optim_files[0].path}: the sub-groups hold {i} of the "
-                                          f"{len(names)} trainable parameters")
+        raise InconsistentCheckpointError(f"the sub-groups hold {i} of the "
+                                          f"{len(names)} trainable parameters", at=ckpt.optim_files[0].path)
     return out
 
 
@@ -115,5 +115,5 @@ def structure_errors(ckpt: Checkpoint) -> Iterator[None]:
     try:
         yield
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
-        raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: unexpected checkpoint structure "
-                                          f"({type(exc).__name__}: {exc})") from None
+        raise InconsistentCheckpointError("unexpected checkpoint structure "
+                                          f"({type(exc).__name__}: {exc})", at=ckpt.layout.tag_dir) from None

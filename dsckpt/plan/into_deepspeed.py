@@ -79,8 +79,8 @@ def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: 
         numels = [math.prod(by_name[n].master.shape) for n in group.params]
         layout = stage3_group(numels, target.world_size) if target.stage == 3 else stage12_group(numels, target.world_size)
         if target.stage == 3 and layout.partition_numel > DEFAULT_SUB_GROUP_SIZE:
-            raise UnsupportedCheckpointError(f"{source}: param group {g} would hold {layout.partition_numel:,} elements "
-                                             f"per rank, more than one ZeRO-3 sub-group; not supported yet")
+            raise UnsupportedCheckpointError(f"param group {g} would hold {layout.partition_numel:,} elements "
+                                             f"per rank, more than one ZeRO-3 sub-group; not supported yet", at=source)
         layouts.append(layout)
     moves = tuple(GroupMove(g.params, layout, layout, i) for i, (g, layout) in enumerate(zip(state.groups, layouts)))
     files = [_optim_file(state, target, moves, r, source) for r in range(target.world_size)]
@@ -95,8 +95,8 @@ def _partition(layout: GroupLayout, rank: int, tensors: list[TensorPlan], length
     """Rank ``rank``'s first ``length`` elements of a flat group, as fp32 from ``tensors`` (one per parameter)."""
     dtypes = {t.src_dtype for t in tensors}
     if len(dtypes) > 1:
-        raise UnsupportedCheckpointError(f"{where}: a param group mixes {sorted(dtypes)} tensors; one flat "
-                                         "partition is read in one dtype")
+        raise UnsupportedCheckpointError(f"a param group mixes {sorted(dtypes)} tensors; one flat "
+                                         "partition is read in one dtype", at=where)
     src = dtypes.pop() if dtypes else "F32"
     size = ITEMSIZE[src]
     out: list[Piece] = []
@@ -111,7 +111,7 @@ def _partition(layout: GroupLayout, rank: int, tensors: list[TensorPlan], length
             out += window.cut(span.param_start * size, span.count * size)
             pos = span.rank_start + span.count
     if pos > length:
-        raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
+        raise InconsistentCheckpointError(f"rank {rank} needs {pos} elements but keeps {length}", at=where)
     if length > pos:
         out.append(Zeros((length - pos) * size))
     return TensorSource(src, "F32", merged(out))
@@ -127,7 +127,7 @@ def _step_tensor(step: object, where: str) -> NewTensor | None:
     if step is None:
         return None
     if not isinstance(step, TensorPlan) or step.shape != ():
-        raise UnsupportedCheckpointError(f"{where}: the optimizer step is {step!r:.60}, not a stored 0-d tensor")
+        raise UnsupportedCheckpointError(f"the optimizer step is {step!r:.60}, not a stored 0-d tensor", at=where)
     return NewTensor("F32", (), TensorSource(step.src_dtype, "F32", tuple(step.pieces)))
 
 
@@ -143,7 +143,7 @@ def _optim_file(state: TrainingState, target: DeepSpeedLayout, moves: tuple[Grou
         flats.append(_flat(_partition(move.target, rank, [p.master for p in params], length - trimmed, where), True))
         keys = [k for k in (params[0].moments if params else {})]
         if any(list(p.moments) != keys for p in params):
-            raise UnsupportedCheckpointError(f"{where}: its parameters hold different optimizer state keys")
+            raise UnsupportedCheckpointError("its parameters hold different optimizer state keys", at=where)
         entry: dict[str, NewTensor] = {}
         step = _step_tensor(params[0].step, where) if params else None
         if step is not None and keys:

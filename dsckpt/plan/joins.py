@@ -130,15 +130,15 @@ class TensorParallel:
             found = [by_rank[r].get(local.name) for r in range(len(slice_plans))]
             parts = [p for p in found if p is not None and p.src_dtype == local.src_dtype]
             if len(parts) != len(found):
-                raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r} is not held in "
-                                                  f"{local.src_dtype} by every TP rank")
+                raise InconsistentCheckpointError(f"{local.name!r} is not held in "
+                                                  f"{local.src_dtype} by every TP rank", at=ckpt.layout.tag_dir)
             size = ITEMSIZE[local.src_dtype]
             try:
                 pieces = Interleaved([tuple(p.pieces) for p in parts],
                                      [(b.rank, b.start * size, b.numel * size) for b in split.blocks],
                                      [period * size for period in split.periods], split.count)
             except InconsistentCheckpointError as exc:
-                raise InconsistentCheckpointError(f"{ckpt.layout.tag_dir}: {local.name!r}: {exc}") from None
+                raise InconsistentCheckpointError(f"{local.name!r}: {exc}", at=ckpt.layout.tag_dir) from None
             tensors.append(replace(local, shape=split.shape,
                                    pieces=merged(list(pieces)) if split.count == 1 else pieces))
             replicas += [Replica(local.name, r, stored(parts[r]), stored(local)) for r in split.replicas]

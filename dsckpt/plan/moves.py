@@ -67,27 +67,27 @@ def check_reshardable(ckpt: Checkpoint, world_size: int, ep_size: int | None = N
         raise ConfigError(f"world size {world_size!r}: expected a whole number of data-parallel ranks, 1 to "
                           f"{limit('MAX_WORLD_SIZE'):,}")
     if ckpt.universal:
-        raise UnsupportedCheckpointError(f"{where}: a universal checkpoint (ds_to_universal's output) is not split by "
+        raise UnsupportedCheckpointError("a universal checkpoint (ds_to_universal's output) is not split by "
                                          "world size", hint="DeepSpeed loads it at any world size with "
-                                         "checkpoint.load_universal; dsckpt consolidate reads it")
+                                         "checkpoint.load_universal; dsckpt consolidate reads it", at=where)
     for layer in ckpt.experts.layers if ckpt.experts else ():
         new = ep_size or layer.ep_size
         if world_size % new or layer.num_experts % new or (type(new) is not int or new < 1):
             raise UnsupportedCheckpointError(
-                f"{where}: MoE layer {layer.index} ({layer.prefix}) has {layer.num_experts} experts at ep_size {new}, "
+                f"MoE layer {layer.index} ({layer.prefix}) has {layer.num_experts} experts at ep_size {new}, "
                 f"which world size {world_size} is not a multiple of (or which does not divide the experts)",
-                hint="an ep_size must divide the world size and the number of experts (--ep-size changes it)")
+                hint="an ep_size must divide the world size and the number of experts (--ep-size changes it)", at=where)
     if ckpt.zero_stage == 0:
-        raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
-                                         "at any world size as it is", hint="use it directly")
+        raise UnsupportedCheckpointError("a ZeRO-0 checkpoint is not partitioned; DeepSpeed loads it "
+                                         "at any world size as it is", hint="use it directly", at=where)
     if ckpt.zero_stage not in (1, 2, 3):
-        raise UnsupportedCheckpointError(f"{where}: ZeRO stage {ckpt.zero_stage} is not one dsckpt can reshard")
+        raise UnsupportedCheckpointError(f"ZeRO stage {ckpt.zero_stage} is not one dsckpt can reshard", at=where)
     for tf in ckpt.optim_files:
         osd = tf.obj[L.OPTIMIZER_STATE_DICT]
         if ckpt.zero_stage != 3 and (not isinstance(osd.get(L.BASE_OPTIMIZER_STATE), dict)
                                      or L.ELASTIC_OPTIMIZER_STATE_STEP in osd):
-            raise UnsupportedCheckpointError(f"{tf.path}: elastic ZeRO optimizer state (zero_optimization."
-                                             "elastic_checkpoint) is not supported by reshard yet")
+            raise UnsupportedCheckpointError("elastic ZeRO optimizer state (zero_optimization."
+                                             "elastic_checkpoint) is not supported by reshard yet", at=tf.path)
 
 
 # --- step 2: layouts ------------------------------------------------------------------------------
@@ -168,14 +168,14 @@ def _check_sub_groups_kept(ckpt: Checkpoint, source: list[tuple[str, ...]], worl
     at_m = stage3_sub_groups(groups, world_size, int(size))
     if at_n != source and len(source) > 1:
         raise UnsupportedCheckpointError(
-            f"{ckpt.optim_files[0].path}: {len(source)} ZeRO-3 sub-groups, not where DeepSpeed 0.19.8 cuts them "
-            f"(sub_group_size {int(size):,}: {len(at_n)}); not supported yet")
+            f"{len(source)} ZeRO-3 sub-groups, not where DeepSpeed 0.19.8 cuts them "
+            f"(sub_group_size {int(size):,}: {len(at_n)}); not supported yet", at=ckpt.optim_files[0].path)
     if at_m != at_n:
         raise UnsupportedCheckpointError(
-            f"{ckpt.layout.tag_dir}: ZeRO-3 sub-groups (sub_group_size {int(size):,}) fall differently at world size "
+            f"ZeRO-3 sub-groups (sub_group_size {int(size):,}) fall differently at world size "
             f"{world_size}: {len(at_n)} at {ckpt.world_size} ranks, {len(at_m)} at {world_size} (or other members); "
             "not supported yet", hint="reshard to a world size that keeps them, or consolidate and resume with "
-                                      "--full-weights")
+                                      "--full-weights", at=ckpt.layout.tag_dir)
 
 
 # --- step 3: segments -----------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def partition_segments(move: GroupMove, rank: int, spaces: list[FlatSpace], leng
             out += _param_range(move.source, source, span.param_start, span.count, spaces, where)
             pos = span.rank_start + span.count
     if pos > length:
-        raise InconsistentCheckpointError(f"{where}: rank {rank} needs {pos} elements but keeps {length}")
+        raise InconsistentCheckpointError(f"rank {rank} needs {pos} elements but keeps {length}", at=where)
     if length > pos:
         out.append(Zeros((length - pos) * itemsize))
     return merged(out)
@@ -235,8 +235,8 @@ def state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupM
     ref = torch_state["state"][group][key]
     if not isinstance(ref, TensorRef) or ref.numel != move.source.partition_numel:
         raise UnsupportedCheckpointError(
-            f"{ckpt.optim_files[rank].path}: optimizer state {key!r} of group {group} is neither per element "
-            f"({move.source.partition_numel} elements) nor a scalar; dsckpt cannot split it")
+            f"optimizer state {key!r} of group {group} is neither per element "
+            f"({move.source.partition_numel} elements) nor a scalar; dsckpt cannot split it", at=ckpt.optim_files[rank].path)
     return ref
 
 

@@ -49,8 +49,8 @@ def build_reshard_plan(ckpt: Checkpoint, world_size: int, stage: int | None = No
     ``ep_size`` (``plan.experts``; default its own, same stage only)."""
     ckpt.require_complete(tensor_parallel=True, pipeline=True)
     if ckpt.pp_slices and stage not in (None, 0, 1):
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a pipeline run at ZeRO-{stage}: DeepSpeed's "
-                                         "pipeline engine runs ZeRO 0 and 1 only")
+        raise UnsupportedCheckpointError(f"a pipeline run at ZeRO-{stage}: DeepSpeed's "
+                                         "pipeline engine runs ZeRO 0 and 1 only", at=ckpt.layout.tag_dir)
     join = outermost(ckpt)
     if join is not None:  # each slice's files moved on their own (plan.joins): the split is the same at any DP size
         plans = [build_reshard_plan(s, world_size, stage, ep_size) for s in join.slices(ckpt)]

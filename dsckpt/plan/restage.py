@@ -46,8 +46,8 @@ def restaged(ckpt: Checkpoint, world_size: int, stage: int, same_stage: ReshardP
     ``world_size`` and its own stage (``plan.reshard`` builds it; needed for 1 <-> 2 only)."""
     where = ckpt.layout.tag_dir
     if ckpt.experts:
-        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts checkpoint; reshard --stage does not move "
-                                         "experts between stages (DeepSpeed 0.19.8 runs native MoE at ZeRO 0-2 only)")
+        raise UnsupportedCheckpointError("a mixture-of-experts checkpoint; reshard --stage does not move "
+                                         "experts between stages (DeepSpeed 0.19.8 runs native MoE at ZeRO 0-2 only)", at=where)
     if stage not in (1, 2, 3):
         raise UnsupportedCheckpointError(f"--stage {stage}: reshard writes ZeRO stage 1, 2 or 3")
     if ckpt.zero_stage in (1, 2) and stage in (1, 2) and same_stage is not None:
@@ -60,9 +60,9 @@ def restaged(ckpt: Checkpoint, world_size: int, stage: int, same_stage: ReshardP
             return _to_stage3(ckpt, world_size)
         if ckpt.zero_stage == 3 and stage in (1, 2):
             return _from_stage3(ckpt, world_size, stage)
-    raise UnsupportedCheckpointError(f"{where}: ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported",
+    raise UnsupportedCheckpointError(f"ZeRO-{ckpt.zero_stage} -> ZeRO-{stage} is not supported",
                                      hint="dsckpt consolidate, then dsckpt resume --full-weights at the new stage "
-                                          "(the optimizer starts fresh)")
+                                          "(the optimizer starts fresh)", at=where)
 
 
 def _with_stage(tree: Any, stage: int) -> Any:
@@ -99,8 +99,8 @@ def _to_stage3(ckpt: Checkpoint, world_size: int) -> ReshardPlan:
     for g, move in enumerate(moves):
         if move.target.partition_numel > DEFAULT_SUB_GROUP_SIZE:
             raise UnsupportedCheckpointError(
-                f"{ckpt.layout.tag_dir}: param group {g} would hold {move.target.partition_numel:,} elements per "
-                f"rank, more than one ZeRO-3 sub-group ({DEFAULT_SUB_GROUP_SIZE:,}); not supported yet")
+                f"param group {g} would hold {move.target.partition_numel:,} elements per "
+                f"rank, more than one ZeRO-3 sub-group ({DEFAULT_SUB_GROUP_SIZE:,}); not supported yet", at=ckpt.layout.tag_dir)
     files = [_stage3_model_file(ckpt, world_size, r) for r in range(world_size)]
     files += [_stage3_optim_file(ckpt, moves, world_size, r) for r in range(world_size)]
     return ReshardPlan(3, ckpt.world_size, world_size, ckpt.layout.tag, tuple(moves), tuple(files))
@@ -191,8 +191,8 @@ def _from_stage3(ckpt: Checkpoint, world_size: int, stage: int) -> ReshardPlan:
     sub_groups = stage3_moves(ckpt, ckpt.world_size)
     if len(sub_groups) != len(optimizer_groups):
         raise UnsupportedCheckpointError(
-            f"{ckpt.layout.tag_dir}: {len(sub_groups)} ZeRO-3 sub-groups for {len(optimizer_groups)} param groups "
-            "(a small sub_group_size); stage 1/2 keeps one flat group per param group - not supported yet")
+            f"{len(sub_groups)} ZeRO-3 sub-groups for {len(optimizer_groups)} param groups "
+            "(a small sub_group_size); stage 1/2 keeps one flat group per param group - not supported yet", at=ckpt.layout.tag_dir)
     moves = [GroupMove(m.names, m.source, stage12_group([math.prod(ckpt.trainable[n]) for n in m.names], world_size))
              for m in sub_groups]
     files = [_stage12_model_file(ckpt, world_size, stage)]

@@ -170,8 +170,8 @@ class FlatSpace:
 
     def pieces(self, start: int, count: int, where: str) -> list[Segment]:
         if start < 0 or start + count > self.numel:
-            raise InconsistentCheckpointError(f"{where}: needs elements [{start}, {start + count}) "
-                                              f"but the partition holds {self.numel}")
+            raise InconsistentCheckpointError(f"needs elements [{start}, {start + count}) "
+                                              f"but the partition holds {self.numel}", at=where)
         out = []
         for span_start, span_numel, path, offset in self.spans:
             lo, hi = max(start, span_start), min(start + count, span_start + span_numel)

@@ -50,15 +50,15 @@ class TrainingState:
 def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
     where = ckpt.layout.tag_dir
     if ckpt.universal:
-        raise UnsupportedCheckpointError(f"{where}: already a universal checkpoint (ds_to_universal's output)",
-                                         hint="convert the DeepSpeed checkpoint it was made from")
+        raise UnsupportedCheckpointError("already a universal checkpoint (ds_to_universal's output)",
+                                         hint="convert the DeepSpeed checkpoint it was made from", at=where)
     if ckpt.experts:
-        raise UnsupportedCheckpointError(f"{where}: a mixture-of-experts run; convert does not map expert "
+        raise UnsupportedCheckpointError("a mixture-of-experts run; convert does not map expert "
                                          "parallelism to DCP or universal checkpoints",
-                                         hint="dsckpt consolidate writes its weights; dsckpt reshard --ep-size moves it")
+                                         hint="dsckpt consolidate writes its weights; dsckpt reshard --ep-size moves it", at=where)
     if ckpt.zero_stage == 0 and not weights_only:
-        raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 checkpoint keeps no partitioned optimizer state "
-                                         "to convert", hint="--weights-only converts the weights")
+        raise UnsupportedCheckpointError("a ZeRO-0 checkpoint keeps no partitioned optimizer state "
+                                         "to convert", hint="--weights-only converts the weights", at=where)
 
 
 def _held(ckpt: Checkpoint, key: str) -> list[TensorPlan]:

@@ -297,15 +297,15 @@ class AsyncSave:
                 else:
                     self._commit(item, error, started)
             except BaseException as exc:  # the commit's own channel broke: the tag is not published
-                self.failure = BackgroundSaveError(f"{item.name}: the background commit failed "
-                                                   f"({type(exc).__name__}: {exc})")
+                self.failure = BackgroundSaveError("the background commit failed "
+                                                   f"({type(exc).__name__}: {exc})", at=item.name)
             with self.hooks:
                 item.done, actions = True, (item.then if item.record.ok else [])
             try:
                 for action in actions:
                     action()
             except BaseException as exc:  # a trainer's follow-up failed: reported like a failed save
-                self.failure = BackgroundSaveError(f"{item.name}: after publishing: {type(exc).__name__}: {exc}")
+                self.failure = BackgroundSaveError(f"after publishing: {type(exc).__name__}: {exc}", at=item.name)
             error, started = None, None
             if self.queue.empty():
                 self.idle.set()
@@ -347,9 +347,9 @@ class AsyncSave:
             kept = f"`latest` still names {latest!r}" if latest else "no `latest` written"
             here = f" ({type(error).__name__}: {error})" if error is not None else ""
             self.failure = BackgroundSaveError(
-                f"{tag.name}: the background save failed on rank(s) {', '.join(map(str, failed))}{here}; its files "
+                f"the background save failed on rank(s) {', '.join(map(str, failed))}{here}; its files "
                 f"were removed, {kept}", hint="free space or fix permissions (or a bucket's credentials) where the "
-                "checkpoint goes, then save again")
+                "checkpoint goes, then save again", at=tag.name)
             return
         tag.record.ok = True
         if self.rank == 0:

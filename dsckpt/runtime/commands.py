@@ -91,8 +91,8 @@ def require_writable_folder(folder: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise OutputError(f"{folder}: cannot save checkpoints there ({exc.strerror or exc})",
-                          hint="choose a --save-dir this user can write to") from None
+        raise OutputError(f"cannot save checkpoints there ({exc.strerror or exc})",
+                          hint="choose a --save-dir this user can write to", at=folder) from None
 
 
 @contextlib.contextmanager
@@ -160,10 +160,10 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
         if ckpt.world_size * ckpt.grid.tp != world_size and not reshard:
             tp = f" x tensor parallel {ckpt.grid.tp} ({ckpt.world_size * ckpt.grid.tp} ranks)" if ckpt.grid.tp > 1 else ""
             raise WorldSizeMismatchError(
-                f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}{tp}, but this run has "
+                f"saved at data-parallel world size {ckpt.world_size}{tp}, but this run has "
                 f"world size {world_size}; DeepSpeed cannot reshard it",
                 hint=f"add --reshard, or run `dsckpt consolidate {shlex.quote(str(checkpoint))} model.safetensors`, then "
-                     "`dsckpt resume --full-weights model.safetensors` at any world size")
+                     "`dsckpt resume --full-weights model.safetensors` at any world size", at=ckpt.layout.tag_dir)
     preflight_train(saves=not check, **kwargs)
 
 

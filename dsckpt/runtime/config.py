@@ -183,7 +183,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
         return copy.deepcopy(dict(config))
     path = Path(config)
     if not path.is_file():
-        raise ConfigError(f"{path}: DeepSpeed config file not found")
+        raise ConfigError("DeepSpeed config file not found", at=path)
     return read_json_object(path, "JSON DeepSpeed config")
 
 

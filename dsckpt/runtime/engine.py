@@ -293,13 +293,13 @@ class Runtime:
             path, client = load_resharded(self.engine, load_dir, ckpt.layout.tag, checkpoint=ckpt, **kwargs)
         elif ckpt.world_size * ckpt.grid.tp != world_size():
             raise WorldSizeMismatchError(
-                f"{ckpt.layout.tag_dir}: saved at {ckpt.grid.describe()} ({ckpt.world_size * ckpt.grid.tp} ranks), "
+                f"saved at {ckpt.grid.describe()} ({ckpt.world_size * ckpt.grid.tp} ranks), "
                 f"but this run has world size {world_size()}; DeepSpeed cannot reshard it",
                 hint=f"run `dsckpt consolidate {shlex.quote(str(load_dir))} model.safetensors`, then "
-                     "`dsckpt resume --full-weights model.safetensors` at any world size")
+                     "`dsckpt resume --full-weights model.safetensors` at any world size", at=ckpt.layout.tag_dir)
         else:
             path, client = self.engine.load_checkpoint(str(load_dir), tag=ckpt.layout.tag, **kwargs)
         if path is None or client is None:
-            raise CheckpointNotFoundError(f"{load_dir}: not a DeepSpeed checkpoint DeepSpeed could load",
-                                          hint="for a single weights file use --full-weights")
+            raise CheckpointNotFoundError("not a DeepSpeed checkpoint DeepSpeed could load",
+                                          hint="for a single weights file use --full-weights", at=load_dir)
         return {k: v for k, v in client.items() if k not in DEEPSPEED_KEYS}

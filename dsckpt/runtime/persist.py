@@ -127,8 +127,8 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         if storage.device.type != "cpu":  # a save outside a snapshot (DeepSpeed's other files): as torch.save does
             storage = storage.cpu()
         if storage.nbytes() != entry.nbytes:
-            raise CorruptFileError(f"{path}: storage {entry.key} holds {storage.nbytes()} bytes, its entry "
-                                   f"{entry.nbytes}")
+            raise CorruptFileError(f"storage {entry.key} holds {storage.nbytes()} bytes, its entry "
+                                   f"{entry.nbytes}", at=path)
         kept.append(storage)  # (a copy off the GPU lives as long as the views of its address)
         if entry.nbytes:
             whole = memoryview((ctypes.c_char * entry.nbytes).from_address(storage.data_ptr())).cast("B")
@@ -141,8 +141,8 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
         if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
-            raise CorruptFileError(f"{path}: storage {entry.key}: the bytes read back at [{offset}, "
-                                   f"{offset + len(chunk)}) are not the ones written")
+            raise CorruptFileError(f"storage {entry.key}: the bytes read back at [{offset}, "
+                                   f"{offset + len(chunk)}) are not the ones written", at=path)
         return crc
 
     crcs = {entry.key: 0 for entry in entries}

@@ -43,8 +43,8 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
     check_checkpoint_classes(ckpt)
     ranks, stage = engine.dp_world_size, engine.zero_optimization_stage()  # (DeepSpeed names its files by these)
     if ckpt.grid.tp > 1 or ckpt.pp_slices:
-        raise UnsupportedCheckpointError(f"{ckpt.layout.tag_dir}: a tensor- or pipeline-parallel checkpoint",
-                                         hint="`dsckpt reshard` it first, then load the copy")
+        raise UnsupportedCheckpointError("a tensor- or pipeline-parallel checkpoint",
+                                         hint="`dsckpt reshard` it first, then load the copy", at=ckpt.layout.tag_dir)
     load = load or engine.load_checkpoint
     loader = engine.checkpoint_engine
     stock_load = loader.load
@@ -98,7 +98,7 @@ def load_any_layout(engine: Any, load: Callable[..., Any], load_dir: str | os.Pa
     from ..formats.storage import local_only
 
     hint = f"`dsckpt resume {load_dir}` reads a bucket; or copy it to a folder first"
-    local_only(load_dir, ConfigError(f"{load_dir}: DeepSpeed's load_checkpoint reads a local folder", hint=hint))
+    local_only(load_dir, ConfigError("DeepSpeed's load_checkpoint reads a local folder", hint=hint, at=load_dir))
     checkpoint = other_layout(engine, load_dir, tag)
     if checkpoint is not None:
         return load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **load_kwargs)

@@ -54,8 +54,8 @@ def resume_sharded(trainer: Trainer, ckpt_dir: str, tag: str | None, reshard: bo
     ckpt = open_checkpoint(ckpt_dir, tag=tag)  # read once: metadata for every step below
     if ckpt.world_size != trainer.data_ranks or (reshard and ckpt.zero_stage != trainer.runtime.stage):
         if not reshard:  # the preflight refuses this before ranks start; a direct torchrun run gets here
-            raise WorldSizeMismatchError(f"{ckpt.layout.tag_dir}: saved at data-parallel world size {ckpt.world_size}, "
-                                         f"but this run has {trainer.data_ranks}", hint="add --reshard")
+            raise WorldSizeMismatchError(f"saved at data-parallel world size {ckpt.world_size}, "
+                                         f"but this run has {trainer.data_ranks}", hint="add --reshard", at=ckpt.layout.tag_dir)
         return _resume_resharded(trainer, ckpt, ckpt_dir, tag, strict, skip_client, trust)
     return _load_sharded(trainer, ckpt_dir, tag, ckpt, skip_client, trust, shown_as=ckpt_dir)
 

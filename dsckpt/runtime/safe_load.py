@@ -31,8 +31,8 @@ def check_checkpoint_classes(ckpt) -> None:
         foreign = foreign_classes(tf.obj)
         if foreign:
             raise UnsafeCheckpointError(
-                f"{tf.path}: names {', '.join(sorted(foreign)[:5])}, beyond DeepSpeed's own classes; "
-                "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT)
+                f"names {', '.join(sorted(foreign)[:5])}, beyond DeepSpeed's own classes; "
+                "loading it through DeepSpeed would run its pickle code", hint=TRUST_HINT, at=tf.path)
 
 
 def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool = False):
@@ -49,8 +49,8 @@ def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool
         match = re.search(r"(?:Unsupported global|GLOBAL) ([\w.]+)", str(exc))
         if match is None:
             raise
-        raise UnsafeCheckpointError(f"{name or path}: names {match.group(1)}, beyond DeepSpeed's own classes; refused "
-                                    "(weights_only load)", hint=TRUST_HINT) from None
+        raise UnsafeCheckpointError(f"names {match.group(1)}, beyond DeepSpeed's own classes; refused "
+                                    "(weights_only load)", hint=TRUST_HINT, at=name or path) from None
 
 
 @functools.cache

@@ -128,7 +128,7 @@ class BucketTarget:
         try:
             self.fs.put_file(local, key)
         except FileNotFoundError:  # (the store's answer for a bucket that is not there)
-            raise OutputError(f"{where}: uploading failed: no such bucket") from None
+            raise OutputError("uploading failed: no such bucket", at=where) from None
         except Exception as exc:  # the store's own errors, named by the URL the trainer passed
             raise typed_error(where, exc, "uploading") from None
         self.uploaded.append(key)

@@ -21,8 +21,8 @@ def allowed_tree(tree, where, optimizer: bool, dropped: dict[str, set[str]]):
         if found:
             if key in L.DEEPSPEED_KEYS or optimizer:
                 raise UnsafeCheckpointError(
-                    f"{where}: entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
-                    "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT)
+                    f"entry {str(key)[:80]!r} names {', '.join(sorted(found)[:3])}, beyond "
+                    "DeepSpeed's own classes; writing it would carry its pickle code", hint=L.TRUST_HINT, at=where)
             dropped.setdefault(str(key), set()).update(found)
             continue
         kept[key] = value

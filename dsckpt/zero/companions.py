@@ -58,8 +58,8 @@ def plan_companions(root: Path, tags: tuple[str, ...], source_world_size: int, w
         if entry.name in tags or entry.name == LATEST_FILE or entry.name.startswith("."):
             continue
         if entry.is_symlink() and not (trust or follow_links) and not inside(path.resolve(), root):
-            raise UnsafeCheckpointError(f"{path}: a symlink to {path.resolve()}, outside the checkpoint; not copied",
-                                        hint=TRUST_HINT)
+            raise UnsafeCheckpointError(f"a symlink to {path.resolve()}, outside the checkpoint; not copied",
+                                        hint=TRUST_HINT, at=path)
         rank_file = per_rank_file(entry.name)
         if rank_file is not None:
             per_rank.setdefault(rank_file[0], {})[rank_file[1]] = path

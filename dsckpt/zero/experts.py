@@ -88,39 +88,39 @@ def read_experts(tag_dir: Path, expert_files: tuple[Path, ...], head: dict, para
             continue  # ZeRO-0's optimizer of one ep rank's experts (the weights are in the expert files)
         match = L.EXPERT_MODEL_FILE_RE.match(path.name)
         if not match or match.group("layer") is None:
-            raise UnsupportedCheckpointError(f"{path}: an expert file of an older DeepSpeed layout; not supported")
+            raise UnsupportedCheckpointError("an expert file of an older DeepSpeed layout; not supported", at=path)
         files.setdefault(int(match.group("layer")), {})[int(match.group("expert"))] = path
     counts = head.get(NUM_EXPERTS)
     if not isinstance(counts, list) or not all(isinstance(c, int) and c > 0 for c in counts):
-        raise UnsupportedCheckpointError(f"{where}: expert files but no '{NUM_EXPERTS}' list in the model states")
+        raise UnsupportedCheckpointError(f"expert files but no '{NUM_EXPERTS}' list in the model states", at=where)
     groups: dict[int, int] = {}
     for g, group in enumerate(optimizer_groups):
         if isinstance(group, dict) and group.get("moe"):
             match = EP_GROUP_NAME.match(str(group.get("name", "")))
             if not match:
-                raise UnsupportedCheckpointError(f"{where}: optimizer group {g} holds experts under the name "
-                                                 f"{group.get('name')!r}, not DeepSpeed's ep_size_<E>")
+                raise UnsupportedCheckpointError(f"optimizer group {g} holds experts under the name "
+                                                 f"{group.get('name')!r}, not DeepSpeed's ep_size_<E>", at=where)
             groups[g] = int(match.group(1))
     prefixes: dict[str, tuple[int, int | None]] = {}  # layer path -> (ep_size, optimizer group), in module order
     for g, shapes in enumerate(param_groups):
         for name in shapes:
             if is_expert(name):
                 if g not in groups:
-                    raise UnsupportedCheckpointError(f"{where}: expert parameter {name!r} sits in optimizer group {g}, "
-                                                     "which is not an expert group (moe: True)")
+                    raise UnsupportedCheckpointError(f"expert parameter {name!r} sits in optimizer group {g}, "
+                                                     "which is not an expert group (moe: True)", at=where)
                 prefixes.setdefault(name.split(EXPERTS_MARK, 1)[0], (groups[g], g))
     if not prefixes and not any(param_groups):  # ZeRO-0 records no param_shapes: the expert files name their layer
         prefixes = _prefixes_from_files(where, files, groups)
     if len(prefixes) != len(counts) or sorted(files) != list(range(len(counts))):
         raise UnsupportedCheckpointError(
-            f"{where}: {len(counts)} MoE layers recorded, {len(prefixes)} with trainable experts in the optimizer, "
-            f"expert files for {len(files)}; frozen or untrained experts are not supported")
+            f"{len(counts)} MoE layers recorded, {len(prefixes)} with trainable experts in the optimizer, "
+            f"expert files for {len(files)}; frozen or untrained experts are not supported", at=where)
     layers = []
     for index, ((prefix, (ep_size, owner)), n) in enumerate(zip(prefixes.items(), counts)):
         if n % ep_size or world_size % ep_size or sorted(files[index]) != list(range(n)):
             raise UnsupportedCheckpointError(
-                f"{where}: MoE layer {index} ({prefix}): {n} experts, ep_size {ep_size}, world size {world_size}, "
-                f"expert files {sorted(files[index])}: not a layout DeepSpeed writes")
+                f"MoE layer {index} ({prefix}): {n} experts, ep_size {ep_size}, world size {world_size}, "
+                f"expert files {sorted(files[index])}: not a layout DeepSpeed writes", at=where)
         layers.append(MoeLayer(index, prefix, n, ep_size, tuple(files[index][e] for e in range(n)), owner))
     return Experts(tuple(layers), groups)
 
@@ -131,15 +131,15 @@ def _prefixes_from_files(where: Path, files: dict[int, dict[int, Path]],
 
     sizes = set(groups.values()) or {1}
     if len(sizes) > 1:
-        raise UnsupportedCheckpointError(f"{where}: expert groups of several ep_sizes ({sorted(sizes)}) and no "
-                                         "param_shapes to tell which layer uses which; not supported")
+        raise UnsupportedCheckpointError(f"expert groups of several ep_sizes ({sorted(sizes)}) and no "
+                                         "param_shapes to tell which layer uses which; not supported", at=where)
     prefixes = {}
     for index in sorted(files):
         first = next(iter(files[index].values()))
         obj = TorchFile(first).obj
         name = next((str(k) for k in obj if is_expert(str(k))), None) if isinstance(obj, dict) else None
         if name is None:
-            raise UnsupportedCheckpointError(f"{first}: holds no expert parameter names")
+            raise UnsupportedCheckpointError("holds no expert parameter names", at=first)
         prefixes[name.split(EXPERTS_MARK, 1)[0]] = (next(iter(sizes)), next(iter(groups), None))
     return prefixes
 
@@ -151,8 +151,8 @@ def edp_ranks(ep: int, ep_size: int, world_size: int) -> tuple[int, ...]:
 
 def check_stage(stage: int, precision: str, where: Path) -> None:
     if stage == 3:
-        raise UnsupportedCheckpointError(f"{where}: a ZeRO-3 mixture-of-experts checkpoint; not supported yet")
+        raise UnsupportedCheckpointError("a ZeRO-3 mixture-of-experts checkpoint; not supported yet", at=where)
     if stage == 0 and precision != "fp32":
-        raise UnsupportedCheckpointError(f"{where}: a ZeRO-0 {precision} mixture-of-experts checkpoint (its fp32 "
-                                         "masters of experts sit in the optimizer's own record); not supported yet")
+        raise UnsupportedCheckpointError(f"a ZeRO-0 {precision} mixture-of-experts checkpoint (its fp32 "
+                                         "masters of experts sit in the optimizer's own record); not supported yet", at=where)
 

@@ -158,7 +158,7 @@ def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
         if match:
             kind = file_kind(entry.path)
             if kind is not None:
-                raise CheckpointNotFoundError(f"{entry.path}: expected a rank file, found {kind}")
+                raise CheckpointNotFoundError(f"expected a rank file, found {kind}", at=entry.path)
             dp = match.group("dp")
             rank_file = RankFile(
                 path=Path(entry.path), kind=match.group("kind"), dp_rank=None if dp is None else int(dp),
@@ -216,8 +216,8 @@ def stale_latest(root: Path | str, latest: str) -> InconsistentCheckpointError:
 
 
 def several_tags(root: Path | str, tags: list[str]) -> TagError:
-    return TagError(f"{root}: several tags and no usable 'latest': {', '.join(tags)}",
-                    hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))")
+    return TagError(f"several tags and no usable 'latest': {', '.join(tags)}",
+                    hint="pick one with --tag (dsckpt.open_checkpoint(path, tag=...))", at=root)
 
 
 def read_latest(root: Path) -> str | None:
@@ -226,19 +226,19 @@ def read_latest(root: Path) -> str | None:
     if not os.path.lexists(latest):
         return None
     if latest.is_symlink() and not inside(latest.resolve(), root):
-        raise TagError(f"{latest}: is a symlink to {os.readlink(latest)!r}, outside the checkpoint; not read")
+        raise TagError(f"is a symlink to {os.readlink(latest)!r}, outside the checkpoint; not read", at=latest)
     kind = file_kind(latest)
     if kind is not None:
-        raise TagError(f"{latest}: expected a text file naming a tag, found {kind}")
+        raise TagError(f"expected a text file naming a tag, found {kind}", at=latest)
     from ..limits import limit
 
     with open(latest, "rb") as fh:
         data = fh.read(limit("MAX_LATEST_BYTES") + 1)
     if len(data) > limit("MAX_LATEST_BYTES"):
-        raise TagError(f"{latest}: longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name")
+        raise TagError(f"longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name", at=latest)
     tag = data.decode("utf-8", errors="replace").strip()
     if tag and (os.sep in tag or tag in (".", "..") or not tag.isprintable()):
-        raise TagError(f"{latest}: {tag[:80]!r} is not a tag folder name")
+        raise TagError(f"{tag[:80]!r} is not a tag folder name", at=latest)
     return tag or None
 
 
@@ -291,17 +291,17 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
     """
     p = Path(path)
     if not os.path.lexists(p):
-        raise CheckpointNotFoundError(f"{p}: no such file or directory")
+        raise CheckpointNotFoundError("no such file or directory", at=p)
     kind = file_kind(p)
     if kind not in (None, "a directory"):
-        raise CheckpointNotFoundError(f"{p}: is {kind}, not a checkpoint folder or rank file")
+        raise CheckpointNotFoundError(f"is {kind}, not a checkpoint folder or rank file", at=p)
     if p.is_file():
         if not RANK_FILE_RE.match(p.name):
             raise CheckpointNotFoundError(
-                f"{p}: not a DeepSpeed rank file (expected *_model_states.pt or *_optim_states.pt)")
+                "not a DeepSpeed rank file (expected *_model_states.pt or *_optim_states.pt)", at=p)
         p = p.parent
     if not os.access(p, os.R_OK | os.X_OK):
-        raise UnreadableFileError(f"{p}: permission denied")
+        raise UnreadableFileError("permission denied", at=p)
     problems: list[tuple[type, str]] = []  # (error class, message): reported by inspect, raised by readers
     if is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
         root, tag = p.parent, tag or p.name
@@ -320,11 +320,11 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
             tag = tags[0]
         elif not tags:
             if latest is not None:
-                raise TagError(f"{root / LATEST_FILE}: names tag {latest!r}, but {root} holds no tags")
+                raise TagError(f"names tag {latest!r}, but {root} holds no tags", at=root / LATEST_FILE)
             if (root / DCP_METADATA).is_file():
                 raise CheckpointNotFoundError(
-                    f"{root}: a torch.distributed.checkpoint (DCP) folder ({DCP_METADATA}), not a DeepSpeed checkpoint",
-                    hint="FSDP2 loads it: dcp.load(state, checkpoint_id=...) then set_state_dict(model, optimizer, ...)")
+                    f"a torch.distributed.checkpoint (DCP) folder ({DCP_METADATA}), not a DeepSpeed checkpoint",
+                    hint="FSDP2 loads it: dcp.load(state, checkpoint_id=...) then set_state_dict(model, optimizer, ...)", at=root)
             nested = checkpoints_below(root)
             raise CheckpointNotFoundError(
                 f"{root}: no DeepSpeed checkpoint found (no rank files, no tag folders)"
@@ -333,14 +333,14 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         else:
             raise several_tags(root, tags)
     elif tag not in tags:
-        raise TagError(f"{root}: tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}")
+        raise TagError(f"tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}", at=root)
     tag_dir = root / tag
     notes = []
     if tag_dir.is_symlink() and not inside(tag_dir.resolve(), root):
         notes.append(f"{tag_dir}: a symlink to {tag_dir.resolve()}, outside {root}; followed")
     model, optim, pipeline, experts = _scan_tag_dir(tag_dir, problems)
     if not model:
-        raise CheckpointNotFoundError(f"{tag_dir}: no *_model_states.pt file")
+        raise CheckpointNotFoundError("no *_model_states.pt file", at=tag_dir)
     return Layout(root=root, tag=tag_dir.name, tag_dir=tag_dir, tags=tuple(tags), latest=latest,
                   model_files=tuple(model), optim_files=tuple(optim), pipeline_files=tuple(pipeline),
                   expert_files=tuple(experts), problems=tuple(problems), notes=tuple(notes))

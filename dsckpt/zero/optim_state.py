@@ -89,7 +89,7 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
             groups.append(GroupState(flat, moments, state.get("step"), hyper.get(g, {}), trimmed, owner.get(g, g)))
         scaler = osd.get(L.LOSS_SCALER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise InconsistentCheckpointError(f"{tf.path}: unexpected optimizer-state structure ({exc})") from None
+        raise InconsistentCheckpointError(f"unexpected optimizer-state structure ({exc})", at=tf.path) from None
     return RankState(rank, tf.path, tuple(groups), paddings, _fields(scaler))
 
 

@@ -140,9 +140,9 @@ class Checkpoint:
             raise first.error(first.message, hint=first.hint)
         if (self.grid.pp > 1 and not pipeline) or (self.grid.tp > 1 and not tensor_parallel):
             raise UnsupportedCheckpointError(
-                f"{self.layout.tag_dir}: a {self.grid.describe()} checkpoint; this command does not read "
+                f"a {self.grid.describe()} checkpoint; this command does not read "
                 f"{'pipeline' if self.grid.pp > 1 else 'tensor'}-parallel checkpoints yet",
-                hint="dsckpt consolidate and inspect read it")
+                hint="dsckpt consolidate and inspect read it", at=self.layout.tag_dir)
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
@@ -197,8 +197,8 @@ def _require_every_mp_rank(lay: L.Layout, what: str) -> None:
     ranks = lay.model_parallel_ranks()
     missing = next((mp for mp in range(max(ranks) + 1) if not any(f.mp_rank == mp for f in lay.model_files)), None)
     if missing is not None:
-        raise MissingRankError(f"{lay.tag_dir}: the model-states file of {what} {missing} is missing "
-                               f"(files of {what}s {', '.join(map(str, ranks))} are present)")
+        raise MissingRankError(f"the model-states file of {what} {missing} is missing "
+                               f"(files of {what}s {', '.join(map(str, ranks))} are present)", at=lay.tag_dir)
 
 
 def _pipeline(lay: L.Layout) -> Checkpoint:
@@ -233,8 +233,8 @@ def _open(lay: L.Layout, layers: dict[str, TensorRef] | None = None) -> Checkpoi
         _raise(problems[-1])  # nothing to read metadata from
     head = model_files[0].obj
     if not isinstance(head, dict) or L.MODULE not in head or L.BUFFER_NAMES not in head:
-        raise UnsupportedCheckpointError(f"{lay.model_files[0].path}: not a DeepSpeed model-states file "
-                                         f"(no '{L.MODULE}' / '{L.BUFFER_NAMES}' entries)")
+        raise UnsupportedCheckpointError("not a DeepSpeed model-states file "
+                                         f"(no '{L.MODULE}' / '{L.BUFFER_NAMES}' entries)", at=lay.model_files[0].path)
     where = lay.model_files[0].path
     world = _count(head.get(L.DP_WORLD_SIZE), where, L.DP_WORLD_SIZE)
     mp = _count(head.get(L.MP_WORLD_SIZE), where, L.MP_WORLD_SIZE)
@@ -281,7 +281,7 @@ def _count(value: Any, path, key: str) -> int:
     if value is None:
         return 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InconsistentCheckpointError(f"{path}: '{key}' is {short(value)}, expected a positive integer")
+        raise InconsistentCheckpointError(f"'{key}' is {short(value)}, expected a positive integer", at=path)
     check("MAX_WORLD_SIZE", value, str(path), f"'{key}'")
     return value
 
@@ -329,7 +329,7 @@ def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precisio
 
 def _typed(value: Any, kind: type, path, key: str) -> Any:
     if not isinstance(value, kind):
-        raise InconsistentCheckpointError(f"{path}: '{key}' is a {type(value).__name__}, expected a {kind.__name__}")
+        raise InconsistentCheckpointError(f"'{key}' is a {type(value).__name__}, expected a {kind.__name__}", at=path)
     return value
 
 
@@ -338,7 +338,7 @@ def _shapes(value: Any, path, key: str) -> dict[str, tuple[int, ...]]:
     _typed(value, dict, path, key)
     for name, shape in value.items():
         if not (isinstance(name, str) and isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise InconsistentCheckpointError(f"{path}: '{key}' entry {name!r} is not a name -> shape pair")
+            raise InconsistentCheckpointError(f"'{key}' entry {name!r} is not a name -> shape pair", at=path)
     return dict(value)
 
 
@@ -364,10 +364,10 @@ def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
         return 3 if any(f.dp_rank is not None for f in lay.model_files) else 0
     osd = optim_files[0].obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(optim_files[0].obj, dict) else None
     if not isinstance(osd, dict) or L.ZERO_STAGE not in osd:
-        raise UnsupportedCheckpointError(f"{lay.optim_files[0].path}: no '{L.ZERO_STAGE}' in the optimizer state")
+        raise UnsupportedCheckpointError(f"no '{L.ZERO_STAGE}' in the optimizer state", at=lay.optim_files[0].path)
     stage = opaque_int(osd[L.ZERO_STAGE])
     if stage not in (1, 2, 3):
-        raise UnsupportedCheckpointError(f"{lay.optim_files[0].path}: unknown zero_stage {stage!r}")
+        raise UnsupportedCheckpointError(f"unknown zero_stage {stage!r}", at=lay.optim_files[0].path)
     return stage
 
 

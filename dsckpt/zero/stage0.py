@@ -32,8 +32,8 @@ def match_masters(ckpt) -> dict[str, TensorRef]:
             out[name] = masters[i]
             i += 1
     if i != len(masters):
-        raise InconsistentCheckpointError(f"{ckpt.model_files[0].path}: {len(masters)} fp32 master tensors, "
-                                          f"only {i} match the module's parameters")
+        raise InconsistentCheckpointError(f"{len(masters)} fp32 master tensors, "
+                                          f"only {i} match the module's parameters", at=ckpt.model_files[0].path)
     return out
 
 

@@ -65,7 +65,7 @@ def tp_info(head: dict, path: Any) -> dict:
     if info is None:
         return {}
     if not isinstance(info, dict):
-        raise InconsistentCheckpointError(f"{path}: '{INFO}' is a {type(info).__name__}, expected a dict")
+        raise InconsistentCheckpointError(f"'{INFO}' is a {type(info).__name__}, expected a dict", at=path)
     return info
 
 
@@ -107,7 +107,7 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
     for name, shape0 in shard_shapes[0].items():
         missing = next((r for r, s in enumerate(shard_shapes) if name not in s), None)
         if missing is not None:
-            raise InconsistentCheckpointError(f"{where}: parameter {name!r} is on TP rank 0 but not on TP rank {missing}")
+            raise InconsistentCheckpointError(f"parameter {name!r} is on TP rank 0 but not on TP rank {missing}", at=where)
         shapes = [s[name] for s in shard_shapes]
         try:
             entry = _matching(maps, name)
@@ -116,8 +116,8 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
             else:
                 out[name] = _from_categories(name, info, shapes, where)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, re.error) as exc:
-            raise InconsistentCheckpointError(f"{where}: '{INFO}' does not describe {name!r} in a form dsckpt "
-                                              f"reads ({type(exc).__name__}: {str(exc)[:80]})") from None
+            raise InconsistentCheckpointError(f"'{INFO}' does not describe {name!r} in a form dsckpt "
+                                              f"reads ({type(exc).__name__}: {str(exc)[:80]})", at=where) from None
     return out
 
 
@@ -133,8 +133,8 @@ def _affine_maps(info: dict, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict) or value.get("version") != AFFINE_MAP_VERSION or not isinstance(value.get("params"), dict):
         version = value.get("version") if isinstance(value, dict) else None
-        raise UnsupportedCheckpointError(f"{where}: '{INFO}.{AFFINE_MAP}' version {version!r}; dsckpt reads "
-                                         f"version {AFFINE_MAP_VERSION}")
+        raise UnsupportedCheckpointError(f"'{INFO}.{AFFINE_MAP}' version {version!r}; dsckpt reads "
+                                         f"version {AFFINE_MAP_VERSION}", at=where)
     return value["params"]
 
 
@@ -166,8 +166,8 @@ def _runs(piece: dict, rank: int, name: str, where: str) -> _Strided:
     shape = [int(d) for d in piece["shape"]]
     (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
     if float(piece.get("scale", 1.0)) != 1.0:
-        raise UnsupportedCheckpointError(f"{where}: parameter {name!r} is stored scaled on TP rank {rank} "
-                                         f"(scale {piece['scale']}); dsckpt joins unscaled slices only")
+        raise UnsupportedCheckpointError(f"parameter {name!r} is stored scaled on TP rank {rank} "
+                                         f"(scale {piece['scale']}); dsckpt joins unscaled slices only", at=where)
     dims = [(n, int(s), int(d)) for n, s, d in zip(shape, src_strides, dst_strides) if n != 1]
     numel = 1
     while dims and dims[-1][1] == numel and dims[-1][2] == numel:
@@ -176,8 +176,8 @@ def _runs(piece: dict, rank: int, name: str, where: str) -> _Strided:
         n, s, d = dims.pop()
         dims[-1] = (dims[-1][0] * n, s, d)
     if len(dims) > 1:
-        raise UnsupportedCheckpointError(f"{where}: parameter {name!r}: TP rank {rank}'s piece {shape} at strides "
-                                         f"{list(src_strides)} is not a block of whole rows; not supported")
+        raise UnsupportedCheckpointError(f"parameter {name!r}: TP rank {rank}'s piece {shape} at strides "
+                                         f"{list(src_strides)} is not a block of whole rows; not supported", at=where)
     count, src_step, dst_step = dims[0] if dims else (1, 0, 0)
     return _Strided(rank, int(src), int(dst), numel, count, src_step, dst_step)
 
@@ -188,12 +188,12 @@ def _from_affine(name: str, entry: dict, shapes: list[tuple[int, ...]], tp: int,
         return Split(name, shape, 1, (), (0,) * tp)
     ranks = {int(r): v for r, v in entry["ranks"].items()}
     if sorted(ranks) != list(range(tp)):
-        raise InconsistentCheckpointError(f"{where}: the affine map of {name!r} covers TP ranks {sorted(ranks)}, "
-                                          f"the checkpoint has {tp}")
+        raise InconsistentCheckpointError(f"the affine map of {name!r} covers TP ranks {sorted(ranks)}, "
+                                          f"the checkpoint has {tp}", at=where)
     for r, value in ranks.items():
         if tuple(int(d) for d in value["shard_shape"]) != tuple(shapes[r]):
-            raise InconsistentCheckpointError(f"{where}: {name!r} on TP rank {r} has shape {list(shapes[r])}, its "
-                                              f"affine map says {list(value['shard_shape'])}")
+            raise InconsistentCheckpointError(f"{name!r} on TP rank {r} has shape {list(shapes[r])}, its "
+                                              f"affine map says {list(value['shard_shape'])}", at=where)
     runs, replicas = [], set()
     for r in range(tp):
         for piece in ranks[r]["pieces"]:
@@ -218,17 +218,17 @@ def _periodic(name: str, shape: tuple[int, ...], runs: list[_Strided], sizes: li
     steps: dict[int, int] = {}
     for run in runs:
         if run.count != count or (count > 1 and run.src_step != period) or steps.setdefault(run.rank, run.dst_step) != run.dst_step:
-            raise UnsupportedCheckpointError(f"{where}: parameter {name!r}: its TP slices do not repeat in equal "
-                                             "periods; not supported")
+            raise UnsupportedCheckpointError(f"parameter {name!r}: its TP slices do not repeat in equal "
+                                             "periods; not supported", at=where)
     ordered = sorted(runs, key=lambda r: r.src)
     at = 0
     for run in ordered:
         if run.src != at:
-            raise InconsistentCheckpointError(f"{where}: the TP slices of {name!r} "
-                                              f"{'overlap' if run.src < at else 'leave a gap'} at element {at}")
+            raise InconsistentCheckpointError(f"the TP slices of {name!r} "
+                                              f"{'overlap' if run.src < at else 'leave a gap'} at element {at}", at=where)
         at += run.numel
     if at != period:
-        raise InconsistentCheckpointError(f"{where}: the TP slices of {name!r} cover {at * count} of its {numel} elements")
+        raise InconsistentCheckpointError(f"the TP slices of {name!r} cover {at * count} of its {numel} elements", at=where)
     periods = {r.rank: (r.dst_step if count > 1 else sizes[r.rank]) for r in ordered}
     blocks = tuple(Block(r.rank, r.dst, r.numel) for r in ordered)
     return Split(name, shape, count, blocks, tuple(periods.get(r, 0) for r in range(len(sizes))), replicas, category)
@@ -269,8 +269,8 @@ def _subparam_shape(sub: dict) -> Any:
 
     dim, spec = int(sub["partition_dim"]), sub["shape"][int(sub["partition_dim"])]
     if not isinstance(spec, (list, tuple)):
-        raise UnsupportedCheckpointError(f"{list(sub['patterns'])}: sub-parameters recorded as a count ({spec}) before "
-                                         "universal checkpoint version 0.4; their universal record is not written")
+        raise UnsupportedCheckpointError(f"sub-parameters recorded as a count ({spec}) before "
+                                         "universal checkpoint version 0.4; their universal record is not written", at=list(sub['patterns']))
     record = opaque_type("deepspeed.checkpoint.universal_checkpoint", "SubparamShape").__new__(
         opaque_type("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"))
     record.state = {"patterns": sub["patterns"], "shape": sub["shape"], "partition_dim": dim}
@@ -282,12 +282,12 @@ def _subparam_shape(sub: dict) -> Any:
 def _from_categories(name: str, info: dict, shapes: list[tuple[int, ...]], where: str) -> Split:
     tp, sizes = len(shapes), [math.prod(s) for s in shapes]
     if _matching(info.get(TO_AVERAGE) or [], name) is not None:
-        raise UnsupportedCheckpointError(f"{where}: parameter {name!r} is in '{TO_AVERAGE}': its TP copies are "
-                                         "averaged into one, which is arithmetic, not a join; not supported")
+        raise UnsupportedCheckpointError(f"parameter {name!r} is in '{TO_AVERAGE}': its TP copies are "
+                                         "averaged into one, which is arithmetic, not a join; not supported", at=where)
     if _matching(info.get(REPLICATED) or [], name) is not None:
         if len(set(shapes)) != 1:
-            raise InconsistentCheckpointError(f"{where}: replicated {name!r} has shapes {[list(s) for s in shapes]} "
-                                              "on the TP ranks")
+            raise InconsistentCheckpointError(f"replicated {name!r} has shapes {[list(s) for s in shapes]} "
+                                              "on the TP ranks", at=where)
         return Split(name, tuple(shapes[0]), 1, (Block(0, 0, sizes[0]),), (sizes[0],) * tp, tuple(range(1, tp)),
                      "replicated")
     sub = _matching({str(p): g for g in info.get(SUB_PARAMS) or [] for p in g.get("patterns", [])}, name)
@@ -314,14 +314,14 @@ def _sub_widths(info: dict, name: str, sub: dict | None, shapes: list[tuple[int,
     if isinstance(spec, (list, tuple)):  # each split evenly over the TP ranks (ds_to_universal's reading)
         sizes, tp = [int(size) for size in spec], len(shapes)
         if any(size % tp for size in sizes):
-            raise InconsistentCheckpointError(f"{where}: {name!r}: sub-parameter sizes {sizes} do not split evenly "
-                                              f"over {tp} TP ranks and no '{SUB_PARAM_SHARD_WIDTHS}' are recorded")
+            raise InconsistentCheckpointError(f"{name!r}: sub-parameter sizes {sizes} do not split evenly "
+                                              f"over {tp} TP ranks and no '{SUB_PARAM_SHARD_WIDTHS}' are recorded", at=where)
         return [[size // tp] * tp for size in sizes]
     parts = int(spec)
     for r, s in enumerate(shapes):
         if s[dim] % parts:
-            raise InconsistentCheckpointError(f"{where}: {name!r} on TP rank {r} ({list(s)}) does not hold "
-                                              f"{parts} equal sub-parameters along dim {dim}")
+            raise InconsistentCheckpointError(f"{name!r} on TP rank {r} ({list(s)}) does not hold "
+                                              f"{parts} equal sub-parameters along dim {dim}", at=where)
     return [[s[dim] // parts for s in shapes] for _ in range(parts)]
 
 
@@ -332,11 +332,11 @@ def _joined(name: str, shapes: list[tuple[int, ...]], dim: int, widths: list[lis
     tp = len(shapes)
     others = {tuple(d for i, d in enumerate(s) if i != dim) for s in shapes}
     if len(others) != 1 or any(len(s) <= dim for s in shapes):
-        raise InconsistentCheckpointError(f"{where}: the TP slices of {name!r} ({[list(s) for s in shapes]}) "
-                                          f"cannot be joined along dim {dim}")
+        raise InconsistentCheckpointError(f"the TP slices of {name!r} ({[list(s) for s in shapes]}) "
+                                          f"cannot be joined along dim {dim}", at=where)
     widths = widths or [[s[dim] for s in shapes]]
     if any(sum(w[r] for w in widths) != shapes[r][dim] for r in range(tp)):
-        raise InconsistentCheckpointError(f"{where}: {name!r}: its sub-parameter widths do not add up to its slices")
+        raise InconsistentCheckpointError(f"{name!r}: its sub-parameter widths do not add up to its slices", at=where)
     shape = list(shapes[0])
     shape[dim] = sum(map(sum, widths))
     inner = math.prod(shape[dim + 1:])
