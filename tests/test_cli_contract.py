@@ -443,7 +443,7 @@ def test_latest_is_refused_in_the_same_words_at_one_and_two_processes(tmp_path, 
         errors.append((doc["error"], doc["hint"]))
         assert len(proc.stderr) < 2000
     assert errors[0] == errors[1], errors
-    expected = {"stale": f"{root}/latest: names tag 'step99', which is not in {root}",
+    expected = {"stale": f"{root}/latest: names tag 'step99', which is not a tag folder beside it",
                 "several": f"{root}: several tags and no usable 'latest': step3, step4",
                 "huge": f"{root}/latest: longer than 4096 bytes; expected one tag name"}[case]
     assert errors[0][0] == expected
@@ -482,7 +482,7 @@ def test_what_one_process_reads_is_checked_alike_at_two_and_named_as_typed(tmp_p
     (root / "latest").write_text("step99")
     for n in ("1", "2"):
         proc = run_cli("consolidate", "ckpt", f"stale{n}.safetensors", "--nproc", n, "--json", cwd=tmp_path)
-        assert json.loads(proc.stdout)["error"] == "ckpt/latest: names tag 'step99', which is not in ckpt", n
+        assert json.loads(proc.stdout)["error"] == "ckpt/latest: names tag 'step99', which is not a tag folder beside it", n
 
 
 def test_list_names_what_other_commands_take(tmp_path):

@@ -581,7 +581,7 @@ def test_a_stale_latest_in_a_bucket_is_the_same_error_at_one_and_two_processes(s
         proc = run_cli("consolidate", url, tmp_path / f"o{n}.safetensors", "--nproc", n, "--json")
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors.append(json.loads(proc.stdout)["error"])
-    assert errors == [f"{url}/latest: names tag 'step99', which is not in {url}"] * 2
+    assert errors == [f"{url}/latest: names tag 'step99', which is not a tag folder beside it"] * 2
 
 
 def test_inspect_of_a_tag_folder_url_names_the_bucket(s3):

@@ -97,7 +97,7 @@ def test_latest_naming_missing_tag_is_a_problem(fixture_copy):
     (root / "latest").write_text("step7")
     proc = run_cli("inspect", root, "--tag", "step3")
     assert proc.returncode == 1
-    assert "latest: names tag 'step7', which is not in" in proc.stdout
+    assert "latest: names tag 'step7', which is not a tag folder beside it" in proc.stdout
 
 
 def test_missing_rank_is_reported_and_typed(fixture_copy):

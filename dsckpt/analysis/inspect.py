@@ -67,7 +67,7 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
     params = [n for n in shapes if n not in frozen]
     elements = numel(shapes) + sum(t.numel for t in ckpt.buffers.values())
     largest = sorted(shapes.items(), key=lambda kv: -math.prod(kv[1]))[:TOP_N]
-    problems = [p.message for p in ckpt.problems] + ([plan_error] if plan_error else [])
+    problems = [str(p) for p in ckpt.problems] + ([plan_error] if plan_error else [])
     fp32 = numel(shapes) * 4 + sum(t.nbytes for t in ckpt.buffers.values())
     summary = {
         "schema": JSON_SCHEMA,

@@ -63,7 +63,8 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
 
     # (a bucket: a local view of it, every byte fetched - the checks read them all)
     with readable(path, tag, whole=True, every_tag=all_tags, check=False, progress=progress) as opened:
-        return _verify_local(Path(opened.path), opened.tag, all_tags, progress)
+        reports = _verify_local(Path(opened.path), opened.tag, all_tags, progress)
+        return [TagReport(**opened.alias.renamed(vars(report))) for report in reports]
 
 
 def _verify_local(path: Path, tag: str | None, all_tags: bool, progress: Progress | None) -> list[TagReport]:
@@ -85,7 +86,7 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callabl
     files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files) + list(ckpt.layout.pipeline_files)
     report.files = [_relative(p, ckpt.layout.root) for p in files]
     for problem in ckpt.problems:  # step 1
-        report.add("structure", problem.message)
+        report.add("structure", str(problem))
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
     try:
         failures = crc_failures(files, progress)  # step 3

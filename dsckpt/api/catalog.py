@@ -101,7 +101,7 @@ def _entry(root: Path, tag: str, path: Path, hf_step: int | None) -> Entry:
         entry.step = entry.step if entry.step is not None else _number(tag)
         return entry
     entry.zero_stage, entry.world_size = ckpt.zero_stage, ckpt.world_size
-    entry.problems = [p.message for p in ckpt.problems]
+    entry.problems = [str(p) for p in ckpt.problems]
     entry.complete = not ckpt.problems
     if entry.step is None:
         entry.step = ckpt.global_steps if isinstance(ckpt.global_steps, int) else _number(tag)

@@ -263,8 +263,9 @@ def run(args: list[str]) -> int:
     except DsckptError as exc:
         if os.environ.get("DSCKPT_DEBUG") == "1":
             raise
-        from ..runtime.console import report_rank_error
+        from ..runtime.console import alias, report_rank_error
 
+        exc.named(alias())  # (a URL `resume` fetched: its local copy shown as the URL)
         if in_launched_rank() and report_rank_error(str(exc), exc.hint):
             return EXIT_ERROR  # the launcher prints it once for all ranks
         if quiet_rank():

@@ -6,7 +6,8 @@ import sys
 import click
 
 from .app import cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note, shown
+from ..formats.storage import Alias
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 EXIT_NON_FINITE = 3
 
@@ -29,11 +30,11 @@ def check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bo
     """
     from ..parallel.readable import readable
 
-    with readable(path, tag) as (local, local_tag, fetch, _):
-        _check_finite(local, local_tag, optimizer, skip_crc_check, as_json, shown({local: path}), fetch)
+    with readable(path, tag) as opened:
+        _check_finite(opened.path, opened.tag, optimizer, skip_crc_check, as_json, opened.alias, opened.fetch)
 
 
-def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool, echo,
+def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: bool, as_json: bool, alias: Alias,
                   fetch=None) -> None:
     from ..analysis.sources import resolved_tag, sources
     from ..analysis.stats import compute_stats
@@ -42,13 +43,13 @@ def _check_finite(path: str, tag: str | None, optimizer: bool, skip_crc_check: b
     notes = crc_skipped_note(skip_crc_check)
     bad = [{"name": s.name, "kind": s.kind, "nan": s.nan, "inf": s.inf, "count": s.count} for s in stats if not s.finite]
     if as_json:
-        echo(json_document(input=str(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
+        click.echo(json_document(input=alias(path), tag=resolved_tag(path, tag), finite=not bad, tensors=len(stats),
                                  offending=bad, notes=notes))
     elif bad:
-        echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
+        click.echo(f"{len(bad)} of {len(stats)} tensors hold non-finite values:")
         for b in bad:
-            echo(f"  {b['name']}: {b['nan']:,} NaN, {b['inf']:,} Inf of {b['count']:,}")
+            click.echo(f"  {b['name']}: {b['nan']:,} NaN, {b['inf']:,} Inf of {b['count']:,}")
     else:
-        echo(f"all {len(stats)} tensors finite")
+        click.echo(f"all {len(stats)} tensors finite")
     if bad:
         sys.exit(EXIT_NON_FINITE)

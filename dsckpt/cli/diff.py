@@ -6,7 +6,8 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note, shown
+from ..formats.storage import SAME_NAMES, Alias
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 
 @cli.command()
@@ -34,13 +35,14 @@ def diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool
     """
     from ..parallel.readable import readable
 
-    with readable(a, tag_a) as (local_a, tag_a, fetch_a, _), readable(b, tag_b) as (local_b, tag_b, fetch_b, _):
-        _diff(local_a, local_b, tag_a, tag_b, atol, rtol, optimizer, as_json, plot, skip_crc_check,
-              shown({local_a: a, local_b: b}), (fetch_a, fetch_b))
+    with readable(a, tag_a) as opened_a, readable(b, tag_b) as opened_b:
+        _diff(opened_a.path, opened_b.path, opened_a.tag, opened_b.tag, atol, rtol, optimizer, as_json, plot,
+              skip_crc_check, (opened_a.alias, opened_b.alias), (opened_a.fetch, opened_b.fetch))
 
 
 def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: bool, as_json: bool,
-          plot: str | None, skip_crc_check: bool, echo, fetch=(None, None)) -> None:
+          plot: str | None, skip_crc_check: bool, aliases: tuple[Alias, Alias] = (SAME_NAMES, SAME_NAMES),
+          fetch=(None, None)) -> None:
     from ..analysis.diff import diff as compare
     from ..analysis.report import render_diff
     from ..analysis.sources import resolved_tag, sources
@@ -55,7 +57,7 @@ def _diff(a: str, b: str, tag_a, tag_b, atol: float, rtol: float, optimizer: boo
         from ..analysis.plot import bar_plot
 
         bar_plot([t.name for t in report.tensors], [t.rel_l2 for t in report.tensors], Path(plot),
-                 title=f"relative L2 change per tensor: {a} ({tag_a or 'latest'}) -> {b} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
-    echo(json_document(a=str(a), b=str(b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record(), notes=notes) if as_json else render_diff(report))
+                 title=f"relative L2 change per tensor: {aliases[0](a)} ({tag_a or 'latest'}) -> {aliases[1](b)} ({tag_b or 'latest'})", ylabel="||a - b|| / ||a|| (log)")
+    click.echo(json_document(a=aliases[0](a), b=aliases[1](b), tag_a=resolved_tag(a, tag_a), tag_b=resolved_tag(b, tag_b), **report.record(), notes=notes) if as_json else render_diff(report))
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)

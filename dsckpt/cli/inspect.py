@@ -1,13 +1,13 @@
 """`dsckpt inspect`: a summary of a checkpoint or a consolidated file, from metadata alone."""
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import SKIP_CRC_HELP, crc_skipped_note, shown
+from ..formats.storage import Alias
+from .options import SKIP_CRC_HELP, crc_skipped_note
 
 
 @cli.command()
@@ -40,16 +40,13 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
     """
     from ..parallel.readable import readable
 
-    with readable(path, tag) as (local, local_tag, fetch, _):
-        names = {local: path}
-        if local != path:  # a URL of a tag folder: its checkpoint root is the URL's parent, not the scratch folder
-            names[os.path.dirname(local)] = path.rstrip("/").rsplit("/", 1)[0]
-        _inspect(local, local_tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du, shown(names),
-                 fetch)
+    with readable(path, tag) as opened:
+        _inspect(opened.path, opened.tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du,
+                 opened.alias, opened.fetch)
 
 
 def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bool, optimizer: bool, top: int | None,
-             plot: str | None, skip_crc_check: bool, du: bool, echo, fetch=None) -> None:
+             plot: str | None, skip_crc_check: bool, du: bool, alias: Alias, fetch=None) -> None:
     import json
     import math
 
@@ -77,8 +74,8 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
             from ..analysis.plot import bar_plot
 
             bar_plot([r.name for r in records], [math.inf if not r.finite else r.norm for r in records], Path(plot),
-                     title=f"L2 norm per tensor: {path}", ylabel="L2 norm (log)")
-        echo(json_document(input=str(path), tag=resolved_tag(path, tag), tensors=len(records),
+                     title=f"L2 norm per tensor: {alias(path)}", ylabel="L2 norm (log)")
+        click.echo(json_document(input=alias(path), tag=resolved_tag(path, tag), tensors=len(records),
                                  stats=[s.record() for s in records], notes=notes) if as_json
                    else render_stats(records, top or 20))
         return
@@ -88,16 +85,16 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
         from ..zero.reader import open_checkpoint
 
         ckpt = open_checkpoint(path, tag)
-        usage = disk_usage(ckpt)
+        usage = alias.renamed(disk_usage(ckpt))
         if as_json:
-            echo(json_document(input=str(path), tag=ckpt.layout.tag, **usage))
+            click.echo(json_document(input=alias(path), tag=ckpt.layout.tag, **usage))
             return
         width = max(len(k) for k in usage["components"]) + 2
         for name, n in usage["components"].items():
-            echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
-        echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({len(usage['files'])} files, tag {ckpt.layout.tag})")
+            click.echo(f"{name:<{width}}{n:>16,} B  {100 * n / max(usage['bytes'], 1):5.1f} %")
+        click.echo(f"{'total':<{width}}{usage['bytes']:>16,} B  ({len(usage['files'])} files, tag {ckpt.layout.tag})")
         return
-    summary = summarize(path, tag, tensors)
-    echo(json.dumps(summary, indent=2) if as_json else render(summary))
+    summary = alias.renamed(summarize(path, tag, tensors))
+    click.echo(json.dumps(summary, indent=2) if as_json else render(summary))
     if summary["problems"]:
         sys.exit(EXIT_PROBLEMS)

@@ -147,16 +147,6 @@ def crc_skipped_note(skipped: bool) -> list[str]:
     return [SKIPPED_NOTE]
 
 
-def shown(locals_to_given: dict[str, str]):
-    """``click.echo`` that names the inputs as the user gave them (a URL, not the local view read in its place)."""
-    def echo(text: str = "") -> None:
-        for local, given in locals_to_given.items():
-            if local != given:
-                text = text.replace(local, given)
-        click.echo(text)
-    return echo
-
-
 class ByteBar:
     """The commands' ``dsckpt.progress.Progress``: a bar of bytes on stderr per phase (the verb's name while it writes,
     "fetch", "verify"), each shown after half a second, so quick runs and errors print none.  tqdm (a large part of

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import ByteBar, shown
+from .options import ByteBar
 
 
 @cli.command()
@@ -31,32 +31,25 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
       dsckpt verify runs/demo --all-tags --json
       dsckpt verify out/checkpoint-500 && rm -r /backup/checkpoint-500
     """
-    from ..parallel.readable import readable
+    from ..analysis.verify import verify as run
 
     if tag and all_tags:
         raise click.UsageError("--tag names one tag, --all-tags every one: give one of them")
     with ByteBar("verify", as_json or not sys.stderr.isatty()) as bar:
-        with readable(checkpoint, tag, whole=True, every_tag=all_tags, check=False,
-                      progress=bar) as (local, local_tag, *_):
-            _verify(local, local_tag, all_tags, as_json, shown({local: checkpoint}), bar)
-
-
-def _verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool, echo, progress) -> None:
-    from ..analysis.verify import verify as run
-
-    reports = run(checkpoint, tag, all_tags, progress)
-    ok = not any(r.problems for r in reports)
-    notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+        reports = [vars(r) for r in run(checkpoint, tag, all_tags, bar)]  # (a URL's: named as typed)
+    ok = not any(r["problems"] for r in reports)
+    notes = list(dict.fromkeys(n for r in reports for n in r["notes"]))
     for note in notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        echo(json_document(input=str(checkpoint), ok=ok, tags=[vars(r) for r in reports], notes=notes))
+        click.echo(json_document(input=checkpoint, ok=ok, tags=reports, notes=notes))
     else:
         for r in reports:
-            head = f"tag {r.tag}: ZeRO-{r.zero_stage}, world size {r.world_size}, {len(r.files)} rank files, " \
-                   f"{r.storages_checked} storages CRC-checked, {r.tensors_checked} tensors checked finite"
-            echo(f"{head}: {'ok' if not r.problems else f'{len(r.problems)} problems'}")
-            for p in r.problems:
-                echo(f"  [{p['check']}] {p['message']}")
+            head = f"tag {r['tag']}: ZeRO-{r['zero_stage']}, world size {r['world_size']}, {len(r['files'])} rank " \
+                   f"files, {r['storages_checked']} storages CRC-checked, {r['tensors_checked']} tensors checked finite"
+            problems = r["problems"]
+            click.echo(f"{head}: {f'{len(problems)} problems' if problems else 'ok'}")
+            for p in problems:
+                click.echo(f"  [{p['check']}] {p['message']}")
     if not ok:
         sys.exit(EXIT_PROBLEMS)

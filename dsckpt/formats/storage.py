@@ -197,3 +197,37 @@ def local_only(path: str | os.PathLike[str], refusal: Exception) -> Path:
 def storage_for(path: str | os.PathLike[str]) -> LocalStorage:
     """The storage a path lives on: a local file system today (object-store URLs come with their backend)."""
     return LocalStorage()
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Local folders standing for names the user typed (a bucket's local view, a folder of copies another host
+    sent), as ``(local, given)`` pairs, the first that holds a name wins.  Applied to data only - an error's ``at``
+    (``DsckptError.named``), a report's values (``renamed``) - never searched for in prose: a value is renamed
+    when it is a local folder's path or starts with it followed by ``/``."""
+
+    pairs: tuple[tuple[str, str], ...] = ()
+
+    def __call__(self, name: object) -> object:
+        text = os.fspath(name) if isinstance(name, os.PathLike) else name
+        if not isinstance(text, str):
+            return name
+        for local, given in self.pairs:
+            if text == local:
+                return given
+            if text.startswith(local + "/"):
+                return given.rstrip("/") + text[len(local):]
+        return name
+
+    def renamed(self, doc: Any) -> Any:
+        """A report (dicts, lists and scalars) with every value this alias holds renamed; keys stay."""
+        if not self.pairs:
+            return doc
+        if isinstance(doc, dict):
+            return {key: self.renamed(value) for key, value in doc.items()}
+        if isinstance(doc, (list, tuple)):
+            return [self.renamed(value) for value in doc]
+        return self(doc)
+
+
+SAME_NAMES = Alias()  # a path read as the user typed it

@@ -59,11 +59,11 @@ class Group:
         if error is not None and failed[0][0] == self.rank and isinstance(error, DsckptError):
             raise error
         if failed:
-            rank, (name, message, hint) = failed[0]
+            rank, (name, message, hint, at) = failed[0]
             cls = getattr(errors, name, None)
             cls = cls if isinstance(cls, type) and issubclass(cls, DsckptError) else DistributedError
             where = "" if len(failed) == self.size else f" [process {rank} of {self.size}]"
-            raise cls(message + where, hint=hint) from error
+            raise cls(message + where, hint=hint, at=at) from error
 
     def step(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` here, then agree: its result on every process, or the same error on every process."""
@@ -79,10 +79,11 @@ class Group:
 ONE_PROCESS = Group()
 
 
-def _describe(error: BaseException) -> tuple[str, str, str | None]:
+def _describe(error: BaseException) -> tuple[str, str, str | None, str | None]:
+    """An error as it travels: its class's name, message, hint and what it is about (data still: ``at``)."""
     if isinstance(error, DsckptError):
-        return type(error).__name__, str(error), error.hint
-    return "DistributedError", f"{type(error).__name__}: {error}", None
+        return type(error).__name__, error.message, error.hint, None if error.at is None else str(error.at)
+    return "DistributedError", f"{type(error).__name__}: {error}", None, None
 
 
 def init_group() -> Group:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple
 
-from ..formats.storage import is_url
+from ..formats.storage import SAME_NAMES, Alias, is_url
 from ..plan.segments import Segment
 
 if TYPE_CHECKING:
@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 class Readable(NamedTuple):
     """What ``readable`` hands a reader: the path and tag to open, and how to get the bytes of a plan's pieces
-    (nothing to do for a local path)."""
+    (nothing to do for a local path), and the alias that names what it holds as the user typed it (a report's
+    values: ``alias.renamed``)."""
     path: str
     tag: str | None
     fetch: Callable[[Iterable[object]], None]
     fetch_all: Callable[[], None]
+    alias: Alias = SAME_NAMES
 
 
 def _segments(pieces: Iterable[object]) -> Iterator[Segment]:
@@ -73,7 +75,7 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
             if whole:
                 fetch_all()
             yield Readable(str(view.path(name) if size is not None else view.root),
-                           tag if size is not None else view.tag, fetch, fetch_all)
+                           tag if size is not None else view.tag, fetch, fetch_all, view.alias)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

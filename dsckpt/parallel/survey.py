@@ -9,6 +9,7 @@ exactly what one process refuses, in the same words (``zero.layout.leads_out``).
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, DsckptError, TagError, UnsafeCheckpointError
 from ..zero import layout as L
 
-Problem = tuple[type[DsckptError], str]
+Problem = DsckptError  # what is wrong at a path, found by a survey, raised where a process reading alone meets it
 
 
 def survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], dict[str, Problem]]:
@@ -54,14 +55,14 @@ def met(rel: str, chosen: str | None) -> bool:
 
 
 def refuse(problems: list[Problem]) -> None:
-    for cls, message in problems[:1]:
-        raise cls(message, hint=L.TRUST_HINT if cls is UnsafeCheckpointError else None)
+    for problem in problems[:1]:
+        raise copy.copy(problem)
 
 
 def _rank_file_problem(path: Path) -> Problem | None:
     """A rank file's name on something else (a folder, a FIFO, a loop): in ``zero.layout``'s words."""
     kind = L.file_kind(path) if L.RANK_FILE_RE.match(path.name) else None
-    return (CheckpointNotFoundError, f"{path}: expected a rank file, found {kind}") if kind else None
+    return CheckpointNotFoundError(f"expected a rank file, found {kind}", at=path) if kind else None
 
 
 def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> Problem | None:
@@ -69,7 +70,7 @@ def _link_problem(path: Path, root: Path, ckpt: Path, trust: bool) -> Problem | 
     if not path.is_symlink() or L.file_kind(path) not in (None, "a directory"):
         return None
     if not trust and not L.inside(path.resolve(), root):
-        return UnsafeCheckpointError, str(L.leads_out(path, ckpt))
+        return L.leads_out(path, ckpt)
     return None
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Iterator
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, is_torch_zip
-from ..formats.storage import is_url
+from ..formats.storage import SAME_NAMES, Alias, is_url
 from ..io.skeleton import SMALL, skeleton
 from ..limits import limit
 from ..zero import layout as L
@@ -113,18 +113,26 @@ class View:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
+    @property
+    def alias(self) -> Alias:
+        """The view's paths as the user named them: its root as CKPT (or the URL), its scratch folder as CKPT's
+        parent (a tag folder's checkpoint root)."""
+        if self.direct:
+            return SAME_NAMES
+        given = self.bucket.url if self.seen is Seen.BUCKET else str(self.real)
+        pairs = [(str(self.root), given)]
+        if self.scratch is not None and self.scratch != self.root:
+            parent = given.rstrip("/").rsplit("/", 1)[0] if self.seen is Seen.BUCKET else str(self.real.parent)
+            pairs.append((str(self.scratch), parent))
+        return Alias(tuple(pairs))
+
     @contextlib.contextmanager
     def real_names(self) -> Iterator[None]:
-        """An error met while reading the view names CKPT, as the user gave it, not the scratch folder."""
+        """An error met while reading the view names the file as the user gave it, not its scratch copy."""
         try:
             yield
         except DsckptError as exc:
-            if self.direct:
-                raise
-            message = str(exc).replace(str(self.root), self.bucket.url if self.seen is Seen.BUCKET else str(self.real))
-            if message == str(exc):
-                raise
-            raise type(exc)(message, hint=exc.hint) from None
+            raise exc.named(self.alias)
 
 
 def _read_latest(root: Path) -> str | tuple[str, str | None] | None:
@@ -174,7 +182,7 @@ def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scra
     text = group.broadcast(_read_latest(ckpt) if group.rank == latest else None, latest) if latest is not None else None
     if isinstance(text, tuple):  # the owner's read refused it (too long, a link out, not text): all say so
         raise TagError(*text)
-    problems = sorted((rel, p) for _, found in surveyed for rel, p in found.items())
+    problems = sorted(((rel, p) for _, found in surveyed for rel, p in found.items()), key=lambda item: item[0])
     refuse([p for rel, p in problems if "/" not in rel])  # (a top-level file: met before the tag is chosen)
     chosen = choose_tag(sizes, tag, text, ckpt)
     refuse([p for rel, p in problems if met(rel, chosen)])

@@ -222,7 +222,7 @@ def run_resume(checkpoint, full_weights, client_state, tag, strict, strip_prefix
     if check:
         report = check_against_file(trainer, full_weights, restored, tuple(strip_prefix))
         console.result(_json(report) if as_json else
-                       f"check passed: {report['tensors_checked']} tensors identical to {full_weights} on every rank "
+                       f"check passed: {report['tensors_checked']} tensors identical to {console.shown(full_weights)} on every rank "
                        f"(max abs diff 0; {report['fp32_masters_checked']} fp32 masters equal); client state "
                        f"restored: {', '.join(report['client_state_keys_restored']) or 'none'}")
         trainer.runtime.wait_for_saves()

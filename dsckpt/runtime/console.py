@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+from ..formats.storage import Alias
 from ..jsondoc import json_document  # noqa: F401  (re-exported: the runtime's results)
 
 import json
@@ -38,18 +39,23 @@ def claim_stdout(verbose: bool = False) -> None:
         os.close(devnull)
 
 
-SHOWN_AS_ENV = "DSCKPT_SHOWN_AS"  # JSON {local path: what the user named}: a URL's local copy, named as given
+SHOWN_AS_ENV = "DSCKPT_SHOWN_AS"  # JSON [[local, given], ...]: this run's alias, handed to the ranks it starts
 
 
-def shown(text: str) -> str:
-    for local, given in json.loads(os.environ.get(SHOWN_AS_ENV, "{}")).items():
-        text = text.replace(local, given)
-    return text
+def alias() -> Alias:
+    """The local copies of what the user named by URL (``resume`` fetches them before its ranks start)."""
+    return Alias(tuple((local, given) for local, given in json.loads(os.environ.get(SHOWN_AS_ENV, "[]"))))
 
 
 def name_as(local: str, given: str) -> None:
-    """From here on (in this process and the ranks it starts) ``local`` is written as ``given``."""
-    os.environ[SHOWN_AS_ENV] = json.dumps({**json.loads(os.environ.get(SHOWN_AS_ENV, "{}")), local: given})
+    """From here on (in this process and the ranks it starts) ``local`` and what is below it are shown as
+    ``given`` wherever a path is shown: ``shown``, and the ``at`` of the errors the CLI reports."""
+    os.environ[SHOWN_AS_ENV] = json.dumps([*alias().pairs, (local, given)])
+
+
+def shown(path: object) -> object:
+    """``path`` as the user named it."""
+    return alias()(path)
 
 
 def _rank() -> int:
@@ -60,7 +66,6 @@ def result(text: str) -> None:
     """A result line (human summary or the one JSON document): rank 0 only, on the real stdout."""
     if _rank() != 0:
         return
-    text = shown(text)
     data = (text + "\n").encode()
     if _result_fd is None:
         sys.stdout.write(text + "\n")
@@ -72,7 +77,7 @@ def result(text: str) -> None:
 def info(text: str) -> None:
     """A note for the user (rank 0 only), on stderr."""
     if _rank() == 0:
-        print(shown(text), file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
 
 
 def note(text: str) -> None:
@@ -86,7 +91,7 @@ def report_rank_error(message: str, hint: str | None) -> bool:
     if not folder:
         return False
     path = Path(folder) / f"rank{_rank()}.json"
-    path.write_text(json.dumps({"message": shown(message), "hint": hint}))
+    path.write_text(json.dumps({"message": message, "hint": hint}))
     return True
 
 

@@ -40,8 +40,8 @@ def resume_full_weights(trainer: Trainer, weights: str, client_state: str | None
     pos = trainer.restore(client) if client is not None else None
     if pos is not None:
         trainer.client_source = client
-    console.info(f"loaded {stats['loaded']} tensors from {weights}; "
-                 + (f"client state from {source}: {describe(pos)} (step {trainer.global_step})" if pos else
+    console.info(f"loaded {stats['loaded']} tensors from {console.shown(weights)}; "
+                 + (f"client state from {console.shown(source)}: {describe(pos)} (step {trainer.global_step})" if pos else
                     "client state skipped (--client-state none)" if skip_client else
                     "no client state found, counters start at 0"))
     return pos
@@ -69,7 +69,7 @@ def _load_sharded(trainer: Trainer, path: str, tag: str | None, ckpt, skip_clien
     pos = None if skip_client else trainer.restore(client)
     if pos is not None and pos.global_step is None:  # a foreign job: DeepSpeed's own count
         trainer.global_step = trainer.data_position = trainer.engine.global_steps
-    console.info(f"resumed {shown_as} at step {trainer.global_step}"
+    console.info(f"resumed {console.shown(shown_as)} at step {trainer.global_step}"
                  + (f"; client state: {describe(pos)}" if pos else "; client state skipped"))
     return pos
 

@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import (AmbiguousRankError, CheckpointNotFoundError, InconsistentCheckpointError, TagError,
+from ..errors import (AmbiguousRankError, CheckpointNotFoundError, DsckptError, InconsistentCheckpointError, TagError,
                       UnreadableFileError, UnsafeCheckpointError)
 
 # --- file names -----------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class Layout:
     optim_files: tuple[RankFile, ...]
     pipeline_files: tuple[Path, ...] = field(default=())
     expert_files: tuple[Path, ...] = field(default=())
-    problems: tuple[tuple[type, str], ...] = field(default=())
+    problems: tuple[DsckptError, ...] = field(default=())  # found, not raised: inspect lists them, readers raise the first
     notes: tuple[str, ...] = field(default=())  # worth telling, not wrong (a tag linked from elsewhere)
 
     @property
@@ -146,7 +146,7 @@ def file_kind(path: Path | str) -> str | None:
             "not a regular file")
 
 
-def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
+def _scan_tag_dir(tag_dir: Path, problems: list[DsckptError]
                   ) -> tuple[list[RankFile], list[RankFile], list[Path], list[Path]]:
     model: list[RankFile] = []
     optim: list[RankFile] = []
@@ -166,8 +166,9 @@ def _scan_tag_dir(tag_dir: Path, problems: list[tuple[type, str]]
             )
             slot = (rank_file.kind, rank_file.dp_rank, rank_file.mp_rank)
             if slot in claimed:  # zero_pp_rank_0 beside zero_pp_rank_00, or a stale bf16_ copy
-                problems.append((AmbiguousRankError, f"{tag_dir}: {claimed[slot].name} and {entry.name} both claim "
-                                 f"{rank_file.kind}-states rank {rank_file.dp_rank or 0}; remove the stale one"))
+                problems.append(AmbiguousRankError(f"{claimed[slot].name} and {entry.name} both claim "
+                                                   f"{rank_file.kind}-states rank {rank_file.dp_rank or 0}; remove the "
+                                                   "stale one", at=tag_dir))
                 continue
             claimed[slot] = rank_file.path
             (model if rank_file.kind == "model" else optim).append(rank_file)
@@ -211,8 +212,8 @@ def list_tags(root: Path) -> list[str]:
 def stale_latest(root: Path | str, latest: str) -> InconsistentCheckpointError:
     """`latest` names a tag that is not there: the one error for it, whoever finds it (a process, a view of many:
     ``root`` a folder, or a URL as the user spelled it)."""
-    return InconsistentCheckpointError(f"{str(root).rstrip('/')}/{LATEST_FILE}: names tag {latest!r}, which is not "
-                                       f"in {root}")
+    return InconsistentCheckpointError(f"names tag {latest!r}, which is not a tag folder beside it",
+                                       at=f"{str(root).rstrip('/')}/{LATEST_FILE}")
 
 
 def several_tags(root: Path | str, tags: list[str]) -> TagError:
@@ -302,7 +303,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         p = p.parent
     if not os.access(p, os.R_OK | os.X_OK):
         raise UnreadableFileError("permission denied", at=p)
-    problems: list[tuple[type, str]] = []  # (error class, message): reported by inspect, raised by readers
+    problems: list[DsckptError] = []
     if is_tag_dir(p):  # a tag folder: the root is its parent; it is the tag unless --tag names another
         root, tag = p.parent, tag or p.name
     else:
@@ -312,7 +313,7 @@ def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
         tags.append(p.name)  # e.g. a hidden in-progress save named explicitly
     latest = read_latest(root)
     if latest is not None and latest not in tags:
-        problems.append((InconsistentCheckpointError, str(stale_latest(root, latest))))
+        problems.append(stale_latest(root, latest))
     if tag is None:
         if latest in tags:
             tag = latest

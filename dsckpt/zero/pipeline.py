@@ -33,11 +33,11 @@ def layer_index(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRef]], list[tuple[type, str]]]:
+def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRef]], list[DsckptError]]:
     """Per TP rank (``-model_YY``; 0 without TP), every layer file's tensors under ``{layer}.{key}``; an unreadable
     or foreign file is a problem."""
     out: dict[int, dict[str, TensorRef]] = {}
-    problems: list[tuple[type, str]] = []
+    problems: list[DsckptError] = []
     for path in sorted(files):
         match = PIPELINE_LAYER_RE.match(path.name)
         if match is None:  # (layout only lists names the pattern matched)
@@ -45,11 +45,11 @@ def layer_tensors(files: tuple[Path, ...]) -> tuple[dict[int, dict[str, TensorRe
         try:
             state = TorchFile(path).obj
         except DsckptError as exc:
-            problems.append((type(exc), str(exc)))
+            problems.append(exc)
             continue
         if not isinstance(state, dict):
-            problems.append((UnsupportedCheckpointError, f"{path}: a layer file holding a {type(state).__name__}, "
-                             "expected a state dict"))
+            problems.append(UnsupportedCheckpointError(f"a layer file holding a {type(state).__name__}, expected a "
+                                                       "state dict", at=path))
             continue
         layer, tp = int(match.group("layer")), int(match.group("mp") or 0)
         out.setdefault(tp, {}).update((f"{layer}.{key}", ref) for key, ref in state.items() if isinstance(ref, TensorRef))

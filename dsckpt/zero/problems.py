@@ -2,7 +2,6 @@
 them all; ``Checkpoint.require_complete`` raises the first)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from . import layout as L
@@ -11,11 +10,7 @@ from ..formats.torchzip import TorchFile
 from ..limits import limit
 
 
-@dataclass(frozen=True)
-class Problem:
-    error: type[DsckptError]
-    message: str
-    hint: str | None = None
+Problem = DsckptError  # found, not raised: ``inspect`` lists them, ``Checkpoint.require_complete`` raises the first
 
 
 def short(value: Any) -> str:
@@ -31,16 +26,16 @@ def check_same_run(model_files: list[TorchFile], optim_files: list[TorchFile], w
     for f in model_files[1:]:
         other = f.obj.get(L.DP_WORLD_SIZE) if isinstance(f.obj, dict) else None
         if other != world:
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: records world size {short(other)}, rank 0's model states {world}"))
+            problems.append(InconsistentCheckpointError(f"records world size {short(other)}, rank 0's model states "
+                                                        f"{world}", at=f.path))
     for f in optim_files:
         osd = f.obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(f.obj, dict) else None
         count = osd.get(L.PARTITION_COUNT) if isinstance(osd, dict) else None
         counts = count if isinstance(count, list) else [count]
         expected = [world // (expert_groups or {}).get(g, 1) for g in range(len(counts))]  # experts: W / ep_size
         if counts != expected:
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{f.path}: partition count {short(count)} differs from world size {world}"))
+            problems.append(InconsistentCheckpointError(f"partition count {short(count)} differs from world size "
+                                                        f"{world}", at=f.path))
 
 
 def check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem], optimizer: bool = True) -> None:
@@ -53,18 +48,17 @@ def check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem], 
         ranks = {f.dp_rank for f in files}
         missing = (r for r in expected if r not in ranks)  # lazy: world sizes are bounded, still large
         extra = sorted((r for r in ranks if r is None or r >= world), key=str)
-        summarized(problems, MissingRankError, missing, world - len(ranks - set(extra)),
-                    lambda r: f"{lay.tag_dir}: {kind}-states file of rank {r} is missing "
-                              f"(the checkpoint records world size {world})")
-        summarized(problems, InconsistentCheckpointError, iter(extra), len(extra),
-                    lambda r: f"{lay.tag_dir}: extra {kind}-states file for rank {r}, beyond world size {world}")
+        summarized(problems, MissingRankError, missing, world - len(ranks - set(extra)), lay.tag_dir,
+                   lambda r: f"{kind}-states file of rank {r} is missing (the checkpoint records world size {world})")
+        summarized(problems, InconsistentCheckpointError, iter(extra), len(extra), lay.tag_dir,
+                   lambda r: f"extra {kind}-states file for rank {r}, beyond world size {world}")
 
 
-def summarized(problems: list[Problem], error: type, items, count: int, message) -> None:
+def summarized(problems: list[Problem], error: type[DsckptError], items, count: int, at: object, message) -> None:
     """One problem per item up to MAX_LISTED_PROBLEMS, then one line for the rest."""
     listed = limit("MAX_LISTED_PROBLEMS")
     for i, item in enumerate(items):
         if i == listed:
-            problems.append(Problem(error, f"... and {count - listed:,} more like the above"))
+            problems.append(error(f"... and {count - listed:,} more like the above"))
             return
-        problems.append(Problem(error, message(item)))
+        problems.append(error(message(item), at=at))

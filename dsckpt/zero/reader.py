@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -136,8 +137,7 @@ class Checkpoint:
         """Raise the first recorded problem as its typed error.  ``tensor_parallel`` / ``pipeline``: the caller
         joins TP slices / pipeline stages; every other caller is refused such a checkpoint by name."""
         if self.problems:
-            first = self.problems[0]
-            raise first.error(first.message, hint=first.hint)
+            raise copy.copy(self.problems[0])  # (a copy: the recorded one stays as found)
         if (self.grid.pp > 1 and not pipeline) or (self.grid.tp > 1 and not tensor_parallel):
             raise UnsupportedCheckpointError(
                 f"a {self.grid.describe()} checkpoint; this command does not read "
@@ -169,9 +169,9 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
         return _tensor_parallel(lay)
     ckpt = _open(lay)
     if ckpt.mp_world_size > 1 and not lay.pipeline_files:
-        ckpt.problems.append(Problem(MissingRankError, f"{lay.model_files[0].path}: records {ckpt.mp_world_size} "
-                                     f"tensor-parallel ranks (mp world size), but only TP rank "
-                                     f"{lay.model_parallel_ranks()[0]}'s files are in {lay.tag_dir}"))
+        ckpt.problems.append(MissingRankError(f"records {ckpt.mp_world_size} tensor-parallel ranks (mp world size), "
+                                              f"but only TP rank {lay.model_parallel_ranks()[0]}'s files are in its "
+                                              "folder", at=lay.model_files[0].path))
     return ckpt
 
 
@@ -188,7 +188,7 @@ def _tensor_parallel(lay: L.Layout, slices: list[Checkpoint] | None = None) -> C
     slices[1:] = [replace(s, shared=head.shared, unsaved=tuple(n for n in s.unsaved if n not in head.shared))
                   if head.shared and not s.shared else s for s in slices[1:]]
     heads = [(s.model_files[0].path, s.model_files[0].obj, s.mp_world_size) for s in slices]
-    problems = [p for s in slices for p in s.problems] + [Problem(e, m) for e, m in slice_problems(heads)]
+    problems = [p for s in slices for p in s.problems] + slice_problems(heads)
     return replace(head, layout=lay, problems=problems, tp_slices=tuple(slices), grid=replace(head.grid, tp=len(slices)),
                    tp_info=tp_info(head.model_files[0].obj, head.model_files[0].path))
 
@@ -218,7 +218,7 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
                                               if owner.get(n) == stage}) for mp in mine]
         stages.append(slices[0] if tp == 1 else _tensor_parallel(lay.for_mp_ranks(mine), slices))
     head = stages[0]
-    problems = [Problem(e, m) for e, m in found] + [p for s in stages for p in s.problems]
+    problems = found + [p for s in stages for p in s.problems]
     return replace(head, layout=lay, problems=problems, pp_slices=tuple(stages), tp_slices=(),
                    grid=replace(head.grid, tp=tp, pp=len(stages)))
 
@@ -226,7 +226,7 @@ def _pipeline(lay: L.Layout) -> Checkpoint:
 def _open(lay: L.Layout, layers: dict[str, TensorRef] | None = None) -> Checkpoint:
     """One data-parallel checkpoint (one TP rank's or pipeline stage's files, or a run without either).
     ``layers``: a pipeline stage's tensors from its layer files (its ``module``: DeepSpeed leaves that None)."""
-    problems = [Problem(error, message) for error, message in lay.problems]
+    problems = list(lay.problems)
     model_files = _parse(lay.model_files, problems)
     optim_files = _parse(lay.optim_files, problems)
     if not model_files:
@@ -260,8 +260,8 @@ def _open(lay: L.Layout, layers: dict[str, TensorRef] | None = None) -> Checkpoi
                     and n not in frozen and n not in buffers and n not in shared)
     for name in buffer_names:
         if name not in buffers:
-            problems.append(Problem(InconsistentCheckpointError,
-                                    f"{lay.model_files[0].path}: buffer {name!r} listed but not in '{L.MODULE}'"))
+            problems.append(InconsistentCheckpointError(f"buffer {name!r} listed but not in '{L.MODULE}'",
+                                                        at=lay.model_files[0].path))
     client = {k: v for k, v in head.items() if k not in L.DEEPSPEED_KEYS}
     param_dtypes = {t.dtype for n, t in module.items() if isinstance(t, TensorRef) and n not in buffers}
     precision = next((label(d) for d in ("BF16", "F16", "F32") if d in param_dtypes), "fp32")
@@ -323,7 +323,7 @@ def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precisio
         check_stage(stage, precision, lay.tag_dir)
         return experts
     except UnsupportedCheckpointError as exc:
-        problems.append(Problem(UnsupportedCheckpointError, str(exc), exc.hint))
+        problems.append(exc)
         return None
 
 
@@ -349,12 +349,12 @@ def _parse(files: tuple[L.RankFile, ...], problems: list[Problem]) -> list[Torch
         try:
             parsed.append(TorchFile(f.path))
         except DsckptError as exc:
-            problems.append(Problem(type(exc), str(exc), exc.hint))
+            problems.append(exc)
     return parsed
 
 
 def _raise(problem: Problem):
-    raise problem.error(problem.message, hint=problem.hint)
+    raise copy.copy(problem)
 
 
 def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError
+from ..errors import DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError
 
 INFO = "universal_checkpoint_info"
 AFFINE_MAP = "affine_map"
@@ -75,27 +75,27 @@ def unsupported(info: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
-def slice_problems(heads: list[tuple[Any, dict, int]]) -> list[tuple[type, str]]:
+def slice_problems(heads: list[tuple[Any, dict, int]]) -> list[DsckptError]:
     """What is wrong across the TP ranks' model-states files (``(path, parsed file, recorded mp world size)`` each):
     a recorded degree other than the files', split descriptions that differ, splits AutoTP could not describe."""
-    problems: list[tuple[type, str]] = []
+    problems: list[DsckptError] = []
     path, head, recorded = heads[0]
     dims = head.get(PARALLEL_DIMENSIONS)
     if isinstance(dims, dict) and isinstance(dims.get("tp_degree"), int):
         recorded = dims["tp_degree"]  # (mp_world_size counts the pipeline stages' ranks too)
     if recorded != len(heads):
-        problems.append((MissingRankError if recorded > len(heads) else InconsistentCheckpointError,
-                         f"{path}: records {recorded} tensor-parallel ranks, {len(heads)} wrote files"))
+        error = MissingRankError if recorded > len(heads) else InconsistentCheckpointError
+        problems.append(error(f"records {recorded} tensor-parallel ranks, {len(heads)} wrote files", at=path))
     info = tp_info(head, path)
     for other_path, other, _ in heads[1:]:
         if tp_info(other, other_path) != info:
-            problems.append((InconsistentCheckpointError, f"{other_path}: its '{INFO}' differs from TP rank 0's "
-                             "(files of two runs?)"))
+            problems.append(InconsistentCheckpointError(f"its '{INFO}' differs from TP rank 0's (files of two runs?)",
+                                                        at=other_path))
     refused = unsupported(info)
     if refused:
         listed = "; ".join(f"{p} ({why})" for p, why in list(refused.items())[:3])
-        problems.append((UnsupportedCheckpointError, f"{path}: AutoTP recorded {len(refused)} parameter(s) in "
-                         f"'{UNSUPPORTED}' whose split it could not describe: {listed}"))
+        problems.append(UnsupportedCheckpointError(f"AutoTP recorded {len(refused)} parameter(s) in '{UNSUPPORTED}' "
+                                                   f"whose split it could not describe: {listed}", at=path))
     return problems
 
 
