@@ -178,6 +178,7 @@ def test_a_write_runs_in_its_context_not_in_module_state():
 # Where a path's storage is chosen, once: what a reading command opens, a writing verb's input and its OUT, the
 # engine's save target; the storage module itself defines the test and refuses URLs where a verb reads files only.
 STORAGE_CHOSEN = {"dsckpt.formats.storage": "the test itself, local_only",
+                  "dsckpt.formats.backends": "the storage a path lives on (storage_for)",
                   "dsckpt.parallel.readable": "what a reading command or a converter's source opens",
                   "dsckpt.parallel.view": "a writing verb's checkpoint (build_view)",
                   "dsckpt.api.frame": "a writing verb's OUT (destination)",

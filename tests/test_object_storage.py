@@ -726,3 +726,49 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     ok("consolidate", url, a, "--tag", "t1")
     ok("consolidate", tmp_path / "local", b)
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_bucket_answers_the_storage_protocol_as_a_folder_does(s3, tmp_path):
+    """#53 point 1: ``storage_for`` chooses the backend from the path; both answer the same protocol - list, size,
+    ranged reads, a zip's index through ``open``, publish (a staged file and a staged folder, in order), remove - and
+    a bucket's errors name its URL."""
+    from dsckpt.errors import CheckpointNotFoundError, CorruptFileError
+    from dsckpt.formats.backends import storage_for
+    from dsckpt.formats.bucket import BucketStorage
+    from dsckpt.formats.storage import LocalStorage
+    from dsckpt.formats.torchzip import StorageIndex
+
+    folder, url = FIXTURES / "z2_ws3_bf16", f"s3://{BUCKET}/z2_ws3_bf16"
+    local, bucket = storage_for(folder), storage_for(url)
+    assert isinstance(local, LocalStorage) and isinstance(bucket, BucketStorage)
+    assert [(e.name.relative_to(folder), e.size) for e in local.list(folder)] == \
+        [(e.name, e.size) for e in bucket.list()]
+    rank = "step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = local.size(folder / rank)
+    assert bucket.size(rank) == bucket.size(f"{url}/{rank}") == size
+    assert bucket.pread(rank, 1000, size - 1000) == local.pread(folder / rank, 1000, size - 1000)
+    into = bytearray(64)
+    assert bytes(bucket.pread(rank, 64, 30, into)) == bytes(local.pread(folder / rank, 64, 30))
+    with bucket.open(rank) as remote_file, local.open(folder / rank) as local_file:
+        assert remote_file.read() == local_file.read()
+    assert StorageIndex(rank, storage=bucket).storages == StorageIndex(folder / rank).storages
+    with pytest.raises(CorruptFileError, match=f"^{url}/{rank}: .* bytes at offset"):
+        bucket.pread(rank, 100, size - 10)
+    with pytest.raises(CheckpointNotFoundError, match=f"^{url}/step3/nothing: no such object"):
+        bucket.size("step3/nothing")
+
+    staged = tmp_path / "out"
+    (staged / "sub").mkdir(parents=True)
+    (staged / "latest").write_text("sub")
+    (staged / "sub" / "data.bin").write_bytes(b"x" * 10)
+    out = BucketStorage(f"s3://{BUCKET}/published")
+    order: list[str] = []
+    out.merge_into(staged, "", order=lambda names: order.extend(sorted(names, key=lambda n: n == "latest")) or order)
+    assert order[-1] == "latest" and out.read("latest", 0, 3) == b"sub" and out.size("sub/data.bin") == 10
+    out.replace(staged / "latest", "copy")
+    out.write("small", b"abc")
+    assert sorted((str(e.name), e.size) for e in out.list()) == \
+        [("copy", 3), ("latest", 3), ("small", 3), ("sub/data.bin", 10)]
+    out.remove("")
+    out.remove("never-there")
+    assert not s3.exists(f"{BUCKET}/published/latest")

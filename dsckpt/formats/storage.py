@@ -5,9 +5,10 @@ turns such names into bytes and staged outputs into published ones.  ``LocalStor
 descriptors opened once per file and shared by threads (positional reads need no seek), ``pread``/``preadv``
 into reused buffers, ``posix_fadvise`` read-ahead, ``os.replace`` + directory fsync to publish.  Kernel-side
 copies (``copy_file_range``, a mapped window's ``pwrite``: ``io.filecopy``) are a capability a backend offers
-(``kernel_copies``, through ``fd``).  Checkpoints in object storage reach these readers as local views filled by
-ranged GETs (``io.remote``; ``ArrivingStorage`` while the fill runs);
-outputs in object storage are staged here and uploaded, their safetensors files streamed (``io.stream``).
+(``kernel_copies``, through ``fd``).  A URL's objects are ``formats.bucket.BucketStorage``; ``formats.backends.storage_for``
+chooses between the two from the path.  Checkpoints in object storage reach the readers as local views that
+storage fills by ranged GETs (``io.remote``; ``ArrivingStorage`` while the fill runs); outputs in object storage
+are staged here and published into it, their safetensors files streamed (``io.stream``).
 """
 from __future__ import annotations
 
@@ -192,11 +193,6 @@ def local_only(path: str | os.PathLike[str], refusal: Exception) -> Path:
     if is_url(path):
         raise refusal
     return Path(path)
-
-
-def storage_for(path: str | os.PathLike[str]) -> LocalStorage:
-    """The storage a path lives on: a local file system today (object-store URLs come with their backend)."""
-    return LocalStorage()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any
 from ..errors import ByteRangeError, CorruptFileError, UnreadableFileError
 from ..limits import check, limit
 from .pickle_policy import Opaque, StorageRef, TensorRef, unpickle  # noqa: F401  (re-exported)
-from .storage import storage_for
+from .backends import storage_for
+from .storage import Storage
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -41,11 +42,12 @@ class StorageIndex:
     (checked as the directory is read: entries inside the file, disjoint, stored).  The pickle is not read: what
     the CRC check and the storage maps need costs a tenth of ``TorchFile``'s parse."""
 
-    def __init__(self, path: str | os.PathLike[str], span: tuple[int, int] | None = None):
+    def __init__(self, path: str | os.PathLike[str], span: tuple[int, int] | None = None,
+                 storage: Storage | None = None):
         """``span``: (offset, length) of an archive inside a larger file (a DCP ``.distcp`` item); offsets
-        reported stay absolute in ``path``."""
+        reported stay absolute in ``path``.  ``storage``: where ``path`` is a name (default: where it lives)."""
         self.path = Path(path)
-        storage = storage_for(self.path)
+        storage = storage or storage_for(self.path)
         try:
             whole = storage.size(self.path)
             self.base, self.size = span if span is not None else (0, whole)

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 
 from ..errors import CorruptFileError
 from ..formats.crc import crc32, crc32_combine
-from ..formats.storage import storage_for
+from ..formats.backends import storage_for
 from ..formats.torchzip import StorageIndex, StorageLocation, is_torch_zip
 from ..plan.deal import dealt
 from ..plan.segments import Segment

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from ..errors import Interrupted
 from ..formats.storage import TEMP_MARK
 from .parts import BACKENDS
-from .remote import filesystem
+from ..formats.bucket import filesystem
 
 PART = 8 << 20
 PART_ENV = "DSCKPT_MULTIPART_CHUNKSIZE"  # bytes per part (aws s3's multipart_chunksize; S3 takes 5 MiB or more)

@@ -11,7 +11,7 @@ import base64
 import os
 from typing import Any, Callable, Protocol
 
-from .remote import typed_error
+from ..formats.bucket import typed_error
 
 
 class PartStore(Protocol):

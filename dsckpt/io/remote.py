@@ -1,4 +1,5 @@
-"""Checkpoints and outputs in object storage (``s3://``, ``gs://``, ``az://``) through fsspec.
+"""Checkpoints in object storage (``s3://``, ``gs://``, ``az://``) read through a local view, over
+``formats.bucket.BucketStorage`` (every call to the store goes through it).
 
 Reading: a checkpoint in a bucket opens as a view (``parallel.view.View`` with a ``store``), the way a distributed
 run sees files other hosts hold:
@@ -12,8 +13,8 @@ run sees files other hosts hold:
    or damaged object is a typed error naming its URL before anything is published.
 Scratch disk: the bytes the command reads (sparse files, removed at the end); memory: ``THREADS`` x ``CHUNK``.
 
-Writing to a URL: ``io.upload``.  Credentials and endpoints come from the clouds' own settings
-(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain).
+Writing to a URL: ``io.upload`` (a command's OUT) and ``runtime.staged_files.BucketTarget`` (the engine's saves),
+both publishing through ``BucketStorage``.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ import os
 import threading
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import CheckpointNotFoundError, CorruptFileError, Interrupted, MissingExtraError, UnreadableFileError
+from ..errors import CheckpointNotFoundError, CorruptFileError, Interrupted
+from ..formats.bucket import BucketStorage
 from ..formats.crc import crc32
 from ..formats.positional import pwrite_all
 from ..formats.storage import LocalStorage
@@ -37,8 +38,6 @@ from ..plan.segments import joined_spans
 from .skeleton import skeleton
 from ..progress import Phase, Progress
 
-EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
-          "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
 CHUNK = 8 << 20
 THREADS = 8
 SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote runs go (default: the temp folder)
@@ -47,20 +46,6 @@ SCRATCH_ENV = "DSCKPT_SCRATCH"  # where the views and staged outputs of remote r
 
 def scratch_folder(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SCRATCH_ENV)))
-
-
-def filesystem(url: str):
-    """fsspec's filesystem for ``url`` and the path inside it; a missing backend is a ``MissingExtraError``."""
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()  # S3:// is s3:// (the cloud tools take either; fsspec knows only the lower case)
-    package, extra = EXTRAS[scheme]
-    try:
-        from fsspec.core import url_to_fs
-
-        return url_to_fs(f"{scheme}://{rest}")
-    except ImportError:
-        raise MissingExtraError(f"reading {scheme}:// needs fsspec and {package}, not installed",
-                                hint=f"pip install 'dsckpt[{extra}]'", at=url) from None
 
 
 def counted(fs: Any, inside: str, progress: Progress | None) -> Any:
@@ -88,73 +73,18 @@ def counted(fs: Any, inside: str, progress: Progress | None) -> Any:
     return Files()
 
 
-def typed_error(url: str, exc: BaseException, doing: str) -> Exception:
-    if isinstance(exc, FileNotFoundError):
-        return CheckpointNotFoundError("no such object or prefix", at=url)
-    if isinstance(exc, PermissionError):
-        return UnreadableFileError(f"access denied while {doing}", hint="check the credentials the cloud's "
-                                   "own tools use (AWS_PROFILE, the credential chain) and the bucket's policy", at=url)
-    return UnreadableFileError(f"{doing} failed ({type(exc).__name__}: {str(exc)[:200]})", at=url)
-
-
-@dataclass
-class RemoteStore:
-    """The objects under one URL prefix (a checkpoint folder in a bucket)."""
-
-    url: str
-
-    def __post_init__(self) -> None:
-        self.url = self.url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
+class RemoteStore(BucketStorage):
+    """The objects under one URL prefix (a checkpoint folder in a bucket), read into a local view."""
 
     def object_url(self, rel: str) -> str:
-        return f"{self.url}/{rel}"
+        return self.shown(rel)
 
-    def object_size(self) -> int | None:
-        """The size of the object at the URL itself, or None when the URL is a prefix (a folder)."""
-        try:
-            info = self.fs.info(self.root)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:
-            raise typed_error(self.url, exc, "looking it up") from None
-        return int(info["size"]) if info.get("type") == "file" else None
-
-    def list(self) -> dict[str, int]:
-        """Relative name -> size of the objects at the top level and one folder down."""
-        try:
-            found = self.fs.find(self.root, maxdepth=2, detail=True)
-        except Exception as exc:
-            raise typed_error(self.url, exc, "listing") from None
-        prefix = self.root.rstrip("/") + "/"
-        out = {}
-        for name, info in found.items():
-            if info.get("type", "file") == "file" and name.startswith(prefix):
-                rel = name[len(prefix):]
-                if rel and not any(part.startswith(".") for part in rel.split("/")):
-                    out[rel] = int(info["size"])
+    def objects(self) -> dict[str, int]:
+        """Relative name -> size of the objects at the top level and one folder down (some, or an error)."""
+        out = {entry.name.as_posix(): entry.size for entry in self.list()}
         if not out:
             raise CheckpointNotFoundError("no such object or prefix (nothing listed under it)", at=self.url)
         return out
-
-    def starting_with(self, prefix: str) -> dict[str, int]:
-        """Relative name -> size of the objects directly under the URL whose names start with ``prefix``."""
-        try:
-            found = self.fs.glob(f"{self.root}/{prefix}*", detail=True)
-        except Exception as exc:
-            raise typed_error(self.url, exc, "listing") from None
-        return {name.rsplit("/", 1)[-1]: int(info["size"]) for name, info in found.items()
-                if info.get("type", "file") == "file"}
-
-    def read(self, rel: str, start: int, end: int, exact: bool = True) -> bytes:
-        try:
-            data = self.fs.cat_file(f"{self.root}/{rel}", start=start, end=end)
-        except Exception as exc:
-            raise typed_error(self.object_url(rel), exc, f"reading bytes {start}-{end}") from None
-        if exact and len(data) != end - start:
-            raise CorruptFileError(f"{len(data):,} of {end - start:,} bytes at offset {start:,} "
-                                   "(the object is shorter than listed: truncated or replaced while reading?)", at=self.object_url(rel))
-        return data
 
     def read_many(self, jobs: Iterable[tuple[str, int, int]]) -> builtins.list[bytes]:
         jobs = list(jobs)

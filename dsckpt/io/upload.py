@@ -17,7 +17,8 @@ from pathlib import Path
 from ..errors import OutputError
 from ..formats.safetensors_file import SHADOWING_WEIGHTS
 from .output import publish_order
-from .remote import filesystem, scratch_folder, typed_error
+from ..formats.bucket import BucketStorage
+from .remote import scratch_folder
 from .skeleton import SMALL
 from .multipart import PARTS_IN_FLIGHT, Streams, chunksize, signals_deferred
 
@@ -32,10 +33,11 @@ class Upload:
 
     def __init__(self, url: str, force: bool):
         self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
+        self.bucket = BucketStorage(self.url)  # OUT itself: its name "", what is beside it (sidecars) in `parent`
+        self.parent = BucketStorage(self.url.rsplit("/", 1)[0])
         self.force = force
         self.scratch = scratch_folder(".dsckpt-upload-")
-        self.local = self.scratch / Path(self.root).name
+        self.local = self.scratch / Path(self.bucket.root).name
         self.uploaded: list[str] = []
         self.streams: Streams | None = None  # io.multipart.Streams: the files already uploaded as parts, completed in order here
         self.superseded: set[str] = set()
@@ -46,29 +48,24 @@ class Upload:
 
     def check(self) -> None:
         """Refuse an existing OUT unless ``force`` (before any work, as locally)."""
-        try:
-            exists = self.fs.exists(self.root)
-        except Exception as exc:
-            raise typed_error(self.url, exc, "looking at the destination") from None
+        exists = self.bucket.exists()
         if exists and not self.force:
             raise OutputError("already exists", hint="--force replaces what dsckpt writes there", at=self.url)
         if exists:
             self.superseded = self._indexed_shards()
-            self.shadowing = [name for name in SHADOWING_WEIGHTS if self.fs.exists(f"{self.root}/{name}")]
+            self.shadowing = [name for name in SHADOWING_WEIGHTS if self.bucket.exists(name)]
 
     def _indexed_shards(self) -> set[str]:
         """The shards the indexes in an existing OUT folder name: replaced by the new output, so the ones it does
         not write again are deleted after it is up (as locally; anything else there stays)."""
         names: set[str] = set()
         try:
-            for key in self.fs.glob(f"{self.root}/*.index.json"):
-                if self.fs.size(key) <= SMALL:  # (an index: read whole)
-                    weight_map = json.loads(self.fs.cat_file(key)).get("weight_map", {})
+            for name, size in self.bucket.starting_with("").items():
+                if name.endswith(".index.json") and size <= SMALL:  # (an index: read whole)
+                    weight_map = json.loads(self.bucket.read(name, 0, size)).get("weight_map", {})
                     names |= {v for v in weight_map.values() if isinstance(v, str) and "/" not in v}
         except (ValueError, AttributeError):  # not an index we wrote: its shards are left alone
             return set()
-        except Exception as exc:
-            raise typed_error(self.url, exc, "reading the existing index") from None
         return names
 
     def publish(self) -> list[str]:
@@ -77,7 +74,6 @@ class Upload:
         staged = sorted(self.local.rglob("*")) if self.local.is_dir() else [self.local]
         staged += sorted(self.scratch.glob(self.local.name + ".client_state.*"))  # a single file's sidecars
         files = {p.relative_to(self.scratch).as_posix(): p for p in staged if p.is_file()}
-        parent = self.root.rsplit("/", 1)[0]
         single = self.local.name if self.local.is_file() else None
         written = {rel.split("/", 1)[1] for rel in files if "/" in rel}
         for name in self.shadowing if self.local.is_dir() else ():  # (as locally: export.sharded.replaced_shards)
@@ -88,12 +84,12 @@ class Upload:
         try:
             with signals_deferred() as stop:  # (Ctrl-C lands between two objects)
                 for rel in upload_order(list(files), last=single):
-                    key = f"{parent}/{rel}"
-                    self.uploaded.append(key)
+                    self.uploaded.append(rel)
+                    key = self.parent.key(rel)
                     if self.streams is not None and key in self.streams.pending:
                         self.streams.complete(key)  # (its placeholder staged here holds no data)
                     else:
-                        self.fs.put_file(str(files[rel]), key, **self.part_options)
+                        self.parent.replace(files[rel], rel, **self.part_options)
                     stop()
         except BaseException as exc:
             self.abort()
@@ -103,14 +99,14 @@ class Upload:
             raise
         out = self.local.name
         for name in sorted(self.superseded - {rel.split("/", 1)[1] for rel in files if rel.startswith(out + "/")}):
-            self.fs.rm_file(f"{self.root}/{name}")  # superseded shards, once the new index is up
+            self.bucket.remove(name)  # superseded shards, once the new index is up
         base = self.url.rsplit("/", 1)[0]
         return [f"{base}/{rel}" for rel in files]
 
     def abort(self) -> None:
-        for key in reversed(self.uploaded):
+        for rel in reversed(self.uploaded):
             try:
-                self.fs.rm_file(key)
+                self.parent.remove(rel)
             except Exception:  # best effort: the error that brought us here is the one to report
                 pass
         self.uploaded.clear()

@@ -88,7 +88,8 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
     if not is_url(path):
         yield Path(path)
         return
-    from ..io.remote import counted, filesystem, scratch_folder, typed_error
+    from ..formats.bucket import BucketStorage
+    from ..io.remote import counted, scratch_folder
 
     url = str(path)
     scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
@@ -97,13 +98,8 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
         def get() -> None:
             Path(scratch).mkdir(parents=True, exist_ok=True)
             if not local.exists():
-                fs, inside = filesystem(url)
-                folder = "/" if fs.isdir(inside) else ""
-                try:
-                    fs.get(inside.rstrip("/") + folder, str(local) + folder, recursive=True,
-                           callback=counted(fs, inside, progress))
-                except Exception as exc:  # the store's own errors, named by the URL the user typed
-                    raise typed_error(url, exc, "fetching the source") from None
+                source = BucketStorage(url)
+                source.fetch("", local, counted(source.fs, source.root, progress))
         for turn in range(group.size):  # one process at a time: the first on each host fetches, the others find it
             group.step(get if group.rank == turn else lambda: None)
         yield local

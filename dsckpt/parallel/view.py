@@ -240,7 +240,7 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     from ..io.remote import RemoteStore  # (a bucket's modules, imported for one only)
 
     store = RemoteStore(url)
-    sizes = store.list()
+    sizes = store.objects()
     if sizes.get(L.LATEST_FILE, 0) > limit("MAX_LATEST_BYTES"):
         raise TagError(f"{store.url}/{L.LATEST_FILE}: longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name")
     latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \

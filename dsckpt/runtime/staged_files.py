@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..errors import OutputError
 from ..formats.storage import is_url
 from ..io.output import fsync_path
 from ..io.writeback import following
@@ -109,34 +108,25 @@ class LocalTarget:
 
 class BucketTarget:
     def __init__(self, url: str):
-        from ..io.remote import filesystem, scratch_folder
+        from ..formats.bucket import BucketStorage
+        from ..io.remote import scratch_folder
 
-        self.name = url.rstrip("/")
-        self.fs, self.root = filesystem(self.name)
+        self.bucket = BucketStorage(url)
+        self.name = self.bucket.url  # (what messages name)
         self.scratch = scratch_folder(".dsckpt-save-")
-        self.local = str(self.scratch / self.root.rstrip("/").rsplit("/", 1)[-1])
+        self.local = str(self.scratch / self.bucket.root.rsplit("/", 1)[-1])
         os.makedirs(self.local, exist_ok=True)
         self.uploaded: list[str] = []
 
-    def _key(self, path: str) -> str:
-        return f"{self.root.rstrip('/')}/{Path(path).relative_to(self.local).as_posix()}"
-
-    def _put(self, local: str, key: str) -> None:
-        from ..io.remote import typed_error
-
-        where = f"{self.name}/{key[len(self.root.rstrip('/')) + 1:]}"
-        try:
-            self.fs.put_file(local, key)
-        except FileNotFoundError:  # (the store's answer for a bucket that is not there)
-            raise OutputError("uploading failed: no such bucket", at=where) from None
-        except Exception as exc:  # the store's own errors, named by the URL the trainer passed
-            raise typed_error(where, exc, "uploading") from None
-        self.uploaded.append(key)
+    def _put(self, local: str, path: str) -> None:
+        name = Path(path).relative_to(self.local).as_posix()  # (the object's name below the URL)
+        self.bucket.replace(Path(local), name)
+        self.uploaded.append(name)
 
     def publish(self, files: list[str], leader: bool) -> None:
         self.uploaded = []
         for path in files:
-            self._put(temp_for(path), self._key(path))
+            self._put(temp_for(path), path)
         remove_temps(files)
         for path in files:
             with_tag = os.path.dirname(path)
@@ -145,30 +135,23 @@ class BucketTarget:
         if leader:  # what DeepSpeed wrote beside the tags itself (its zero_to_fp32.py)
             for entry in os.scandir(self.local):
                 if entry.is_file() and entry.name != LATEST_FILE and not entry.name.startswith("."):
-                    self._put(entry.path, self._key(entry.path))
+                    self._put(entry.path, entry.path)
                     os.remove(entry.path)
 
     def publish_latest(self, tag: str) -> None:
-        from ..io.remote import typed_error
-
-        try:
-            self.fs.pipe_file(f"{self.root.rstrip('/')}/{LATEST_FILE}", tag.encode())
-        except Exception as exc:
-            raise typed_error(f"{self.name}/{LATEST_FILE}", exc, "writing") from None
+        self.bucket.write(LATEST_FILE, tag.encode())
 
     def discard(self, files: list[str]) -> None:
-        for key in self.uploaded:  # best effort: the failure that brought us here is the one to report
-            try:
-                self.fs.rm_file(key)
-            except Exception:
-                pass
+        for name in self.uploaded:  # best effort: the failure that brought us here is the one to report
+            with contextlib.suppress(Exception):
+                self.bucket.remove(name)
         self.uploaded = []
 
     def latest(self) -> str | None:
         try:
-            data: bytes = self.fs.cat_file(f"{self.root.rstrip('/')}/{LATEST_FILE}")
-            return data.decode().strip()
-        except Exception:
+            size = self.bucket.object_size(LATEST_FILE)
+            return None if size is None else self.bucket.read(LATEST_FILE, 0, size).decode().strip()
+        except Exception:  # (no bucket, no access: no tag to fall back on)
             return None
 
     def close(self) -> None:
