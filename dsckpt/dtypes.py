@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,14 @@ def label(name: str) -> str:
     return DTYPES[name].label if name in DTYPES else name
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> Any:
     """The torch dtype of a canonical name (imports torch: runtime and API paths only)."""
     import torch
 
     return getattr(torch, DTYPES[name].torch_names[0])
 
 
-def numpy_dtype(name: str):
+def numpy_dtype(name: str) -> Any:
     import numpy as np
 
     return np.dtype(DTYPES[name].numpy)

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from ..formats.positional import pwrite_all
 from ..io.context import WriteContext
@@ -146,7 +146,7 @@ def fetch(group: Group, view: View, wanted: list[tuple[str, int, int]], progress
     return received
 
 
-def _read_into(path: Path, offset: int, chunk) -> OSError | None:
+def _read_into(path: Path, offset: int, chunk: Any) -> OSError | None:
     try:
         with open(path, "rb") as fh:
             view = memoryview(chunk.numpy())

@@ -44,13 +44,12 @@ class Transport(Protocol):
 class comm_errors:
     """gloo's failures (a peer gone, a timeout) as one typed error."""
 
-    def __enter__(self):
+    def __enter__(self) -> "comm_errors":
         return self
 
-    def __exit__(self, kind, exc, tb):
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, DistributedError):
             raise gone(str(exc).splitlines()[0]) from None
-        return False
 
 
 class GlooTransport:
@@ -150,7 +149,8 @@ class LocalTransport:
     def gather(self, obj: Any) -> list[Any]:
         if self.rank != 0:
             self._send(self.hub, obj)
-            return self._recv(self.hub)
+            gathered: list[Any] = self._recv(self.hub)
+            return gathered
         everyone = [obj] + [self._recv(self.peers[r]) for r in range(1, self.size)]
         for conn in self.peers.values():
             self._send(conn, everyone)

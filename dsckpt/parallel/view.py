@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
-from ..formats.torchzip import StorageIndex, is_torch_zip
+from ..formats.torchzip import StorageIndex, StorageLocation, is_torch_zip
 from ..formats.storage import SAME_NAMES, Alias, is_url
 from ..io.skeleton import SMALL, skeleton
 from ..limits import limit
@@ -283,7 +283,7 @@ def write_skeletons(store: RemoteStore, view: View, sizes: dict[str, int]) -> No
                 pwrite_all(fh.fileno(), data, offset)
 
 
-def zip_storages(path: Path) -> list:
+def zip_storages(path: Path) -> list[StorageLocation]:
     """Where the storages of a torch zip lie (none for any other file, or one its reader will refuse)."""
     try:
         return list(StorageIndex(path).storages.values()) if is_torch_zip(path) else []

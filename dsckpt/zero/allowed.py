@@ -5,12 +5,14 @@ Used by ``reshard`` and by ``convert --to universal``.
 """
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 from ..errors import UnsafeCheckpointError
 from ..formats.pickle_tree import foreign_classes
 from . import layout as L
 
 
-def allowed_tree(tree, where, optimizer: bool, dropped: dict[str, set[str]]):
+def allowed_tree(tree: Any, where: object, optimizer: bool, dropped: dict[str, set[str]]) -> Any:
     """``tree`` (a rank file's) without its client-state entries that name foreign classes (recorded in
     ``dropped``); such a class under one of DeepSpeed's own keys, or anywhere in an optimizer file, is refused."""
     if not isinstance(tree, dict):
@@ -35,7 +37,7 @@ def dropped_notes(dropped: dict[str, set[str]]) -> tuple[str, ...]:
                  for k, c in sorted(dropped.items()))
 
 
-def trusted_notes(trees, loader: str) -> tuple[str, ...]:
+def trusted_notes(trees: Iterable[Any], loader: str) -> tuple[str, ...]:
     found = sorted({c for tree in trees for c in foreign_classes(tree)})
     return (f"--trust-checkpoint: objects of {', '.join(found[:5])} copied as recorded; {loader} runs their "
             "pickle code",) if found else ()

@@ -153,7 +153,7 @@ def _pickle_classes(path: Path, zipped: bool) -> set[str]:
 TRAINER_STATE = "trainer_state.json"  # an HF Trainer's checkpoint-N: global_step, epoch, log_history
 
 
-def trainer_summary(root: Path) -> dict | None:
+def trainer_summary(root: Path) -> dict[str, Any] | None:
     """``trainer_state.json``'s global step, epoch and last logged loss, if the folder has one."""
     from ..formats.json_file import read_json_object
 

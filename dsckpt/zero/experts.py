@@ -77,7 +77,7 @@ def is_expert(name: str) -> bool:
     return EXPERTS_MARK in name
 
 
-def read_experts(tag_dir: Path, expert_files: tuple[Path, ...], head: dict, param_groups: list[dict],
+def read_experts(tag_dir: Path, expert_files: tuple[Path, ...], head: dict[str, Any], param_groups: list[dict[str, Any]],
                  optimizer_groups: list[dict[str, Any]], world_size: int) -> Experts:
     """The experts of a DeepSpeed-MoE checkpoint, checked against each other; an unsupported shape of run
     is a typed error naming what differs."""

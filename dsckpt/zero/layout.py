@@ -15,6 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 from ..errors import (AmbiguousRankError, CheckpointNotFoundError, DsckptError, InconsistentCheckpointError, TagError,
                       UnreadableFileError, UnsafeCheckpointError)
@@ -122,7 +123,7 @@ class Layout:
         """The files of one model-parallel rank: a data-parallel checkpoint of its own (one TP slice)."""
         return self.for_mp_ranks((mp,))
 
-    def for_mp_ranks(self, ranks) -> "Layout":
+    def for_mp_ranks(self, ranks: Iterable[int]) -> "Layout":
         """The files of some model-parallel ranks (a pipeline stage's TP ranks)."""
         from dataclasses import replace
 
@@ -283,7 +284,7 @@ def require_contained(layout: Layout) -> None:
         raise leads_out(outside[0], layout.root)
 
 
-def discover(path: str | os.PathLike, tag: str | None = None) -> Layout:
+def discover(path: str | os.PathLike[str], tag: str | None = None) -> Layout:
     """Resolve a user's path to one tag's files.
 
     Accepts (1) a checkpoint root with or without ``latest``, (2) a tag folder, or (3) one rank

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import layout as L
 from ..errors import InconsistentCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef
 
+if TYPE_CHECKING:
+    from ..formats.torchzip import TorchFile
+
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def per_element(state: dict, numel: int) -> dict[str, TensorRef]:
+def per_element(state: dict[str, Any], numel: int) -> dict[str, TensorRef]:
     """The optimizer's per-element state of one flat group: every tensor as long as the partition (Adam's
     ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``, Adagrad's ``sum``, Muon's), Adam's first."""
     keys = sorted((k for k, v in state.items() if isinstance(v, TensorRef) and v.numel == numel and numel > 1),
@@ -56,12 +59,12 @@ class RankState:
     loss_scaler: dict[str, Any]  # the scaler's recorded fields (cur_scale, ...), {} when unknown
 
 
-def rank_states(ckpt) -> list[RankState]:
+def rank_states(ckpt: Any) -> list[RankState]:  # (a zero.reader.Checkpoint: the reader imports this module)
     """The typed optimizer state of every rank, in rank order (empty at stage 0)."""
     return [_rank_state(ckpt.zero_stage, r, f) for r, f in enumerate(ckpt.optim_files)]
 
 
-def _rank_state(stage: int, rank: int, tf) -> RankState:
+def _rank_state(stage: int, rank: int, tf: TorchFile) -> RankState:
     try:
         osd = tf.obj[L.OPTIMIZER_STATE_DICT]
         if stage == 3:
@@ -93,7 +96,7 @@ def _rank_state(stage: int, rank: int, tf) -> RankState:
     return RankState(rank, tf.path, tuple(groups), paddings, _fields(scaler))
 
 
-def _hyperparams(param_groups: list) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
+def _hyperparams(param_groups: list[Any]) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
     """Flat-group index -> its param group's settings, and -> that param group's index (``params`` lists
     the flat groups a param group owns)."""
     settings_of, owner = {}, {}

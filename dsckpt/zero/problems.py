@@ -2,7 +2,7 @@
 them all; ``Checkpoint.require_complete`` raises the first)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from . import layout as L
 from ..errors import DsckptError, InconsistentCheckpointError, MissingRankError
@@ -54,7 +54,8 @@ def check_ranks(lay: L.Layout, stage: int, world: int, problems: list[Problem], 
                    lambda r: f"extra {kind}-states file for rank {r}, beyond world size {world}")
 
 
-def summarized(problems: list[Problem], error: type[DsckptError], items, count: int, at: object, message) -> None:
+def summarized(problems: list[Problem], error: type[DsckptError], items: Iterator[Any], count: int, at: object,
+               message: Callable[[Any], str]) -> None:
     """One problem per item up to MAX_LISTED_PROBLEMS, then one line for the rest."""
     listed = limit("MAX_LISTED_PROBLEMS")
     for i, item in enumerate(items):

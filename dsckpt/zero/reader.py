@@ -13,7 +13,7 @@ import copy
 import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Collection
+from typing import TYPE_CHECKING, Any, Collection, NoReturn
 
 from . import layout as L
 from .grid import GridShape
@@ -145,7 +145,7 @@ class Checkpoint:
                 hint="dsckpt consolidate and inspect read it", at=self.layout.tag_dir)
 
 
-def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
     """Read a DeepSpeed checkpoint's metadata - no tensor data - into a typed ``Checkpoint``.
 
     Args:
@@ -276,7 +276,7 @@ def _open(lay: L.Layout, layers: dict[str, TensorRef] | None = None) -> Checkpoi
                       experts=experts, layers=layers or {})
 
 
-def _count(value: Any, path, key: str) -> int:
+def _count(value: Any, path: object, key: str) -> int:
     """A world size as recorded: a positive int (absent means 1)."""
     if value is None:
         return 1
@@ -286,13 +286,15 @@ def _count(value: Any, path, key: str) -> int:
     return value
 
 
-def _optimizer_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> list:
+def _optimizer_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> list[Any]:
     """The torch optimizer's param groups as saved (settings only; 'moe' / 'name' mark expert groups)."""
     try:
         if stage == 0:
-            return head[L.OPTIMIZER]["param_groups"]
+            groups: list[Any] = head[L.OPTIMIZER]["param_groups"]
+            return groups
         osd = optim_files[0].obj[L.OPTIMIZER_STATE_DICT]
-        return osd[L.OPTIMIZER_STATE_DICT if stage == 3 else L.BASE_OPTIMIZER_STATE]["param_groups"]
+        groups = osd[L.OPTIMIZER_STATE_DICT if stage == 3 else L.BASE_OPTIMIZER_STATE]["param_groups"]
+        return groups
     except (KeyError, TypeError, IndexError):
         return []
 
@@ -309,7 +311,7 @@ def _expert_groups(stage: int, head: Any, optim_files: list[TorchFile]) -> dict[
     return out
 
 
-def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precision: str, world: int,
+def _experts(lay: L.Layout, head: dict[str, Any], param_groups: list[Any], stage: int, precision: str, world: int,
              optim_files: list[TorchFile], problems: list[Problem]) -> "Experts | None":
     """A DeepSpeed-MoE run's experts (``zero.experts``); what this version cannot read is a problem, so
     nothing is ever half-converted."""
@@ -327,13 +329,13 @@ def _experts(lay: L.Layout, head: dict, param_groups: list, stage: int, precisio
         return None
 
 
-def _typed(value: Any, kind: type, path, key: str) -> Any:
+def _typed(value: Any, kind: type, path: object, key: str) -> Any:
     if not isinstance(value, kind):
         raise InconsistentCheckpointError(f"'{key}' is a {type(value).__name__}, expected a {kind.__name__}", at=path)
     return value
 
 
-def _shapes(value: Any, path, key: str) -> dict[str, tuple[int, ...]]:
+def _shapes(value: Any, path: object, key: str) -> dict[str, tuple[int, ...]]:
     """A name -> shape map, checked: names are strings, shapes tuples of non-negative ints."""
     _typed(value, dict, path, key)
     for name, shape in value.items():
@@ -353,7 +355,7 @@ def _parse(files: tuple[L.RankFile, ...], problems: list[Problem]) -> list[Torch
     return parsed
 
 
-def _raise(problem: Problem):
+def _raise(problem: Problem) -> NoReturn:
     raise copy.copy(problem)
 
 
@@ -365,13 +367,13 @@ def _zero_stage(lay: L.Layout, optim_files: list[TorchFile]) -> int:
     osd = optim_files[0].obj.get(L.OPTIMIZER_STATE_DICT) if isinstance(optim_files[0].obj, dict) else None
     if not isinstance(osd, dict) or L.ZERO_STAGE not in osd:
         raise UnsupportedCheckpointError(f"no '{L.ZERO_STAGE}' in the optimizer state", at=lay.optim_files[0].path)
-    stage = opaque_int(osd[L.ZERO_STAGE])
+    stage: int = opaque_int(osd[L.ZERO_STAGE])
     if stage not in (1, 2, 3):
         raise UnsupportedCheckpointError(f"unknown zero_stage {stage!r}", at=lay.optim_files[0].path)
     return stage
 
 
-def _recorded_stage(head: dict, lay: L.Layout) -> int:
+def _recorded_stage(head: dict[str, Any], lay: L.Layout) -> int:
     """The ZeRO stage a universal checkpoint's run used: its file names, else its recorded config."""
     if any(f.dp_rank is not None for f in lay.model_files):
         return 3
@@ -386,7 +388,7 @@ def _aliases_by_storage(module: dict[str, Any], known: Collection[str] = frozens
     """Tied names where no ``shared_params`` says so (stage 0; DeepSpeed before it recorded them): names
     viewing the same bytes.  ``empty_too``: stage 3's empty placeholders, one storage per parameter, shared
     only by tied names.  The source is the first name of a group that ``known`` lists, else the first."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for name, t in module.items():
         if isinstance(t, TensorRef) and (t.numel or empty_too):
             groups.setdefault((t.storage.key, t.offset, t.shape, t.stride), []).append(name)

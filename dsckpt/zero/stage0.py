@@ -6,12 +6,14 @@ reads tensor bytes to build the model (the plan never does).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import InconsistentCheckpointError
 from ..formats.pickle_policy import TensorRef
 from . import layout as L
 
 
-def match_masters(ckpt) -> dict[str, TensorRef]:
+def match_masters(ckpt: Any) -> dict[str, TensorRef]:  # (a zero.reader.Checkpoint, which imports this module)
     """name -> fp32 master, for the module's trainable parameters ({} when there are no masters).
 
     Masters are matched to the module's parameters in order: the next master belongs to a

@@ -59,7 +59,7 @@ class Split:
     category: str = "split on dim 0"
 
 
-def tp_info(head: dict, path: Any) -> dict:
+def tp_info(head: dict[str, Any], path: Any) -> dict[str, Any]:
     """The split description a model-states file carries (empty when the run recorded none)."""
     info = head.get(INFO)
     if info is None:
@@ -69,13 +69,13 @@ def tp_info(head: dict, path: Any) -> dict:
     return info
 
 
-def unsupported(info: dict) -> dict[str, str]:
+def unsupported(info: dict[str, Any]) -> dict[str, str]:
     """AutoTP's ``autotp_unsupported_parameter_patterns``: pattern -> why it could not describe that split."""
     value = info.get(UNSUPPORTED) or {}
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
-def slice_problems(heads: list[tuple[Any, dict, int]]) -> list[DsckptError]:
+def slice_problems(heads: list[tuple[Any, dict[str, Any], int]]) -> list[DsckptError]:
     """What is wrong across the TP ranks' model-states files (``(path, parsed file, recorded mp world size)`` each):
     a recorded degree other than the files', split descriptions that differ, splits AutoTP could not describe."""
     problems: list[DsckptError] = []
@@ -99,7 +99,7 @@ def slice_problems(heads: list[tuple[Any, dict, int]]) -> list[DsckptError]:
     return problems
 
 
-def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where: str) -> dict[str, Split]:
+def tp_splits(info: dict[str, Any], shard_shapes: list[dict[str, tuple[int, ...]]], where: str) -> dict[str, Split]:
     """Each parameter's ``Split``, from the map or the categories; ``shard_shapes[r]``: rank r's slice shapes."""
     tp = len(shard_shapes)
     maps = _affine_maps(info, where)
@@ -121,13 +121,13 @@ def tp_splits(info: dict, shard_shapes: list[dict[str, tuple[int, ...]]], where:
     return out
 
 
-def _placeholder_map(entry: dict, shapes: list[tuple[int, ...]]) -> bool:
+def _placeholder_map(entry: dict[str, Any], shapes: list[tuple[int, ...]]) -> bool:
     """A map of an empty tensor for a parameter that is not empty: DeepSpeed 0.19.8 describes the parameters AutoTP
     leaves whole from their shapes after ``zero.Init`` partitioned them (``[0]``); the categories still hold."""
     return not math.prod(int(d) for d in entry.get("logical_shape", [])) and any(math.prod(s) for s in shapes)
 
 
-def _affine_maps(info: dict, where: str) -> dict[str, Any]:
+def _affine_maps(info: dict[str, Any], where: str) -> dict[str, Any]:
     value = info.get(AFFINE_MAP)
     if not value:
         return {}
@@ -135,10 +135,11 @@ def _affine_maps(info: dict, where: str) -> dict[str, Any]:
         version = value.get("version") if isinstance(value, dict) else None
         raise UnsupportedCheckpointError(f"'{INFO}.{AFFINE_MAP}' version {version!r}; dsckpt reads "
                                          f"version {AFFINE_MAP_VERSION}", at=where)
-    return value["params"]
+    params: dict[str, Any] = value["params"]
+    return params
 
 
-def _matching(patterns: dict[str, Any] | list, name: str) -> Any:
+def _matching(patterns: dict[str, Any] | list[Any], name: str) -> Any:
     """The entry of the first pattern that matches ``name`` (``re.match``, as DeepSpeed's converter applies them)."""
     for pattern in patterns:
         if re.match(str(pattern), name):
@@ -160,7 +161,7 @@ class _Strided:
     dst_step: int
 
 
-def _runs(piece: dict, rank: int, name: str, where: str) -> _Strided:
+def _runs(piece: dict[str, Any], rank: int, name: str, where: str) -> _Strided:
     """One map piece as strided runs: its innermost dimensions contiguous on both sides become one run, the
     rest must fold into one step (a block of rows); anything else is a layout dsckpt cannot stream."""
     shape = [int(d) for d in piece["shape"]]
@@ -182,7 +183,7 @@ def _runs(piece: dict, rank: int, name: str, where: str) -> _Strided:
     return _Strided(rank, int(src), int(dst), numel, count, src_step, dst_step)
 
 
-def _from_affine(name: str, entry: dict, shapes: list[tuple[int, ...]], tp: int, where: str) -> Split:
+def _from_affine(name: str, entry: dict[str, Any], shapes: list[tuple[int, ...]], tp: int, where: str) -> Split:
     shape = tuple(int(d) for d in entry["logical_shape"])
     if not math.prod(shape):
         return Split(name, shape, 1, (), (0,) * tp)
@@ -243,7 +244,7 @@ def _split_dim(shape: tuple[int, ...], count: int) -> int:
     return dim
 
 
-def universal_fields(info: dict, name: str) -> dict[str, Any]:
+def universal_fields(info: dict[str, Any], name: str) -> dict[str, Any]:
     """The keys ``ds_to_universal`` writes beside a TP parameter's merged ``param`` (0.19.8): none for one an affine
     map or the replicated patterns describe; ``sub_param_shape`` (its ``SubparamShape``, as a record) for fused
     sub-parameters; else ``cat_dim`` (+ ``param_n_sub_params`` for fused GLU weights); ``vocab_tensor`` for a
@@ -262,7 +263,7 @@ def universal_fields(info: dict, name: str) -> dict[str, Any]:
     return fields
 
 
-def _subparam_shape(sub: dict) -> Any:
+def _subparam_shape(sub: dict[str, Any]) -> Any:
     """DeepSpeed's ``SubparamShape`` record of a sub-parameter group as ds_to_universal writes it: as recorded, or
     (a count of equal parts before version 0.4) with that count's sizes unknown here - refused then."""
     from ..formats.pickle_policy import opaque_type
@@ -279,7 +280,7 @@ def _subparam_shape(sub: dict) -> Any:
 
 # --- 2. the pattern categories ------------------------------------------------------------------------------
 
-def _from_categories(name: str, info: dict, shapes: list[tuple[int, ...]], where: str) -> Split:
+def _from_categories(name: str, info: dict[str, Any], shapes: list[tuple[int, ...]], where: str) -> Split:
     tp, sizes = len(shapes), [math.prod(s) for s in shapes]
     if _matching(info.get(TO_AVERAGE) or [], name) is not None:
         raise UnsupportedCheckpointError(f"parameter {name!r} is in '{TO_AVERAGE}': its TP copies are "
@@ -304,7 +305,7 @@ def _from_categories(name: str, info: dict, shapes: list[tuple[int, ...]], where
                    "row parallel (dim 1)" if row else "split on dim 0", where)
 
 
-def _sub_widths(info: dict, name: str, sub: dict | None, shapes: list[tuple[int, ...]], dim: int,
+def _sub_widths(info: dict[str, Any], name: str, sub: dict[str, Any] | None, shapes: list[tuple[int, ...]], dim: int,
                 where: str) -> list[list[int]]:
     """Per sub-parameter, its width on each TP rank along ``dim``."""
     recorded = _matching(info.get(SUB_PARAM_SHARD_WIDTHS) or {}, name)
