@@ -175,26 +175,36 @@ def test_a_write_runs_in_its_context_not_in_module_state():
     assert found == []
 
 
-# Where a path's storage is chosen, once: what a reading command opens, a writing verb's input and its OUT, the
-# engine's save target; the storage module itself defines the test and refuses URLs where a verb reads files only.
-STORAGE_CHOSEN = {"dsckpt.formats.storage": "the test itself, local_only",
-                  "dsckpt.formats.backends": "the storage a path lives on (storage_for)",
-                  "dsckpt.parallel.readable": "what a reading command or a converter's source opens",
+# The storage modules: the one test of a path for a store (is_url) and the backend it picks (storage_for).
+STORAGE_MODULES = {"dsckpt.formats.storage", "dsckpt.formats.backends"}
+# Where a path's storage is chosen, once: what a reading command opens, a converter's source, a writing verb's
+# checkpoint and its OUT, the engine's save target, and a zip's index or a CRC check given a bare path.
+STORAGE_CHOSEN = {"dsckpt.parallel.readable": "what a reading command or a converter's source opens",
                   "dsckpt.parallel.view": "a writing verb's checkpoint (build_view)",
                   "dsckpt.api.frame": "a writing verb's OUT (destination)",
-                  "dsckpt.runtime.staged_files": "the engine's save target (Targets.for_path)"}
+                  "dsckpt.runtime.staged_files": "the engine's save target (Targets.for_path)",
+                  "dsckpt.formats.torchzip": "a zip's index of a bare path",
+                  "dsckpt.io.integrity": "a CRC check of a bare path"}
+
+
+def _names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
 
 
 def test_storage_is_chosen_once_where_a_path_enters():
-    """#53 point 1: "is this a bucket?" is asked where a path enters (``STORAGE_CHOSEN``) and nowhere below it: the
-    layers under an entry point get what it chose (a view with its store, a staging destination, a local copy).
-    Fails on the old main: api.paths, api.catalog, api.ingest, analysis.verify, cli.verify and cli.resume asked."""
-    asking = []
+    """#53 point 1: no URL test outside the storage modules (``is_url``, ``URL_RE``); a path's backend is what
+    ``formats.backends.storage_for`` returns, asked where a path enters (``STORAGE_CHOSEN``) and nowhere below it:
+    the layers under an entry point get what it chose (a view with its store, a staging destination, a local copy).
+    Fails on the previous commit: parallel.readable, parallel.view, api.frame and runtime.staged_files asked
+    ``is_url`` themselves."""
+    testing, choosing = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
-        names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
-        names |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
-                  for a in n.names}
-        if names & {"is_url", "URL_RE"} and module not in STORAGE_CHOSEN:
-            asking.append(module)
-    assert asking == []
+        module, names = _module_name(path), _names(path)
+        if names & {"is_url", "URL_RE"} and module not in STORAGE_MODULES:
+            testing.append(module)
+        if "storage_for" in names and module not in STORAGE_MODULES:
+            choosing.append(module)
+    assert testing == []
+    assert sorted(choosing) == sorted(STORAGE_CHOSEN)

@@ -28,7 +28,8 @@ from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
 from ..parallel.outputs import GroupStaging
-from ..formats.storage import is_url
+from ..formats.backends import storage_for
+from ..formats.storage import LocalStorage
 from ..parallel.view import View, build_view
 from ..plan.segments import read_pieces
 from ..progress import Progress, advancing
@@ -141,7 +142,7 @@ def destination(group: Group, out: str | os.PathLike[str], force: bool, stream: 
     it (``io.upload``).  With ``stream`` (and a store that takes parts: ``io.parts``) the block's safetensors files
     and zips go to the store as they are written: every process's uploads are handed to rank 0, which completes
     them in that order; whatever no process completed is aborted."""
-    if not is_url(out):
+    if isinstance(storage_for(out), LocalStorage):
         yield Destination(Path(out))
         return
     url = str(out)

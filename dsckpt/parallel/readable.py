@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple
 
-from ..formats.storage import SAME_NAMES, Alias, is_url
+from ..formats.backends import storage_for
+from ..formats.storage import SAME_NAMES, Alias, LocalStorage
 from ..plan.segments import Segment
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
     through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
     (``verify`` makes its own).  ``progress``: the fetch, a ``FETCH``."""
-    if not is_url(path):
+    if isinstance(storage_for(path), LocalStorage):
         yield Readable(str(path), tag, lambda pieces: None, lambda: None)
         return
     from ..io.remote import RemoteStore, scratch_folder
@@ -85,10 +86,10 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
     """A source read whole by a converter (a DCP or universal folder, a weights file or folder): PATH itself, or a
     URL's objects in a scratch folder of this host, which the first of its processes fills (the bytes told to
     ``progress`` as a ``FETCH``); removed afterwards, also on failure."""
-    if not is_url(path):
+    source = storage_for(path)
+    if isinstance(source, LocalStorage):
         yield Path(path)
         return
-    from ..formats.bucket import BucketStorage
     from ..io.remote import counted, scratch_folder
 
     url = str(path)
@@ -98,7 +99,6 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
         def get() -> None:
             Path(scratch).mkdir(parents=True, exist_ok=True)
             if not local.exists():
-                source = BucketStorage(url)
                 source.fetch("", local, counted(source.fs, source.root, progress))
         for turn in range(group.size):  # one process at a time: the first on each host fetches, the others find it
             group.step(get if group.rank == turn else lambda: None)

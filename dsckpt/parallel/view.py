@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Iterator
 from ..errors import CorruptFileError, DistributedError, DsckptError, OutputError, TagError
 from ..formats.positional import pwrite_all
 from ..formats.torchzip import StorageIndex, StorageLocation, is_torch_zip
-from ..formats.storage import SAME_NAMES, Alias, is_url
+from ..formats.backends import storage_for
+from ..formats.storage import SAME_NAMES, Alias, LocalStorage
 from ..io.skeleton import SMALL, skeleton
 from ..limits import limit
 from ..zero import layout as L
@@ -160,7 +161,7 @@ def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
 def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scratch_parent: Path,
                trust: bool) -> View:
     """The view of CKPT (see the module docstring); a URL's: ``remote_view``."""
-    if is_url(ckpt):
+    if not isinstance(storage_for(ckpt), LocalStorage):
         return group.step(lambda: remote_view(group, str(ckpt), tag, Path(scratch_parent)))
     if group.size == 1:
         return View(Path(ckpt), tag, None, Path(ckpt))

@@ -19,7 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..formats.storage import is_url
+from ..formats.backends import storage_for
+from ..formats.bucket import BucketStorage
 from ..io.output import fsync_path
 from ..io.writeback import following
 from ..zero.layout import LATEST_FILE
@@ -107,11 +108,10 @@ class LocalTarget:
 
 
 class BucketTarget:
-    def __init__(self, url: str):
-        from ..formats.bucket import BucketStorage
+    def __init__(self, bucket: BucketStorage):
         from ..io.remote import scratch_folder
 
-        self.bucket = BucketStorage(url)
+        self.bucket = bucket
         self.name = self.bucket.url  # (what messages name)
         self.scratch = scratch_folder(".dsckpt-save-")
         self.local = str(self.scratch / self.bucket.root.rsplit("/", 1)[-1])
@@ -166,11 +166,12 @@ class Targets:
         self.buckets: dict[str, BucketTarget] = {}
 
     def for_path(self, save_dir: str | os.PathLike[str]) -> LocalTarget | BucketTarget:
-        if not is_url(save_dir):
+        storage = storage_for(save_dir)
+        if not isinstance(storage, BucketStorage):
             return LocalTarget(str(save_dir))
-        url = str(save_dir).rstrip("/")
+        url = storage.url
         if url not in self.buckets:
-            self.buckets[url] = BucketTarget(url)
+            self.buckets[url] = BucketTarget(storage)
         return self.buckets[url]
 
     def close(self) -> None:
