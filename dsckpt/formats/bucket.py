@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, MissingExtraError, OutputError, UnreadableFileError
+from ..progress import Phase, Progress
 from .storage import Entry
 
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"),
@@ -185,12 +186,13 @@ class BucketStorage:
         except Exception as exc:
             raise typed_error(self.shown(name), exc, "deleting") from None
 
-    def fetch(self, name: Name, local: Path, callback: Any = None) -> None:
-        """Object ``name`` (or every object under it) copied whole to ``local``."""
+    def fetch(self, name: Name, local: Path, progress: Progress | None = None) -> None:
+        """Object ``name`` (or every object under it) copied whole to ``local``; ``progress``: a ``FETCH`` of its
+        bytes, the total first, then each chunk as it lands."""
         folder = "/" if self._call(name, "looking it up", lambda: self.fs.isdir(self.key(name))) else ""
-        options = {} if callback is None else {"callback": callback}
-        self._call(name, "fetching the source",
-                   lambda: self.fs.get(self.key(name) + folder, str(local) + folder, recursive=True, **options))
+        callback = self._call(name, "listing", lambda: _counted(self.fs, self.key(name), progress))
+        self._call(name, "fetching the source", lambda: self.fs.get(self.key(name) + folder, str(local) + folder,
+                                                                    recursive=True, callback=callback))
 
     def close(self) -> None:
         pass
@@ -200,3 +202,27 @@ class BucketStorage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _counted(fs: Any, inside: str, progress: Progress | None) -> Any:
+    """An fsspec callback for ``fs.get`` of ``inside`` telling ``progress`` of the bytes (fsspec counts files; each
+    file's own callback counts bytes)."""
+    from fsspec.callbacks import Callback, NoOpCallback
+
+    if progress is None:
+        return NoOpCallback()
+    advance = progress.advance
+
+    class Chunks(Callback):  # type: ignore[misc]  # one file's
+        def relative_update(self, inc: int = 1) -> None:
+            advance(inc)
+
+    class Files(Callback):  # type: ignore[misc]
+        def relative_update(self, inc: int = 1) -> None:
+            pass  # (a file done: its bytes were told)
+
+        def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:
+            return Chunks()
+
+    progress.begin(Phase.FETCH, sum(info["size"] for info in fs.find(inside, detail=True).values()))
+    return Files()

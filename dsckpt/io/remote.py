@@ -48,31 +48,6 @@ def scratch_folder(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SCRATCH_ENV)))
 
 
-def counted(fs: Any, inside: str, progress: Progress | None) -> Any:
-    """An fsspec callback for ``fs.get`` of ``inside`` (a file or a prefix) telling ``progress`` a ``FETCH`` of its
-    bytes: the total first, then each chunk as it lands (fsspec counts files; each file's own callback counts
-    bytes)."""
-    from fsspec.callbacks import Callback, NoOpCallback
-
-    if progress is None:
-        return NoOpCallback()
-    advance = progress.advance
-
-    class Chunks(Callback):  # one file's
-        def relative_update(self, inc: int = 1) -> None:
-            advance(inc)
-
-    class Files(Callback):
-        def relative_update(self, inc: int = 1) -> None:
-            pass  # (a file done: its bytes were told)
-
-        def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:
-            return Chunks()
-
-    progress.begin(Phase.FETCH, sum(info["size"] for info in fs.find(inside, detail=True).values()))
-    return Files()
-
-
 class RemoteStore(BucketStorage):
     """The objects under one URL prefix (a checkpoint folder in a bucket), read into a local view."""
 

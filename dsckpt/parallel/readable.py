@@ -90,7 +90,7 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
     if isinstance(source, LocalStorage):
         yield Path(path)
         return
-    from ..io.remote import counted, scratch_folder
+    from ..io.remote import scratch_folder
 
     url = str(path)
     scratch = group.broadcast(str(scratch_folder(".dsckpt-read-")) if group.rank == 0 else None, 0)
@@ -99,7 +99,7 @@ def local_copy(path: str | os.PathLike[str], group: "Group", progress: "Progress
         def get() -> None:
             Path(scratch).mkdir(parents=True, exist_ok=True)
             if not local.exists():
-                source.fetch("", local, counted(source.fs, source.root, progress))
+                source.fetch("", local, progress)
         for turn in range(group.size):  # one process at a time: the first on each host fetches, the others find it
             group.step(get if group.rank == turn else lambda: None)
         yield local
