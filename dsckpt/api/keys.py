@@ -63,7 +63,7 @@ class KeyReport:
     def raise_for(self, source: object, strict: bool = True, hint: str | None = None) -> None:
         problems = self.problems(strict)
         if problems:
-            raise StateDictMismatchError(f"{source}: does not match the model: " + "; ".join(problems),
+            raise StateDictMismatchError("does not match the model: " + "; ".join(problems), at=source,
                                          hint=hint or "strict=False (--no-strict) loads what matches and reports "
                                                       "the rest; --strip-prefix removes a wrapper's prefix")
 

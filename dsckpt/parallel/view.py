@@ -243,7 +243,8 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
     store = RemoteStore(url)
     sizes = store.objects()
     if sizes.get(L.LATEST_FILE, 0) > limit("MAX_LATEST_BYTES"):
-        raise TagError(f"{store.url}/{L.LATEST_FILE}: longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name")
+        raise TagError(f"longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name",
+                       at=store.shown(L.LATEST_FILE))
     latest = store.read(L.LATEST_FILE, 0, sizes[L.LATEST_FILE]).decode("utf-8", "replace") \
         if L.LATEST_FILE in sizes else None
     no_ranks = not any(L.RANK_FILE_RE.match(rel.rsplit("/", 1)[-1]) for rel in sizes)  # a weights folder

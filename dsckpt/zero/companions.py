@@ -147,7 +147,7 @@ def _pickle_classes(path: Path, zipped: bool) -> set[str]:
     except Exception as exc:  # a hostile or broken pickle: every failure is a format error
         from ..errors import CorruptFileError
 
-        raise CorruptFileError(f"{path}: {type(exc).__name__}: {exc}"[:300]) from None
+        raise CorruptFileError(f"{type(exc).__name__}: {exc}"[:300], at=path) from None
 
 
 TRAINER_STATE = "trainer_state.json"  # an HF Trainer's checkpoint-N: global_step, epoch, log_history
