@@ -47,6 +47,7 @@ def resume(nproc: int, **kwargs) -> None:
     from ..parallel.readable import readable
     from ..runtime import commands, console, launch
 
+    rank_argv = sys.argv[1:]  # what --nproc's ranks run: the command as typed, a fetched URL as its local copy
     with contextlib.ExitStack() as local_copies:
         for key in ("checkpoint", "full_weights"):  # a URL: every byte fetched (DeepSpeed's loader reads them all)
             given = kwargs.get(key)
@@ -54,10 +55,10 @@ def resume(nproc: int, **kwargs) -> None:
             if opened is not None and opened.path != str(given):
                 kwargs[key] = opened.path
                 console.name_as(opened.path, str(given))
-                sys.argv = [opened.path if arg == given else arg for arg in sys.argv]  # what --nproc's ranks run
+                rank_argv = [opened.path if arg == given else arg for arg in rank_argv]
         if not in_launched_rank():
             commands.preflight_resume(world_size_for(nproc), **kwargs)
         with commands.interruptible(kwargs.get("save_dir")):
             if launch.should_launch(nproc):
-                sys.exit(launch.launch(nproc))
+                sys.exit(launch.launch(nproc, argv=rank_argv))
             commands.run_resume(**kwargs, before_exit=local_copies.close)  # (it ends the process itself)
