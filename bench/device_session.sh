@@ -11,8 +11,10 @@
 #   bash bench/device_session.sh gpu-tests $OUT [-k EXPR]    the GPU-marked tests (Lightning's own strategy among them)
 #   bash bench/device_session.sh persist-loss $OUT    issue 54's open questions in one run (performance-log 37): the
 #        copy engines, the persist beside a Python-bound thread in and out of process, nice 19 on the throughput
+#   bash bench/device_session.sh paced $OUT    the paced device-to-host copies (performance-log 39): GPU test, throughput
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
-# as wheels in .whl/ (installed to /tmp/site).
+# as wheels in .whl/ (installed to /tmp/site); an image without pydantic and hjson needs theirs too (pydantic_core
+# built for the host's Python: `pip download --python-version 3.12 --only-binary=:all:`).
 part=${1:?part}; out=${2:?OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -46,6 +48,13 @@ case $part in
     timeout 300 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
       --rounds 2 --modes async,async-nice19,none --steps-between 30 --paired --out /tmp/async \
       --json $out/async-nice.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-nice.txt ;;
+  paced)  # issue 54, round 24: the GPU test of the paced copies, then the throughput, async against no save, paired
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 200 python3 -m pytest -q -m gpu tests/test_async_save.py -k background_save_from_gpu 2>&1 | grep -v -i warn \
+      | tail -5 | tee $out/gpu_tests.txt
+    timeout 330 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
+      --rounds 2 --modes async,none --steps-between 30 --paired --out /tmp/async \
+      --json $out/async-paced.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-paced.txt ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks

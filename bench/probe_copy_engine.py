@@ -2,7 +2,8 @@
 
 A snapshot's device-to-host copies (PROBE_GB into pinned host memory) are queued on a side stream; then on the
 current stream one operation is timed to completion: a matmul (SMs only), a device-to-device copy, an NCCL
-all-gather at world size 1 (what ZeRO-3's parameter fetch runs on one GPU), a pageable host-to-device copy; each
+all-gather at world size 1 (what ZeRO-3's parameter fetch runs on one GPU), a pageable host-to-device copy, a
+scalar read (``.item()``: a small device-to-host copy) and a pinned device-to-host copy; each
 against the same operation with nothing queued, and with the copies queued in PROBE_PIECE_MB pieces, each piece
 queued once the one before it finished (what pacing the copies would do).
 
@@ -33,11 +34,14 @@ def main() -> None:
     d_src, d_dst = torch.ones(50_000_000, device="cuda"), torch.empty(50_000_000, device="cuda")
     gathered, shard = torch.empty(50_000_000, device="cuda"), torch.ones(50_000_000, device="cuda")
     pageable = torch.ones(10_000_000)
+    scalar, pinned_small = torch.ones(1, device="cuda"), torch.empty(10_000_000, pin_memory=True)
     operations = {
         "matmul x20": lambda: [a @ a for _ in range(20)],
         "device-to-device copy 200 MB": lambda: d_dst.copy_(d_src),
         "all-gather, world size 1, 200 MB": lambda: dist.all_gather_into_tensor(gathered, shard),
         "pageable host-to-device 40 MB": lambda: pageable.to("cuda"),
+        "a scalar read, .item()": lambda: scalar.item(),
+        "pinned device-to-host 40 MB": lambda: pinned_small.copy_(d_src[:10_000_000], non_blocking=True),
     }
 
     def copies_whole() -> None:

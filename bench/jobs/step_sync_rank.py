@@ -7,6 +7,8 @@ without a save before it.  Run by bench/probe_step_sync.py.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +42,12 @@ def main() -> None:
         stack = "".join(traceback.format_stack(limit=12)[:-2])
         seen.append(f"{message}\n{stack}")
 
+    counters = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+    def allocator() -> dict[str, int]:
+        stats = torch.cuda.memory_stats()
+        return {key: int(stats.get(key, 0)) for key in counters}
+
     def timed_step(i: int) -> dict[str, float]:
         tokens = synthetic_batch(i, seed=0, batch_size=1, seq_len=model.seq_len, vocab_size=model.vocab_size)
         tokens = tokens.to(engine.device)
@@ -65,22 +73,50 @@ def main() -> None:
     warnings.showwarning = shown
     warnings.simplefilter("always")
     torch.cuda.set_sync_debug_mode("warn")
+    before = allocator()
     plain = timed_step(20)
+    plain_allocator = {k: v - before[k] for k, v in allocator().items()}
     plain_syncs, seen[:] = list(seen), []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     engine.save_checkpoint(out, tag="second")
-    call_s, pending = time.perf_counter() - t0, bool(saver.copying)
+    call_s, pending = time.perf_counter() - t0, bool(saver.staging)
+    settle = os.environ.get("PROBE_SETTLE", "")
+    if settle == "copies":  # the device-to-host copies done, the persist still running: is the wait the copies?
+        torch.cuda.synchronize()
+    elif settle == "persist":  # the whole save done first: the step as it runs with nothing beside it
+        saver.wait()
+    elif settle == "measure":  # what waits while the copies run: Python (the GIL), a fresh stream, this one, the device
+        waits = {}
+        for name, wait in (("python loop", lambda: sum(range(2_000_000))),
+                           ("fresh stream sync", lambda: torch.cuda.Stream().synchronize()),
+                           ("current stream sync", lambda: torch.cuda.current_stream().synchronize()),
+                           ("device sync", torch.cuda.synchronize)):
+            t1 = time.perf_counter()
+            wait()
+            waits[name] = round(time.perf_counter() - t1, 4)
+        t1 = time.perf_counter()
+        sum(range(2_000_000))
+        waits["python loop, copies done"] = round(time.perf_counter() - t1, 4)
+        print("right after the save call:", waits)
+    print(f"settled before the step: {settle or 'nothing'} ({time.perf_counter() - t0:.3f} s after the call began)")
+    before = allocator()
     after = timed_step(21)
+    after_allocator = {k: v - before[k] for k, v in allocator().items()}
     torch.cuda.set_sync_debug_mode(0)
     saver.wait()
     print(f"save call {call_s:.3f} s; copies pending after it: {pending}")
     print("step without a save:", {k: round(v, 3) for k, v in plain.items()})
     print("step after the save:", {k: round(v, 3) for k, v in after.items()})
+    print("caching allocator in the step without a save:", plain_allocator)
+    print("caching allocator in the step after the save:", after_allocator)
+    print("allocator settings:", torch.cuda.memory.get_allocator_backend(),
+          f"reserved {torch.cuda.memory_reserved() / 1e9:.1f} GB of {torch.cuda.mem_get_info()[1] / 1e9:.1f} GB")
     for name, syncs in (("without a save", plain_syncs), ("after the save", seen)):
         print(f"--- synchronising calls in the step {name}: {len(syncs)}")
         for text in dict.fromkeys(syncs):
             print(text)
+    shutil.rmtree(out, ignore_errors=True)
     shutdown(engine)
 
 

@@ -103,9 +103,8 @@ class AsyncSave:
         self.idle = threading.Event()
         self.idle.set()
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-check")
-        self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # CPU copies left to the step
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="dsckpt-async-stage")  # copies left to the step
         self.staging: list[Future[None]] = []
-        self.copying: list[torch.cuda.Event] = []  # GPU copies left to the step, on ``copy_stream``
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # (on the engine's device)
         self.defers = False  # the optimizer's step is wrapped: an optimizer-states file's copies may wait for it
         self.thread = threading.Thread(target=self._run, name="dsckpt-async-save", daemon=True)
@@ -203,9 +202,7 @@ class AsyncSave:
                         copy_stream=self.copy_stream)
         copied = snap.take(state)
         ready = snap.ready_event()
-        if snap.on_copy_stream:
-            self.copying.append(ready)
-        staged = self.stager.submit(snap.finish) if snap.pending else None
+        staged = self.stager.submit(snap.finish) if snap.pending or snap.paced else None
         if staged is not None:
             self.staging.append(staged)
         self.current.files.append(path)
@@ -227,13 +224,11 @@ class AsyncSave:
 
     def _staged(self) -> None:
         """Every deferred copy done (the time waited is the last save's ``step_waited_s``)."""
-        if not self.staging and not self.copying:
+        if not self.staging:
             return
-        staging, self.staging, copying, self.copying = self.staging, [], self.copying, []
+        staging, self.staging = self.staging, []
         start = time.perf_counter()
-        wait(staging)
-        for event in copying:  # the host waits: the step's kernels may run on other streams than the current one
-            event.synchronize()
+        wait(staging)  # (the host waits: the step's kernels may run on other streams than the current one)
         if self.records:
             self.records[-1].step_waited_s += time.perf_counter() - start
 

@@ -4,9 +4,12 @@ Every distinct tensor storage is copied once (views, offsets, strides, ``require
 file written later holds the same storages stock ``torch.save`` would have written: the next optimizer step may
 rewrite the originals in place.  On a GPU the copies go to pinned host buffers reused from save to save, queued on
 the current stream (the caller records an event after them).  ``Snapshot(pool, defer=True)`` is for state only the
-optimizer's step changes: it takes the tree at once but leaves the host tensors' copies to ``finish()`` and queues
-the GPU tensors' copies on ``copy_stream`` (ordered after the work already queued on the current stream), so the
-forward and backward that follow run beside them; the caller makes the next step wait for both.
+optimizer's step changes: it takes the tree at once and leaves the copies to ``finish()`` (the caller runs it on a
+thread of its own and makes the next step wait for it), so the forward and backward that follow run beside them.
+A GPU tensor's copies go on ``copy_stream`` (ordered after the work already queued on the current stream) a piece at
+a time: the copy engine runs device-to-host copies in the order they were queued, so any device-to-host read the
+training makes meanwhile (a ``.item()`` in ZeRO-3's forward) waits behind the pieces in flight, not behind the whole
+file (docs/dev/performance-log.md 39).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import torch
 
 
 PINNED_IN_PLACE = 1 << 20  # a smaller pinned buffer comes from torch's allocator (its rounding costs < 1 MiB)
+PACE_PIECE = 128 << 20  # a deferred GPU copy is queued in pieces of this size...
+PACE_IN_FLIGHT = 2  # ...this many at once (one keeps the copy engine busy while the next is queued)
 
 
 class HostPool:
@@ -95,6 +100,7 @@ class Snapshot:
         self.copies: dict[Any, Any] = {}
         self.buffers: list[tuple[torch.UntypedStorage, bool]] = []  # (buffer, pinned)
         self.pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (host, source) left to finish()
+        self.paced: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (host, GPU source) left to finish()
 
     def take(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -138,24 +144,41 @@ class Snapshot:
         if not self.on_copy_stream:  # the sources' last writes are on the current stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(t.device))
             self.on_copy_stream = True
-        with torch.cuda.stream(self.copy_stream):
-            host.copy_(t.detach().untyped_storage(), non_blocking=True)
-        t.record_stream(self.copy_stream)  # (the allocator keeps the source's memory until the copy ran)
+        self.paced.append((host, t.detach()))
 
     def ready_event(self) -> Any:
-        """A CUDA event after the GPU copies (on ``copy_stream`` when they went there), or None without any."""
-        if not any(pinned for _, pinned in self.buffers):
+        """A CUDA event after the GPU copies queued on the current stream, or None without any (those ``finish``
+        queues on ``copy_stream`` are done when it returns)."""
+        if not any(pinned for _, pinned in self.buffers) or self.on_copy_stream:
             return None
         event = torch.cuda.Event()
-        event.record(self.copy_stream if self.on_copy_stream else torch.cuda.current_stream())
+        event.record(torch.cuda.current_stream())
         return event
 
     def finish(self) -> None:
-        """The copies ``defer`` left (through tensors: their ``copy_`` runs without the GIL)."""
+        """The copies ``defer`` left, done when it returns (host ones through tensors: their ``copy_`` runs
+        without the GIL; GPU ones paced on ``copy_stream``)."""
         pending, self.pending = self.pending, []
         for host, source in pending:
             _bytes(host).copy_(_bytes(source))
+        paced, self.paced = self.paced, []
+        if not paced:
+            return
+        in_flight: list[Any] = []
+        with torch.cuda.stream(self.copy_stream):
+            for host, source in paced:
+                src, dst = _bytes(source.untyped_storage()), _bytes(host)
+                for at in range(0, src.numel(), PACE_PIECE):
+                    dst[at:at + PACE_PIECE].copy_(src[at:at + PACE_PIECE], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.copy_stream)
+                    in_flight.append(event)
+                    if len(in_flight) >= PACE_IN_FLIGHT:
+                        in_flight.pop(0).synchronize()
+                source.record_stream(self.copy_stream)  # (the allocator keeps the source's memory until it is copied)
+        for event in in_flight:
+            event.synchronize()
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
