@@ -50,9 +50,9 @@ case $part in
       --json $out/async-nice.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-nice.txt ;;
   paced)  # issue 54, round 24: the GPU test of the paced copies, then the throughput, async against no save, paired
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 200 python3 -m pytest -q -m gpu tests/test_async_save.py -k background_save_from_gpu 2>&1 | grep -v -i warn \
+    timeout 150 python3 -m pytest -q -m gpu tests/test_async_save.py -k background_save_from_gpu 2>&1 | grep -v -i warn \
       | tail -5 | tee $out/gpu_tests.txt
-    timeout 330 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
+    timeout 280 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
       --rounds 2 --modes async,none --steps-between 30 --paired --out /tmp/async \
       --json $out/async-paced.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-paced.txt ;;
   curve)
