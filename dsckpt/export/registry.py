@@ -30,7 +30,7 @@ import os
 import shlex
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import ITEMSIZE
 from ..errors import OutputError

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, DsckptError, TagError, UnsafeCheckpointError
+from ..errors import CheckpointNotFoundError, DsckptError, TagError
 from ..zero import layout as L
 
 Problem = DsckptError  # what is wrong at a path, found by a survey, raised where a process reading alone meets it
