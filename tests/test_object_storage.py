@@ -769,6 +769,9 @@ def test_a_bucket_answers_the_storage_protocol_as_a_folder_does(s3, tmp_path):
     out.write("small", b"abc")
     assert sorted((str(e.name), e.size) for e in out.list()) == \
         [("copy", 3), ("latest", 3), ("small", 3), ("sub/data.bin", 10)]
+    out.write("small/beside", b"not ours")  # an object whose name continues another's stays when that one goes
+    out.remove("small")
+    assert out.object_size("small") is None and out.read("small/beside", 0, 8) == b"not ours"
     out.remove("")
     out.remove("never-there")
     assert not s3.exists(f"{BUCKET}/published/latest")

@@ -178,9 +178,13 @@ class BucketStorage:
             self.replace(files[rel], Path(final) / rel)
 
     def remove(self, name: Name) -> None:
-        """Delete object ``name``, or every object under it (absent is fine)."""
+        """Delete object ``name``, or, where no object has that name, every object under it (absent is fine): an
+        object's removal never reaches objects whose names merely continue it (``name/...``)."""
         try:
-            self.fs.rm(self.key(name), recursive=True)
+            if self.object_size(name) is not None:
+                self.fs.rm_file(self.key(name))
+            else:
+                self.fs.rm(self.key(name), recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:
