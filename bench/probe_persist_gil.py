@@ -8,6 +8,7 @@ the same plain flag and every child is started before the timing, so the rates c
 (the GPU host): on 2 cores the persist's own CPU use dominates.
 
     PROBE_GB=4 python bench/probe_persist_gil.py
+    PROBE_GB=4 PROBE_WORKING_SET_MB=200 PROBE_THREADS=4 python bench/probe_persist_gil.py   (the cache's share)
 """
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ def make_state() -> dict[str, torch.Tensor]:
     return {key: torch.ones(int(GB * 1e9 / 4 / 3), dtype=torch.float32) for key in "abc"}
 
 
+# PROBE_WORKING_SET_MB > 0: the loop also walks that many MB of Python objects, as an interpreter running ZeRO-3's
+# hooks does, so a persist that streams its bytes through the last-level cache would show (a tight loop fits in L1)
+WORKING_SET = [float(i) for i in range(int(os.environ.get("PROBE_WORKING_SET_MB", "0")) * 1_000_000 // 32)]
+STRIDE = 4096
+
+
 def loop_rate_while(work: Callable[[], object]) -> tuple[float, float]:
     """The main loop's iterations a second while ``work()`` runs on a thread, and the time ``work`` took."""
-    done, took, small = [False], [0.0], torch.zeros(8)
+    done, took, small, at = [False], [0.0], torch.zeros(8), 0
 
     def run() -> None:
         t0 = time.perf_counter()
@@ -44,6 +51,9 @@ def loop_rate_while(work: Callable[[], object]) -> tuple[float, float]:
     thread.start()
     while not done[0]:
         small.add_(1.0).mul_(0.5)
+        if WORKING_SET:
+            sum(WORKING_SET[at:at + STRIDE])
+            at = (at + STRIDE) % len(WORKING_SET)
         n += 1
     rate = n / (time.perf_counter() - t0)
     thread.join()
@@ -93,7 +103,7 @@ def main() -> None:
     state = make_state()
     alone, _ = loop_rate_while(lambda: time.sleep(2.0))
     print(f"alone: {alone:.0f} loops/s", flush=True)
-    for threads in (4, 1):
+    for threads in [int(t) for t in os.environ.get("PROBE_THREADS", "4,1").split(",")]:
         persist.THREADS = threads
         for _ in range(2):
             rate, took = loop_rate_while(lambda: persist.write_snapshot(state, OUT))

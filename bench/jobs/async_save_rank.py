@@ -59,11 +59,16 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
         engine.backward(loss)
         engine.step()
 
+    each_step: list[float] = []  # the last timed_steps' step-by-step host times, to see where a save's loss falls
+
     def timed_steps(n: int, start: int) -> float:
         sync()
         t0 = time.perf_counter()
+        each_step.clear()
         for i in range(n):
+            t1 = time.perf_counter()
             step(start + i)
+            each_step.append(round(time.perf_counter() - t1, 4))
         sync()
         return time.perf_counter() - t0
 
@@ -101,7 +106,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
             tag = f"{mode}{r}"
             torch.distributed.barrier()
             if mode == "none":
-                rows.append({"round": r, "mode": mode, "steps_s": timed_steps(n, 400 + r)})
+                rows.append({"round": r, "mode": mode, "steps_s": timed_steps(n, 400 + r), "each_step_s": each_step[:]})
                 continue
             if mode == "stock":
                 engine.checkpoint_engine = stock_engine
@@ -113,6 +118,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 durable = time.perf_counter() - t0
                 steps = timed_steps(n, 200 + r)
                 persist = step_waited = after = None
+                during = each_step[:]
             else:
                 engine.checkpoint_engine = async_engine
                 saver.write = torch.save if mode == "async-torch" else write_snapshot
@@ -128,6 +134,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 sync()  # the snapshot's device-to-host copies are queued, not done, when the call returns
                 blocked = time.perf_counter() - t0
                 steps = timed_steps(n, 300 + r)
+                during = each_step[:]
                 saver.wait()
                 durable = time.perf_counter() - t0
                 after = timed_steps(n, 500 + r) if os.environ.get("BENCH_PAIRED") else None
@@ -138,6 +145,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 shutil.rmtree(root / mode / tag)  # a large model's tags would fill the disk
             rows.append({"round": r, "mode": mode, "blocked_s": blocked, "durable_s": durable, "steps_s": steps,
                          "persist_s": persist, "step_waited_s": step_waited, "steps_after_persist_s": after,
+                         "each_step_s": during, "each_step_after_s": each_step[:] if after is not None else None,
                          "nbytes": saver.records[-1].nbytes if mode != "stock" else None})
     saver.close()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None

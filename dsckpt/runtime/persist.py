@@ -37,6 +37,7 @@ from ..io import writeback
 
 CHUNK = 64 << 20
 READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back (a 64 MiB one, mapped anew per file, is slower)
+# 0: no read-back (a benchmark's control: what the read-back's memory traffic costs the training, performance-log 40)
 WRITE_PIECE = CHUNK  # the most one pwrite takes: a chunk in one call
 STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
@@ -140,7 +141,7 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         pwrite_all(fd, chunk, offset, WRITE_PIECE)
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
-        if _read_back_crc(fd, offset, len(chunk), scratch) != crc:
+        if READ_BACK and _read_back_crc(fd, offset, len(chunk), scratch) != crc:
             raise CorruptFileError(f"storage {entry.key}: the bytes read back at [{offset}, "
                                    f"{offset + len(chunk)}) are not the ones written", at=path)
         return crc
