@@ -135,6 +135,16 @@ def main() -> None:
             print(f"  {mode}, paired in each round (the save's block and the steps during its persist against the same "
                   f"number right after it): {statistics.median(ratios) * 100:.1f} % lost (rounds "
                   f"{', '.join(f'{x * 100:.1f}' for x in ratios)})")
+    if args.paired and "none" in modes:  # where the time goes: the first steps (the copies) or all of them (the persist)
+        typical = statistics.median(x for r in rows if r["mode"] == "none" for x in r["each_step_s"])
+        for mode in (m for m in modes if m.startswith("async")):
+            during = [r["each_step_s"] for r in rows if r["mode"] == mode]
+            first = statistics.median(sum(steps[:2]) for steps in during) - 2 * typical
+            rest = statistics.median(statistics.median(steps[2:]) for steps in during) / typical - 1
+            summary[f"{mode}_first_two_extra_s"], summary[f"{mode}_later_steps_slower"] = first, rest
+            print(f"  {mode}, step by step: the first two steps after the call {first * 1e3:.0f} ms over two steps "
+                  f"without a save ({typical * 1e3:.0f} ms each); each later step during the persist "
+                  f"{rest * 100:+.1f} %")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.out is None:
