@@ -348,6 +348,19 @@ def test_shell_completion_works():
     assert proc.returncode == 0 and "_dsckpt_completion" in proc.stdout
     assert "_DSCKPT_COMPLETE=bash_source dsckpt" in (ROOT / "README.md").read_text()
 
+    def completions(*words: str) -> list[str]:  # what bash gets for the last word (each command imported lazily)
+        proc = subprocess.run([sys.executable, "-m", "dsckpt"], capture_output=True, text=True, cwd=ROOT, env={
+            **os.environ, "_DSCKPT_COMPLETE": "bash_complete", "PYTHONPATH": PYTHONPATH,
+            "COMP_WORDS": " ".join(("dsckpt",) + words), "COMP_CWORD": str(len(words))})
+        assert proc.returncode == 0, proc.stderr
+        return [line.split(",", 1)[1] for line in proc.stdout.splitlines()]
+
+    assert completions("con") == ["consolidate", "convert"]
+    assert completions("consolidate", "--no") == ["--no-client-state", "--no-fsync"]
+    assert "safetensors" in completions("consolidate", "a", "b", "--format", "''")
+    assert completions("consolidate", "a", "b", "--dtype", "b") == ["bf16"]
+    assert completions("convert", "a", "b", "--to", "''") == ["universal", "dcp", "deepspeed"]
+
 
 # -- names and hints (#43) -------------------------------------------------------------------------
 @pytest.mark.parametrize("name, meant", [("model.safetensor", "model.safetensors"), ("model.savetensors", "model.safetensors"),

@@ -32,6 +32,11 @@ class Precision(click.ParamType):
     def get_metavar(self, param, ctx=None) -> str:
         return "[fp32|bf16|fp16]"
 
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(word) for word in ("fp32", "bf16", "fp16") if word.startswith(incomplete)]
+
     def convert(self, value, param, ctx):
         word = PRECISION_WORDS.get(str(value).lower())
         if word is None:
