@@ -353,13 +353,19 @@ def test_shell_completion_works():
             **os.environ, "_DSCKPT_COMPLETE": "bash_complete", "PYTHONPATH": PYTHONPATH,
             "COMP_WORDS": " ".join(("dsckpt",) + words), "COMP_CWORD": str(len(words))})
         assert proc.returncode == 0, proc.stderr
-        return [line.split(",", 1)[1] for line in proc.stdout.splitlines()]
+        return [line.split(",", 1)[1] for line in proc.stdout.splitlines() if line]
 
     assert completions("con") == ["consolidate", "convert"]
     assert completions("consolidate", "--no") == ["--no-client-state", "--no-fsync"]
     assert "safetensors" in completions("consolidate", "a", "b", "--format", "''")
     assert completions("consolidate", "a", "b", "--dtype", "b") == ["bf16"]
     assert completions("convert", "a", "b", "--to", "''") == ["universal", "dcp", "deepspeed"]
+    fixture = str(FIXTURES / "z3_ws2_fp32")
+    for command in ("consolidate", "reshard", "convert", "inspect", "verify", "check-finite", "resume"):
+        before = ("out",) if command in ("consolidate", "reshard", "convert") else ()
+        assert completions(command, fixture, *before, "--tag", "st") == ["step3"], command
+    assert completions("diff", fixture, fixture, "--tag-b", "''") == ["step3"]
+    assert completions("inspect", "s3://bucket/run", "--tag", "''") == []  # completion never reaches a store
 
 
 # -- names and hints (#43) -------------------------------------------------------------------------

@@ -7,14 +7,15 @@ import click
 
 from .app import cli, json_document
 from ..formats.storage import Alias
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, tags_of
 
 EXIT_NON_FINITE = 3
 
 
 @cli.command("check-finite")
 @click.argument("path", type=click.Path())
-@click.option("--tag", default=None, help="Tag of a checkpoint (default: what `latest` names).")
+@click.option("--tag", default=None, shell_complete=tags_of("path"),
+              help="Tag of a checkpoint (default: what `latest` names).")
 @click.option("--optimizer", is_flag=True, help="Check the optimizer's state too (Adam's exp_avg / exp_avg_sq, SGD's momentum; ZeRO 1-3).")
 @click.option("--skip-crc-check", is_flag=True, help=SKIP_CRC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document: {finite, tensors, offending}.")

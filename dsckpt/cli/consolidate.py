@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, result_document
-from .options import LazyHelp, Registered, Precision, ByteBar, parallel_group, write_options, writing_options
+from .options import LazyHelp, Registered, Precision, ByteBar, parallel_group, write_options, writing_options, tags_of
 
 
 def _formats():
@@ -19,7 +19,8 @@ def _formats():
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--tag", default=None, help="Tag to consolidate (default: what `latest` names).")
+@click.option("--tag", default=None, shell_complete=tags_of("checkpoint"),
+              help="Tag to consolidate (default: what `latest` names).")
 @click.option("--dtype", type=Precision(), default=None,
               help="Cast floating-point tensors (default: fp32 masters, buffers as stored; 32/bfloat16/16... work too).")
 @click.option("--exclude-frozen", is_flag=True, help="Leave frozen parameters out.")

@@ -8,7 +8,7 @@ import click
 
 from ..errors import ConfigError
 from .app import cli, report_result
-from .options import LazyHelp, Registered, ByteBar, parallel_group, write_options, writing_options
+from .options import LazyHelp, Registered, ByteBar, parallel_group, write_options, writing_options, tags_of
 
 
 INTO_DEEPSPEED = "deepspeed"  # the other direction: a DCP folder in, a ZeRO checkpoint out (api.ingest)
@@ -50,7 +50,8 @@ def _targets():
               help="deepspeed, torchtitan layout with several settings: one parameter of each param group, in the "
                    "order the DeepSpeed job's optimizer takes the groups.")
 @click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
-@click.option("--tag", default=None, help="Tag to convert (default: what `latest` names).")
+@click.option("--tag", default=None, shell_complete=tags_of("checkpoint"),
+              help="Tag to convert (default: what `latest` names).")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: what convert writes is replaced, "
               "everything else there stays.")
 @writing_options("OUT_DIR")

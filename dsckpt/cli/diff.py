@@ -7,14 +7,14 @@ import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
 from ..formats.storage import SAME_NAMES, Alias
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, tags_of
 
 
 @cli.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@click.option("--tag-a", default=None, help="Tag of A (default: what `latest` names).")
-@click.option("--tag-b", default=None, help="Tag of B (default: what `latest` names).")
+@click.option("--tag-a", default=None, shell_complete=tags_of("a"), help="Tag of A (default: what `latest` names).")
+@click.option("--tag-b", default=None, shell_complete=tags_of("b"), help="Tag of B (default: what `latest` names).")
 @click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (0 with --rtol 0: bitwise).")
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance, as torch.allclose.")
 @click.option("--optimizer", is_flag=True, help="Compare Adam's moments too (two ZeRO-1/2/3 checkpoints).")

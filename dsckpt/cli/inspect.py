@@ -7,12 +7,13 @@ import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
 from ..formats.storage import Alias
-from .options import SKIP_CRC_HELP, crc_skipped_note
+from .options import SKIP_CRC_HELP, crc_skipped_note, tags_of
 
 
 @cli.command()
 @click.argument("path", type=click.Path())
-@click.option("--tag", default=None, help="Tag to inspect (default: what `latest` names).")
+@click.option("--tag", default=None, shell_complete=tags_of("path"),
+              help="Tag to inspect (default: what `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema: docs/cli.md).")
 @click.option("--tensors", is_flag=True, help="List every tensor and the rank files that hold it.")
 @click.option("--stats", is_flag=True, help="Read the values: per tensor min, max, mean, std, L2 norm, NaN/Inf, zeros.")

@@ -74,6 +74,48 @@ class LazyHelp(click.Option):
         return super().get_help_record(ctx)
 
 
+def tags_of(argument: str) -> Callable[..., list[Any]]:
+    """Shell completion for a --tag option: the tag folders of the local checkpoint the command's ``argument`` names
+    (nothing for a URL or a folder that is not there: completion never reaches a store)."""
+
+    def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+        from pathlib import Path
+
+        from click.shell_completion import CompletionItem
+
+        from ..zero.layout import list_tags
+
+        folder = ctx.params.get(argument) or _typed_argument(ctx, argument)
+        try:
+            tags = list_tags(Path(folder)) if folder else []
+        except OSError:
+            return []
+        return [CompletionItem(tag) for tag in tags if tag.startswith(incomplete)]
+    return complete
+
+
+def _typed_argument(ctx: click.Context, name: str) -> str | None:
+    """Argument ``name`` of the command line being completed, read from the words every shell's completion script
+    passes in COMP_WORDS: click leaves ``ctx.params`` empty while the option being completed lacks its value."""
+    import os
+
+    from click.shell_completion import split_arg_string
+
+    words = split_arg_string(os.environ.get("COMP_WORDS", ""))
+    if ctx.info_name not in words:
+        return None
+    takes_value = {opt for p in ctx.command.params if isinstance(p, click.Option) and not p.is_flag and not p.count
+                   for opt in p.opts}
+    positional, skip = [], False
+    for word in words[words.index(ctx.info_name) + 1:]:
+        if not skip and not word.startswith("-"):
+            positional.append(word)
+        skip = not skip and word in takes_value
+    arguments = [p.name for p in ctx.command.params if isinstance(p, click.Argument)]
+    index = arguments.index(name) if name in arguments else len(positional)
+    return positional[index] if index < len(positional) else None
+
+
 def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):
     if fn is None:
         return lambda f: training_options(f, steps_help=steps_help)

@@ -6,7 +6,7 @@ import sys
 import click
 
 from .app import cli, report_result
-from .options import ByteBar, parallel_group, write_options, writing_options
+from .options import ByteBar, parallel_group, write_options, writing_options, tags_of
 
 
 @cli.command()
@@ -19,7 +19,8 @@ from .options import ByteBar, parallel_group, write_options, writing_options
               help="ZeRO stage of OUT_DIR (default: the checkpoint's); any of 1, 2, 3 from any of them.")
 @click.option("--ep-size", type=click.IntRange(min=1), default=None,
               help="A mixture-of-experts run's expert-parallel size in OUT_DIR (default: its own); experts move ranks.")
-@click.option("--tag", default=None, help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
+@click.option("--tag", default=None, shell_complete=tags_of("checkpoint"),
+              help="Tag to reshard (default: what `latest` names); OUT_DIR keeps its name.")
 @click.option("--force", is_flag=True, help="Write into an existing OUT_DIR: its `latest` and this tag's folder are "
               "replaced, everything else there stays.")
 @click.option("--gather", is_flag=True, help="Under torchrun on several hosts: write every target rank's files on rank "

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import SKIP_CRC_HELP, training_options
+from .options import SKIP_CRC_HELP, training_options, tags_of
 from .app import in_launched_rank, require_runtime, world_size_for, cli
 
 
@@ -16,7 +16,7 @@ from .app import in_launched_rank, require_runtime, world_size_for, cli
 @click.option("--client-state", type=click.Path(dir_okay=False), default=None,
               help="Client-state sidecar JSON, or 'none' to restore nothing (default: FILE.client_state.json, "
                    "else what a .pt holds beside its state_dict; for CKPT_DIR: the checkpoint's own).")
-@click.option("--tag", default=None, help="Tag of CHECKPOINT to resume.")
+@click.option("--tag", default=None, shell_complete=tags_of("checkpoint"), help="Tag of CHECKPOINT to resume.")
 @click.option("--strict/--no-strict", default=True, show_default=True, help="Refuse missing/unexpected keys.")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove a name prefix of the file (repeatable).")
 @click.option("--check", is_flag=True, help="Load, compare with the file on every rank, report; no training.")

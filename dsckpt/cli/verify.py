@@ -6,12 +6,13 @@ import sys
 import click
 
 from .app import EXIT_PROBLEMS, cli, json_document
-from .options import ByteBar
+from .options import ByteBar, tags_of
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--tag", default=None, help="Tag to verify (default: what `latest` names).")
+@click.option("--tag", default=None, shell_complete=tags_of("checkpoint"),
+              help="Tag to verify (default: what `latest` names).")
 @click.option("--all-tags", is_flag=True, help="Verify every tag in CHECKPOINT.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document: {ok, tags: [{tag, problems, ...}]}.")
 def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> None:
