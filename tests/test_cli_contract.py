@@ -231,6 +231,8 @@ def test_every_json_document_has_a_schema_and_true_paths(tmp_path):
     (("consolidate", FIXTURES / "z2_ws2_fp32", "m.safetensors", "--dtype", "int8"), "'int8' is not a precision"),
     (("reshard", FIXTURES / "z2_ws2_fp32", "out", "-w", "0"), "--world-size"),
     (("check-finite", FIXTURES / "z0_ws1_fp32", "--optimizer"), "ZeRO-0 checkpoint"),
+    (("consolidat", FIXTURES / "z2_ws2_fp32", "m.pt"), "No such command 'consolidat'. Did you mean 'consolidate'?"),
+    (("xyzzy",), "No such command 'xyzzy'."),
 ])
 def test_options_are_validated(args, fragment):
     clean_error(run_cli(*args), fragment)

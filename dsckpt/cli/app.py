@@ -44,6 +44,19 @@ class _Group(click.Group):
             import_module(f"{__package__}.{COMMANDS[name]}")
         return self.commands.get(name)
 
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        """A mistyped command gets the nearest name, as a mistyped option does."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            import difflib
+
+            close = difflib.get_close_matches(args[0], self.list_commands(ctx), n=1) if args else []
+            if close:
+                exc.message += f" Did you mean {close[0]!r}?"
+            raise
+
     def all_commands(self) -> dict[str, click.Command]:
         """Every command, its module imported (``--help``, the documented examples)."""
         found = {name: self.get_command(None, name) for name in self.list_commands(None)}
