@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own layer and those below, never one above - whether the
 import is at the top of the module or inside a function (a lazy import is still a dependency):
 
-    base      errors, limits, dtypes, _version
+    base      errors, limits, dtypes, _version, saves_in_flight
     formats   bytes on disk: torch zip, pickle policy and writer, safetensors, positional reads, casts
     zero      DeepSpeed's rules: layout, grid, reader, partitioning, optimizer state, companion files
     plan      pure plans: segments, consolidate, reshard, restage
@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
 LAYERS = ("base", "formats", "zero", "plan", "io", "parallel", "export", "api", "analysis", "runtime", "cli")
-BASE = {"errors", "limits", "dtypes", "_version", "jsondoc", "progress"}
+BASE = {"errors", "limits", "dtypes", "_version", "jsondoc", "progress", "saves_in_flight"}
 ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
 MAX_LINES = 400
 

@@ -198,6 +198,16 @@ def test_copies_left_past_the_call_finish_before_the_next_step(saved):
 
 
 @pytest.mark.runtime
+def test_a_read_right_after_a_save_waits_for_it(saved):
+    """dsckpt's readers in the process that saves (``open_checkpoint``, ``load_state_dict``) wait for its saves in
+    flight: they see the tag just saved, never `latest`'s previous one or a tag folder half written."""
+    _, report = saved
+    read = report["read_during_save"]
+    assert read["pending_after_call"] and read["seen"] == "t7", read
+    assert read["loaded"] > 0 and read["latest"] == "t8", read
+
+
+@pytest.mark.runtime
 def test_back_to_back_and_failed_saves(saved):
     """A second save waits for the first and both load; a write that fails on one rank is raised on every rank at
     the next step, leaves no file of its tag and `latest` where it was; the next save works."""
@@ -210,7 +220,7 @@ def test_back_to_back_and_failed_saves(saved):
     assert damaged and "/t3c: the background save failed" in damaged and "fails its CRC-32 check" in damaged
     assert latest_after_damage == report["latest_after_failure"] and t3c_files == []
     assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t3c", False],
-                                                  ["t4", True], ["t6", True]]
+                                                  ["t4", True], ["t6", True], ["t7", True], ["t8", True]]
     for tag in ("t", "t2", "t4"):
         assert not open_checkpoint(root / "async", tag).problems
     proc = run_cli("verify", root / "async", "--tag", "t2")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple
 from ..formats.backends import storage_for
 from ..formats.storage import SAME_NAMES, Alias, LocalStorage
 from ..plan.segments import Segment
+from ..saves_in_flight import settle
 
 if TYPE_CHECKING:
     from ..progress import Progress
@@ -42,6 +43,7 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
     through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
     (``verify`` makes its own).  ``progress``: the fetch, a ``FETCH``."""
+    settle()  # a save of this process still in flight (a bucket's objects too): read once it is durable
     if isinstance(storage_for(path), LocalStorage):
         yield Readable(str(path), tag, lambda pieces: None, lambda: None)
         return

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import saves_in_flight
 from ..errors import BackgroundSaveError, ConfigError, DsckptError
 from ..formats.storage import local_only
 from .kept_parameters import persistent_parameters_kept
@@ -385,6 +386,9 @@ def wait_all() -> None:
     for saver in list(_OPEN):
         if not saver.closed:
             saver.wait()
+
+
+saves_in_flight.register(wait_all)
 
 
 def close_all() -> None:

@@ -277,11 +277,11 @@ class Runtime:
         No pickle code runs unless ``trust``: the files are checked for foreign classes with dsckpt's
         reader, and DeepSpeed's loader is replaced by a ``weights_only`` one (``safe_load``).
         """
+        from ..saves_in_flight import settle
         from ..zero.reader import open_checkpoint
         from . import safe_load
 
-        if "dsckpt.runtime.async_save" in sys.modules:  # a tag this process is still writing is not loadable yet
-            sys.modules["dsckpt.runtime.async_save"].wait_all()
+        settle()  # a tag this process is still writing is not loadable yet (``ckpt`` may be opened already)
         ckpt = ckpt or open_checkpoint(load_dir, tag=tag)  # ``ckpt``: already opened by the caller
         if not trust:
             safe_load.check_checkpoint_classes(ckpt)

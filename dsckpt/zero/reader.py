@@ -19,6 +19,7 @@ from . import layout as L
 from .grid import GridShape
 from .problems import Problem, check_ranks, check_same_run, short
 from ..dtypes import label
+from ..saves_in_flight import settle
 from ..limits import check
 from ..errors import (DsckptError, InconsistentCheckpointError, MissingRankError, UnsupportedCheckpointError)
 from ..formats.pickle_policy import TensorRef
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from .experts import Experts
     from .tensor_parallel import Split
     from .optim_state import RankState
-
 
 
 @dataclass
@@ -162,6 +162,7 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Che
         CheckpointNotFoundError, TagError, CorruptFileError, UnsafeCheckpointError: the path is not a readable
         checkpoint (each names the file).  No pickle code of the checkpoint ever runs.
     """
+    settle()  # a save of this process still in flight: its tag and `latest` once durable
     lay = L.discover(path, tag)
     if lay.pipeline_files:
         return _pipeline(lay)

@@ -107,6 +107,23 @@ def copies_after_the_call(trainer, runtime, saver, root):
             "restored": same(capture(trainer.engine), as_of_call)}
 
 
+def read_while_persisting(trainer, runtime, saver, root):
+    """dsckpt's readers, called right after a save returns while its files are still being written (slowed): they
+    wait for it, and see its tag - not the previous one `latest` still names, nor a tag folder half written."""
+    import dsckpt
+
+    saver.write = slow_save
+    trainer.step()
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t7")
+    pending = not saver.idle.is_set()
+    seen = dsckpt.open_checkpoint(root / "async").layout.tag
+    saver.write = write_snapshot
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t8")  # at full speed, read at once
+    loaded = len(dsckpt.load_state_dict(root / "async"))
+    return {"pending_after_call": pending, "seen": seen, "loaded": loaded,
+            "latest": (root / "async" / "latest").read_text()}
+
+
 def fail_on_rank_1(trainer, runtime, saver, root):
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
@@ -164,6 +181,7 @@ def main(stage: str, out: str, report: str) -> None:
     latest_after_t4 = (root / "async" / "latest").read_text()
 
     deferred = copies_after_the_call(trainer, runtime, saver, root)
+    read_during_save = read_while_persisting(trainer, runtime, saver, root)
     runtime.load_checkpoint(root / "async", tag="t")  # DeepSpeed's own load (weights-only unpickler)
     restored = same(capture(trainer.engine), before)
     saver.close()
@@ -174,7 +192,7 @@ def main(stage: str, out: str, report: str) -> None:
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
             "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
-            "deferred": deferred, "stage": int(stage), "persistent_kept": kept,
+            "deferred": deferred, "read_during_save": read_during_save, "stage": int(stage), "persistent_kept": kept,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
 
 
