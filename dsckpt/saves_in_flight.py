@@ -3,8 +3,9 @@ of a checkpoint settles them first, so it never opens a tag half written, nor a 
 caller saw return.
 
 Order: the engine registers its wait once, when it is imported; every reading entry point (``open_checkpoint``,
-``readable``, a run's view) calls ``settle()`` before it looks at the folder.  A save's background failure is
-raised there, as at the engine's next step.  Never called from a save's own threads.
+``readable``, a run's view) calls ``settle()`` before it looks at the folder.  A save that failed is not raised
+there (the read sees the tag before it): the failure stays for the engine's next save, step or ``wait()``, so a
+reader that swallows errors cannot lose it.  Never called from a save's own threads.
 """
 from __future__ import annotations
 
@@ -19,6 +20,6 @@ def register(wait: Callable[[], None]) -> None:
 
 
 def settle() -> None:
-    """Return once every save this process has in flight is durable (at once where none is)."""
+    """Return once every save this process has in flight has finished (at once where none is)."""
     for wait in list(_WAITS):
         wait()

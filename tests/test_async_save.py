@@ -215,6 +215,7 @@ def test_back_to_back_and_failed_saves(saved):
     assert report["waited_s"] > 0.1 and report["latest_after_t2"] == "t2"
     assert report["failure"] and "failed on rank(s) 1" in report["failure"] and "'t2'" in report["failure"]
     assert report["latest_after_failure"] == "t2" and report["t3_files"] == []
+    assert report["read_after_failure"] == "t2"  # a read waited for t3, and left its failure to the next step
     assert report["latest_after_t4"] == "t4" and report["latest_after_close"] == "t5"
     damaged, latest_after_damage, t3c_files = report["damaged"]  # a flipped byte after the write: the CRC check
     assert damaged and "/t3c: the background save failed" in damaged and "fails its CRC-32 check" in damaged

@@ -381,14 +381,15 @@ def enable_async_save(engine: Any, report: Callable[[str], None] | None = None) 
     return saver
 
 
-def wait_all() -> None:
-    """Every background save of this process durable (a load of a folder this process saves into waits for it)."""
+def settle_all() -> None:
+    """Every background save of this process finished, durable or failed: a read of a checkpoint waits for it
+    (``saves_in_flight``). A failure is not raised here: it stays for the next save, step or ``wait()``."""
     for saver in list(_OPEN):
         if not saver.closed:
-            saver.wait()
+            saver.idle.wait()
 
 
-saves_in_flight.register(wait_all)
+saves_in_flight.register(settle_all)
 
 
 def close_all() -> None:

@@ -131,7 +131,9 @@ def fail_on_rank_1(trainer, runtime, saver, root):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
-    saver.idle.wait()
+    import dsckpt
+
+    read_after = dsckpt.open_checkpoint(root / "async").layout.tag  # waits for t3; its failure stays for the step
     resource.setrlimit(resource.RLIMIT_FSIZE, old)
     try:
         trainer.step()
@@ -140,7 +142,7 @@ def fail_on_rank_1(trainer, runtime, saver, root):
         failure = str(exc)
     latest_after_failure = (root / "async" / "latest").read_text()
     t3_files = sorted(p.name for p in (root / "async" / "t3").rglob("*"))
-    return failure, latest_after_failure, t3_files
+    return failure, latest_after_failure, t3_files, read_after
 
 
 def main(stage: str, out: str, report: str) -> None:
@@ -172,9 +174,9 @@ def main(stage: str, out: str, report: str) -> None:
     latest_after_t2 = (root / "async" / "latest").read_text()
 
     saver.write = write_snapshot
-    failure, latest_after_failure, t3_files = None, None, None
+    failure, latest_after_failure, t3_files, read_after_failure = None, None, None, None
     if torch.distributed.get_world_size() > 1:  # (rank 0 copies DeepSpeed's scripts: a failing rank must be another)
-        failure, latest_after_failure, t3_files = fail_on_rank_1(trainer, runtime, saver, root)
+        failure, latest_after_failure, t3_files, read_after_failure = fail_on_rank_1(trainer, runtime, saver, root)
     damaged = damaged_on_disk(trainer, runtime, saver, root)
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t4")
     saver.wait()
@@ -191,6 +193,7 @@ def main(stage: str, out: str, report: str) -> None:
         Path(report).write_text(json.dumps({
             "blocked_s": blocked, "moved": moved, "waited_s": waited, "latest_after_t2": latest_after_t2,
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
+            "read_after_failure": read_after_failure,
             "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
             "deferred": deferred, "read_during_save": read_during_save, "stage": int(stage), "persistent_kept": kept,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
