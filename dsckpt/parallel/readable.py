@@ -43,7 +43,7 @@ def readable(path: str | os.PathLike[str], tag: str | None, whole: bool = False,
     or one file - holding what readers parse (every byte, fetched and CRC-checked, when ``whole``; a plan's pieces
     through ``fetch``); removed afterwards; errors name the URL.  ``check=False``: fetched without the CRC checks
     (``verify`` makes its own).  ``progress``: the fetch, a ``FETCH``."""
-    settle()  # a save of this process still in flight (a bucket's objects too): read once it is durable
+    settle()  # a save of this process still in flight (a bucket's objects too): read once it has finished
     if isinstance(storage_for(path), LocalStorage):
         yield Readable(str(path), tag, lambda pieces: None, lambda: None)
         return

@@ -162,7 +162,7 @@ def _owned_skeleton(path: Path, size: int) -> list[tuple[int, bytes]] | str:
 def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scratch_parent: Path,
                trust: bool) -> View:
     """The view of CKPT (see the module docstring); a URL's: ``remote_view``."""
-    settle()  # a save of this process still in flight: its files once durable (a survey would see its temps)
+    settle()  # a save of this process still in flight: read once it has finished (a survey would see its temps)
     if not isinstance(storage_for(ckpt), LocalStorage):
         return group.step(lambda: remote_view(group, str(ckpt), tag, Path(scratch_parent)))
     if group.size == 1:

@@ -162,7 +162,7 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Che
         CheckpointNotFoundError, TagError, CorruptFileError, UnsafeCheckpointError: the path is not a readable
         checkpoint (each names the file).  No pickle code of the checkpoint ever runs.
     """
-    settle()  # a save of this process still in flight: its tag and `latest` once durable
+    settle()  # a save of this process still in flight: its tag and `latest` once it has finished
     lay = L.discover(path, tag)
     if lay.pipeline_files:
         return _pipeline(lay)
