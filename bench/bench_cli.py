@@ -101,9 +101,8 @@ def main() -> None:
     scratch = HERE / "out" / "cli"
     scratch.mkdir(parents=True, exist_ok=True)
     timed([DSCKPT, "inspect", str(FIXTURE)])  # (compiled, cached)
-    result: dict[str, object] = {"start_up_s": start_up(scratch, args.runs)}
-    s = result["start_up_s"]
-    assert isinstance(s, dict)
+    s = start_up(scratch, args.runs)
+    result: dict[str, object] = {"start_up_s": s}
     bare = s["python -c pass"]
     print(f"start-up, median of {args.runs} (ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s.items()))
     print(f"  consolidate of a fixture {s['consolidate (fixture)'] * 1e3:.0f} ms (target < 80), "

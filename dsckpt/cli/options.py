@@ -112,8 +112,9 @@ def _typed_argument(ctx: click.Context, name: str) -> str | None:
             positional.append(word)
         skip = not skip and word in takes_value
     arguments = [p.name for p in ctx.command.params if isinstance(p, click.Argument)]
-    index = arguments.index(name) if name in arguments else len(positional)
-    return positional[index] if index < len(positional) else None
+    if name not in arguments or arguments.index(name) >= len(positional):
+        return None
+    return positional[arguments.index(name)]
 
 
 def training_options(fn=None, *, steps_help: str = "Optimizer steps to run."):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+import dsckpt
 from dsckpt.errors import BackgroundSaveError
 from dsckpt.runtime.async_save import AsyncSave
 from dsckpt.runtime.persist import write_snapshot
@@ -110,8 +111,6 @@ def copies_after_the_call(trainer, runtime, saver, root):
 def read_while_persisting(trainer, runtime, saver, root):
     """dsckpt's readers, called right after a save returns while its files are still being written (slowed): they
     wait for it, and see its tag - not the previous one `latest` still names, nor a tag folder half written."""
-    import dsckpt
-
     saver.write = slow_save
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t7")
@@ -131,8 +130,6 @@ def fail_on_rank_1(trainer, runtime, saver, root):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
-    import dsckpt
-
     read_after = dsckpt.open_checkpoint(root / "async").layout.tag  # waits for t3; its failure stays for the step
     resource.setrlimit(resource.RLIMIT_FSIZE, old)
     try:
