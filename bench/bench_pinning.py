@@ -2,7 +2,7 @@
 
 The background engine copies a rank's GPU state into pinned host buffers it keeps from save to save, so their size
 is the host memory a save costs.  torch's pinned allocator (``torch.empty(..., pin_memory=True)``,
-``CachingHostAllocator``) rounds every allocation up to a power of two; ``runtime.snapshot.HostPool`` maps each
+``CachingHostAllocator``) rounds every allocation up to a power of two; ``checkpoint_engine.snapshot.HostPool`` maps each
 buffer on pages of its own and pins it in place (``pin_in_place``: ``cudaHostRegister``).  Each method runs in a
 fresh process, alternating: the time to allocate and pin buffers of the given sizes, the host memory the system lost
 (``MemAvailable`` before and after), and a device-to-host copy into one buffer (pinned memory takes it at the link's
@@ -34,7 +34,7 @@ def one(method: str, sizes: list[int]) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from dsckpt.runtime.snapshot import HostPool
+    from dsckpt.checkpoint_engine.snapshot import HostPool
 
     torch.cuda.init()
     source = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")

@@ -1,5 +1,5 @@
 """Loading at another world size without a copy (issue 54): DeepSpeed's load of a checkpoint written at M ranks,
-against the load of one written at N ranks answered from the reshard plan (runtime.planned_load), alternating.
+against the load of one written at N ranks answered from the reshard plan (checkpoint_engine.planned_load), alternating.
 
 The N-rank checkpoint is trained here (dsckpt train, the benchmark transformer); the M-rank one is `dsckpt reshard`
 of it, so both hold the same state.  Reported: median seconds of the slowest rank, and per rank the bytes read

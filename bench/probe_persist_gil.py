@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from dsckpt.runtime import persist
+from dsckpt.checkpoint_engine import persist
 
 GB = float(os.environ.get("PROBE_GB", "4"))
 CHILD_OUT, OUT = "/tmp/probe_persist_gil_child.pt", "/tmp/probe_persist_gil.pt"

@@ -15,7 +15,7 @@ def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
         from .api.paths import open_local_checkpoint
         return open_local_checkpoint
     if name == "enable_async_save":  # torch + DeepSpeed: the runtime extra
-        from .runtime.async_save import enable_async_save
+        from .checkpoint_engine.background import enable_async_save
         return enable_async_save
     if name == "verify":
         from .analysis.verify import verify

@@ -1,4 +1,4 @@
-"""The checkpoint saves this process still has in flight (the background engine's, ``runtime.async_save``): a read
+"""The checkpoint saves this process still has in flight (the background engine's, ``checkpoint_engine.background``): a read
 of a checkpoint settles them first, so it never opens a tag half written, nor a ``latest`` from before a save the
 caller saw return.
 

@@ -12,6 +12,7 @@ import is at the top of the module or inside a function (a lazy import is still 
     export    output formats and convert targets (registries + one module each), the client-state sidecar
     api       the public operations, one code path for one process or many: consolidate, reshard, convert, ...
     analysis  inspect, stats, diff, plot
+    checkpoint_engine  torch + DeepSpeed: the background save, its commit protocol, weights-only and planned loads
     runtime   torch + DeepSpeed: training, resume
     cli       the commands
 """
@@ -21,7 +22,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsckpt"
-LAYERS = ("base", "formats", "zero", "plan", "io", "parallel", "export", "api", "analysis", "runtime", "cli")
+LAYERS = ("base", "formats", "zero", "plan", "io", "parallel", "export", "api", "analysis", "checkpoint_engine", "runtime",
+          "cli")
 BASE = {"errors", "limits", "dtypes", "_version", "jsondoc", "progress", "saves_in_flight"}
 ENTRY_POINTS = {"dsckpt", "dsckpt.__main__"}  # the package root re-exports the API; it is above everything
 MAX_LINES = 400
@@ -182,7 +184,7 @@ STORAGE_MODULES = {"dsckpt.formats.storage", "dsckpt.formats.backends"}
 STORAGE_CHOSEN = {"dsckpt.parallel.readable": "what a reading command or a converter's source opens",
                   "dsckpt.parallel.view": "a writing verb's checkpoint (build_view)",
                   "dsckpt.api.frame": "a writing verb's OUT (destination)",
-                  "dsckpt.runtime.staged_files": "the engine's save target (Targets.for_path)",
+                  "dsckpt.checkpoint_engine.commit": "the engine's save target (Targets.for_path)",
                   "dsckpt.formats.torchzip": "a zip's index of a bare path",
                   "dsckpt.io.integrity": "a CRC check of a bare path"}
 
@@ -197,7 +199,7 @@ def test_storage_is_chosen_once_where_a_path_enters():
     """#53 point 1: no URL test outside the storage modules (``is_url``, ``URL_RE``); a path's backend is what
     ``formats.backends.storage_for`` returns, asked where a path enters (``STORAGE_CHOSEN``) and nowhere below it:
     the layers under an entry point get what it chose (a view with its store, a staging destination, a local copy).
-    Fails on the previous commit: parallel.readable, parallel.view, api.frame and runtime.staged_files asked
+    Fails on the previous commit: parallel.readable, parallel.view, api.frame and checkpoint_engine.commit asked
     ``is_url`` themselves."""
     testing, choosing = [], []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -53,6 +53,46 @@ def test_prune_an_hf_output_dir_removes_whole_checkpoint_folders(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-200", "checkpoint-300"]
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_list_and_prune_show_and_remove_what_interrupted_saves_left(tmp_path):
+    """#68: a killed job's hidden staging folders (a tag of dsckpt's commit, an HF pending checkpoint, an older
+    dsckpt's per-rank staging) are rows of `list` with their size, removed by `prune`; a live process's are kept."""
+    import os
+
+    root = _run_folder(tmp_path)
+    dead, alive = _dead_pid(), os.getpid()
+    killed = root / f".step5.dsckpt-tmp-{dead}-0a1b2c3d"
+    shutil.copytree(root / "step3", killed)
+    running = root / f".step6.dsckpt-tmp-{alive}-0a1b2c3d"
+    running.mkdir()
+    (running / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 100)
+    legacy = root / "step1" / ".dsckpt-saving"
+    legacy.mkdir()
+    (legacy / "mp_rank_00_model_states.pt").write_bytes(b"y" * 10)
+    doc = json.loads(run_cli("list", root, "--json").stdout)
+    rows = {e["name"]: e for e in doc["checkpoints"]}
+    assert rows[killed.name]["leftover"] == "interrupted save" and not rows[killed.name]["complete"]
+    assert rows[killed.name]["bytes"] == sum(f.stat().st_size for f in killed.iterdir())
+    assert rows[running.name]["leftover"] == "save in progress"
+    assert rows["step1/.dsckpt-saving"]["leftover"] == "interrupted save"
+    assert rows["step3"]["leftover"] is None and rows["step3"]["resumes_from"]
+    human = run_cli("list", root).stdout
+    assert f"{killed.name}" in human and "interrupted save" in human and "save in progress" in human
+    proc = run_cli("prune", root, "--keep", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {killed} (interrupted save" in proc.stdout
+    assert not killed.exists() and not legacy.exists() and running.is_dir()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [running.name, "step1", "step2", "step3", "step4"]
+
+
 def test_not_a_run_folder(tmp_path):
     proc = run_cli("list", tmp_path)
     assert proc.returncode == 2 and "no DeepSpeed tag folders" in proc.stderr and "Traceback" not in proc.stderr

@@ -159,7 +159,7 @@ def test_numpy_client_state_is_data_carried_loaded_and_exported(tmp_path, fixtur
 
     from dsckpt import reshard
     from dsckpt.export.sidecar import read_sidecar
-    from dsckpt.runtime.safe_load import check_checkpoint_classes, safe_torch_load
+    from dsckpt.checkpoint_engine.safe_load import check_checkpoint_classes, safe_torch_load
     from dsckpt.zero.reader import open_checkpoint
 
     root = fixture_copy("z2_ws2_fp32")

@@ -69,7 +69,7 @@ def test_sharded_resume_never_runs_checkpoint_code(tmp_path):
 def test_deepspeed_loader_is_weights_only_in_ranks(tmp_path):
     """Defence in depth: the engine's own loader, as installed in every rank, refuses the payload."""
     from dsckpt.errors import UnsafeCheckpointError
-    from dsckpt.runtime.safe_load import safe_torch_load
+    from dsckpt.checkpoint_engine.safe_load import safe_torch_load
 
     marker = tmp_path / "pwned"
     root = _plant_payload(tmp_path, marker)

@@ -2,7 +2,7 @@
 
 ARGS: OUT STAGE PRECISION ROUNDS STEPS_BETWEEN REPORT.  Each round runs every mode of BENCH_MODES (default
 "stock,async"), the order rotating from round to round: "stock" saves with DeepSpeed's own engine (then flushes its
-files, for the durable figure), "async" with runtime.async_save, "async-torch" with it writing through torch.save (the
+files, for the durable figure), "async" with checkpoint_engine.background, "async-torch" with it writing through torch.save (the
 persist before persist.write_snapshot), "async-tN" with N persist threads, "async-rbM" with a read-back buffer of M MiB,
 "async-tp" with the snapshot's buffers from torch's pinned allocator (before they were pinned in place),
 "async-small-calls" with the persist's calls before round 23 (1 MiB pwrites, 8 MiB read-backs), "async-niceN" with
@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import transformer  # noqa: E402
 
-from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
+from dsckpt.checkpoint_engine.background import AsyncSave  # noqa: E402
 from dsckpt.runtime.engine import Runtime, rank, shutdown  # noqa: E402
-from dsckpt.runtime import persist as persist_module, snapshot as snapshot_module  # noqa: E402
-from dsckpt.runtime.persist import write_snapshot  # noqa: E402
+from dsckpt.checkpoint_engine import persist as persist_module, snapshot as snapshot_module  # noqa: E402
+from dsckpt.checkpoint_engine.persist import write_snapshot  # noqa: E402
 from dsckpt.runtime.config import resolve_config  # noqa: E402
 from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
 
@@ -121,7 +121,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 during = each_step[:]
             else:
                 engine.checkpoint_engine = async_engine
-                saver.write = torch.save if mode == "async-torch" else write_snapshot
+                saver.writer.write = torch.save if mode == "async-torch" else write_snapshot
                 use_pool(mode)
                 persist_module.THREADS = int(mode[7:]) if mode.startswith("async-t") and mode[7:].isdigit() else threads
                 persist_module.READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back

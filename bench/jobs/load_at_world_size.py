@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsckpt.runtime import safe_load
+from dsckpt.checkpoint_engine import safe_load
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import Runtime, rank, shutdown, world_size
 from dsckpt.runtime.train import TrainOptions

@@ -1,5 +1,5 @@
 """One rank of bench_planned_load.py: DeepSpeed's load of a checkpoint written at this world size, against the load
-of one written at another world size answered from the reshard plan (runtime.planned_load), alternating.
+of one written at another world size answered from the reshard plan (checkpoint_engine.planned_load), alternating.
 
 ARGS: NATIVE OTHER STAGE ROUNDS REPORT.  Rank 0 writes per round and mode the slowest rank's seconds and every
 rank's bytes read (``/proc/self/io`` rchar: what the process read, page cache or disk).
@@ -15,9 +15,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import transformer  # noqa: E402
 
-from dsckpt.runtime import safe_load  # noqa: E402
+from dsckpt.checkpoint_engine import safe_load  # noqa: E402
 from dsckpt.runtime.engine import Runtime, rank, shutdown, world_size  # noqa: E402
-from dsckpt.runtime.planned_load import load_resharded  # noqa: E402
+from dsckpt.checkpoint_engine.planned_load import load_resharded  # noqa: E402
 from dsckpt.runtime.train import TrainOptions  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import transformer  # noqa: E402
 
-from dsckpt.runtime.async_save import AsyncSave  # noqa: E402
+from dsckpt.checkpoint_engine.background import AsyncSave  # noqa: E402
 from dsckpt.runtime.config import resolve_config  # noqa: E402
 from dsckpt.runtime.demo_model import synthetic_batch  # noqa: E402
 from dsckpt.runtime.engine import Runtime, shutdown  # noqa: E402

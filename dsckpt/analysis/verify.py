@@ -4,6 +4,8 @@ resumable?
 Steps, per tag (``--tag T``, ``latest``'s by default, every tag with ``all_tags``):
 1. the layout and the typed model (``zero.reader``): every problem it records - missing or extra rank files, files
    of two runs mixed, partition counts that disagree with the world size - and the files that world size needs;
+   then the rank files' steps (``cross-rank``): every model-states file's ``global_steps`` and ``skipped_steps``, and
+   each group's optimizer step in every optimizer-states file, the same (files of two saves mixed in one tag);
 2. the plans a consolidation builds for the weights and for each optimizer moment (``plan.consolidate``): shapes
    and partition sizes consistent across the ranks;
 3. every storage of every rank file against its zip CRC-32, each failure listed (``io.integrity``);
@@ -87,6 +89,9 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callabl
     report.files = [_relative(p, ckpt.layout.root) for p in files]
     for problem in ckpt.problems:  # step 1
         report.add("structure", str(problem))
+    if not ckpt.problems:
+        for message in _step_disagreements(ckpt):
+            report.add("cross-rank", message)
     sources = _planned_sources(ckpt, report) if not ckpt.problems else []  # step 2
     try:
         failures = crc_failures(files, progress)  # step 3
@@ -107,6 +112,45 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callabl
     for message in _companion_problems(ckpt):  # step 5
         report.add("companions", message)
     return report
+
+
+def _step_disagreements(ckpt: Checkpoint) -> list[str]:
+    """Rank files whose recorded steps differ from the first file's (each leaf: a TP or pipeline slice on its own)."""
+    from ..formats.pickle_policy import TensorRef
+    from ..formats.torchzip import read_tensor_bytes
+    from ..zero.optim_state import rank_states
+
+    found: list[str] = []
+
+    def differs(what: str, values: list[tuple[Path, object]]) -> None:
+        first_path, first = values[0] if values else (None, None)
+        for path, value in values[1:]:
+            if value != first:
+                found.append(f"{_relative(path, ckpt.layout.root)} records {what} {value}, "
+                             f"{_relative(first_path, ckpt.layout.root)} {first}")  # type: ignore[arg-type]
+                return
+
+    def number(value: object) -> object:
+        if isinstance(value, TensorRef):
+            import numpy as np
+
+            from ..dtypes import numpy_dtype
+            raw = np.frombuffer(bytes(read_tensor_bytes(value)), dtype=numpy_dtype(value.storage.dtype))
+            return raw.item() if raw.size == 1 else tuple(raw.tolist())
+        return value
+
+    for leaf in ckpt.leaves:
+        models = [f for f in leaf.model_files if isinstance(f.obj, dict)]
+        for key in ("global_steps", "skipped_steps"):
+            differs(key, [(f.path, f.obj.get(key)) for f in models])
+        try:
+            states = rank_states(leaf)
+        except DsckptError:
+            continue  # (the plans of step 2 report a structure they cannot read)
+        for g in range(min((len(s.groups) for s in states), default=0)):
+            differs(f"group {g}'s optimizer step",
+                    [(s.path, number(s.groups[g].step)) for s in states])
+    return found
 
 
 def _layer_storages(ckpt: Checkpoint) -> int:

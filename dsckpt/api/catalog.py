@@ -8,7 +8,11 @@ A run's ROOT is either a DeepSpeed save folder (``latest`` + one folder per tag)
    bytes on disk, complete (every rank file the world size needs present and parseable) or not, and whether it is
    the one a resume would pick - the tag ``latest`` names, or the newest ``checkpoint-N``;
 3. ``prune``: the complete entries older than the newest ``keep`` go, oldest first; the one a resume picks, an
-   incomplete entry, and anything newer than it (a save still being written) never do.
+   incomplete entry, and anything newer than it never do;
+4. leftovers of saves that never completed are entries too (``leftover``): a background or blocking save's hidden
+   staging folder (``.<tag>.dsckpt-tmp-<pid>-<id>``), an HF Trainer's pending checkpoint, an older dsckpt's
+   ``<tag>/.dsckpt-saving``.  One whose process is gone is an "interrupted save" that ``prune`` removes; one whose
+   process still runs on this host is a "save in progress", never touched.
 """
 from __future__ import annotations
 
@@ -37,6 +41,11 @@ class Entry:
     resumes_from: bool  # the one `latest` names (the newest checkpoint-N for an HF output_dir)
     problems: list[str] = field(default_factory=list)
     name: str = ""  # what the other commands take: the tag, or an HF output_dir's checkpoint-N
+    leftover: str | None = None  # INTERRUPTED or IN_PROGRESS: a save that is not (yet) a checkpoint
+
+
+INTERRUPTED, IN_PROGRESS = "interrupted save", "save in progress"
+LEGACY_STAGING = ".dsckpt-saving"  # an older dsckpt's per-rank staging folder, inside the tag folder
 
 
 def _local(root: str | os.PathLike[str], verb: str) -> Path:
@@ -62,6 +71,8 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
         entries[-1].resumes_from = True  # transformers' get_last_checkpoint: the highest N
     else:
         tags = L.list_tags(root)
+        if not tags and _leftovers(root, []):
+            return _leftovers(root, [])
         if not tags:
             runs = L.checkpoints_below(root)
             raise CheckpointNotFoundError(
@@ -72,7 +83,34 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Entry]:
         entries = [_entry(root, tag, root / tag, None) for tag in tags]
         for e in entries:
             e.resumes_from = e.tag == latest
-    return sorted(entries, key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.tag))
+    entries = sorted(entries, key=lambda e: (e.step is None, e.step if e.step is not None else 0, e.tag))
+    return entries + _leftovers(root, hf or [Path(e.path) for e in entries])
+
+
+def _leftovers(root: Path, checkpoints: list[Path]) -> list[Entry]:
+    """Saves that never completed, in ``root``, in an HF output_dir's pending folder, and inside the tag folders."""
+    from ..formats.storage import TEMP_MARK
+    from ..io.output import dead_temps
+
+    dead = set(dead_temps(root))
+    found = [(Path(e.path), Path(e.path) in dead) for e in os.scandir(root)
+             if e.name.startswith(".") and TEMP_MARK in e.name and e.is_dir(follow_symlinks=False)]
+    for pending in [p for p, _ in found if p.name.startswith(".dsckpt-pending")]:
+        gone = pending in dead
+        found += [(p, gone) for p in pending.iterdir() if p.is_dir()]
+        found += [(p, True) for p in dead_temps(pending)]  # (a tag staged inside an HF checkpoint being written)
+    for folder in checkpoints:
+        legacy = [*folder.glob(LEGACY_STAGING), *folder.glob(f"*/{LEGACY_STAGING}")]  # (a tag; an HF checkpoint's)
+        found += [(p, True) for p in dead_temps(folder) + legacy]
+    entries = []
+    for path, gone in sorted(set(found)):
+        if path.name.startswith(".dsckpt-pending") and any(p.parent == path for p, _ in found):
+            continue  # (its checkpoints are listed one by one)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        name = path.relative_to(root).as_posix()
+        entries.append(Entry(str(path), name, None, None, None, size, False, False, name=name,
+                             leftover=INTERRUPTED if gone else IN_PROGRESS))
+    return entries
 
 
 def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
@@ -80,14 +118,17 @@ def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tup
     if type(keep) is not int or keep < 1:
         raise ValueError(f"keep={keep!r}: at least 1")
     _local(root, "prune")
-    entries = list_checkpoints(root)
+    everything = list_checkpoints(root)
+    entries = [e for e in everything if e.leftover is None]
     resumed = next((i for i, e in enumerate(entries) if e.resumes_from), len(entries) - 1)
     candidates = [e for e in entries[:resumed] if e.complete]  # older than the one a resume picks
     newest_kept = {id(e) for e in [e for e in entries if e.complete][-keep:]}
     removed = [e for e in candidates if id(e) not in newest_kept]
+    removed += [e for e in everything if e.leftover == INTERRUPTED]
+    entries = everything
     if not dry_run:
         for e in removed:
-            shutil.rmtree(e.path)
+            shutil.rmtree(e.path, ignore_errors=e.leftover is not None)
     return removed, [e for e in entries if e not in removed]
 
 

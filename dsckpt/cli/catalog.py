@@ -18,7 +18,7 @@ def _rows(entries) -> list[str]:
     first = "checkpoint" if entries and entries[0].name != entries[0].tag else "tag"  # an HF output_dir's
     lines = [f"{first:<24}{'step':>8}  {'stage':>5}  {'world':>5}  {'size':>10}  state"]
     for e in entries:
-        state = ("complete" if e.complete else "INCOMPLETE") + ("  <- latest" if e.resumes_from else "")
+        state = e.leftover or ("complete" if e.complete else "INCOMPLETE") + ("  <- latest" if e.resumes_from else "")
         step, stage = ("-" if v is None else v for v in (e.step, e.zero_stage))
         lines.append(f"{e.name:<24}{step:>8}  {stage:>5}  {e.world_size or '-':>5}  {_human(e.bytes):>10}  {state}")
     return lines
@@ -32,7 +32,9 @@ def list_command(root: str, as_json: bool) -> None:
 
     ROOT is a DeepSpeed save folder (`latest` + tag folders) or an HF Trainer output_dir (checkpoint-N
     folders).  Complete: every rank file the world size needs is present and readable (CRCs are not
-    read: `dsckpt verify` does that).  `latest` marks the one a resume picks.
+    read: `dsckpt verify` does that).  `latest` marks the one a resume picks.  Hidden folders of saves
+    that never completed are rows too: "interrupted save" (its process is gone: `prune` removes it) or
+    "save in progress".
 
     \b
     Examples:
@@ -60,8 +62,9 @@ def prune(root: str, keep: int, dry_run: bool, as_json: bool) -> None:
     """Remove the oldest complete checkpoints, keeping the newest --keep.
 
     Never removed: the one a resume picks (what `latest` names; an HF output_dir's newest
-    checkpoint-N), an incomplete checkpoint, or anything newer than the one a resume picks (a save
-    still being written).  Prints every folder it removes.
+    checkpoint-N), an incomplete checkpoint, anything newer than the one a resume picks, or a save
+    in progress.  Always removed: what interrupted saves left (hidden staging folders of processes
+    that are gone).  Prints every folder it removes.
 
     \b
     Examples:
@@ -77,6 +80,7 @@ def prune(root: str, keep: int, dry_run: bool, as_json: bool) -> None:
         return
     verb = "would remove" if dry_run else "removed"
     for e in removed:
-        click.echo(f"{verb} {e.path} (step {e.step}, {_human(e.bytes)})")
+        what = e.leftover if e.leftover else f"step {e.step}"
+        click.echo(f"{verb} {e.path} ({what}, {_human(e.bytes)})")
     freed = sum(e.bytes for e in removed)
     click.echo(f"{verb} {len(removed)} checkpoint{'s' * (len(removed) != 1)}, {_human(freed)}; kept {len(kept)}")

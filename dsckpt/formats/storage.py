@@ -151,13 +151,24 @@ class LocalStorage:
             self._replace_entry(temp / name, final / name)
         os.rmdir(temp)
 
-    def _replace_entry(self, src: Path, dst: Path) -> None:
-        """A folder over a folder is swapped (the old one kept until the new one is in)."""
-        if src.is_dir() and dst.is_dir() and not dst.is_symlink():
-            old = dst.with_name(f".{dst.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
-            os.replace(dst, old)
+    def swap_in(self, src: Path, dst: Path) -> None:
+        """Folder ``src`` becomes ``dst``; an existing ``dst`` is replaced whole, never seen mixed or missing where
+        the file system exchanges two names in one step (Linux ``renameat2``), else kept aside until ``src`` is in."""
+        if not (dst.is_dir() and not dst.is_symlink()):
             os.replace(src, dst)
-            self.remove(old)
+            return
+        if _exchange(src, dst):
+            self.remove(src)  # (now the old folder)
+            return
+        old = dst.with_name(f".{dst.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        self.remove(old)
+
+    def _replace_entry(self, src: Path, dst: Path) -> None:
+        """A folder over a folder is swapped (``swap_in``)."""
+        if src.is_dir() and dst.is_dir() and not dst.is_symlink():
+            self.swap_in(src, dst)
         elif dst.is_dir() and not dst.is_symlink():
             raise OSError(f"{dst}: is a folder where dsckpt writes a file; nothing there was changed")
         else:
@@ -227,3 +238,26 @@ class Alias:
 
 
 SAME_NAMES = Alias()  # a path read as the user typed it
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing names in one step; False where the C library or the file system has no such rename."""
+    import ctypes
+    import ctypes.util
+    import errno
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        rename = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if rename(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))

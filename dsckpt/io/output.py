@@ -71,17 +71,24 @@ def _temp_name(out: Path) -> Path:
 
 def clean_stale_temps(out: Path, keep: Path | None = None) -> list[Path]:
     """Remove temp files for ``out`` left by processes that are gone (kill -9, power loss); ``keep``: this run's."""
-    removed = []
     prefix = f".{out.name}{TEMP_MARK}"
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(out.parent if str(out.parent) else "."):
-            if not entry.name.startswith(prefix) or (keep is not None and entry.name == keep.name):
-                continue
-            pid = entry.name[len(prefix):].split("-")[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                remove_path(Path(entry.path))
-                removed.append(Path(entry.path))
+    removed = [p for p in dead_temps(out.parent if str(out.parent) else Path("."))
+               if p.name.startswith(prefix) and (keep is None or p.name != keep.name)]
+    for path in removed:
+        remove_path(path)
     return removed
+
+
+def dead_temps(folder: Path) -> list[Path]:
+    """The temps in ``folder`` (``.<name>.dsckpt-tmp-<pid>-<id>``, files or folders) whose process is gone."""
+    found = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith(".") and TEMP_MARK in entry.name:
+                pid = entry.name.rsplit(TEMP_MARK, 1)[1].split("-")[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    found.append(Path(entry.path))
+    return sorted(found)
 
 
 def _alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ run sees files other hosts hold:
    or damaged object is a typed error naming its URL before anything is published.
 Scratch disk: the bytes the command reads (sparse files, removed at the end); memory: ``THREADS`` x ``CHUNK``.
 
-Writing to a URL: ``io.upload`` (a command's OUT) and ``runtime.staged_files.BucketTarget`` (the engine's saves),
+Writing to a URL: ``io.upload`` (a command's OUT) and ``checkpoint_engine.commit.BucketTarget`` (the engine's saves),
 both publishing through ``BucketStorage``.
 """
 from __future__ import annotations

@@ -53,20 +53,23 @@ class comm_errors:
 
 
 class GlooTransport:
-    def __init__(self) -> None:
+    """torch.distributed's default group (started here when none is), or ``group``: a gloo group of its own."""
+
+    def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             with comm_errors():
                 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s()))
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def gather(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
         with comm_errors():
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any, src: int) -> Any:
@@ -74,7 +77,7 @@ class GlooTransport:
 
         box = [obj]
         with comm_errors():
-            dist.broadcast_object_list(box, src=src)
+            dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
 

@@ -113,16 +113,20 @@ def interruptible(save_dir: str | None):
 
 
 def remove_partial_saves(save_dir: str | None) -> None:
-    """After an interrupted run: the hidden folders of saves that never completed (the published tags and
-    `latest` are untouched: a save becomes visible only by a rename once every rank is done)."""
-    import shutil
+    """After an interrupted run: the hidden staging folders of its saves that never completed, and of dead processes
+    (the published tags and `latest` are untouched: a save becomes visible only by a rename once every rank is done)."""
+    from pathlib import Path
 
-    from .engine import PARTIAL_SUFFIX
+    from ..formats.storage import TEMP_MARK
+    from ..io.output import dead_temps, remove_path
 
     if save_dir and os.path.isdir(save_dir):
+        mine = f"{TEMP_MARK}{os.getpid()}-"
         for entry in os.scandir(save_dir):
-            if entry.name.startswith(".") and entry.name.endswith(PARTIAL_SUFFIX) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+            if entry.name.startswith(".") and mine in entry.name:
+                remove_path(Path(entry.path))
+        for path in dead_temps(Path(save_dir)):
+            remove_path(path)
 
 
 def preflight_resume(world_size: int, checkpoint, full_weights, client_state, tag, strip_prefix, check,
@@ -154,7 +158,7 @@ def preflight_resume(world_size: int, checkpoint, full_weights, client_state, ta
             check_files(f.path for f in ckpt.layout.all_files)
         _stage_of_checkpoint(kwargs, ckpt)
         if not trust_checkpoint:  # --reshard too: its copy goes through DeepSpeed's loader
-            from .safe_load import check_checkpoint_classes
+            from ..checkpoint_engine.safe_load import check_checkpoint_classes
 
             check_checkpoint_classes(ckpt)
         if ckpt.world_size * ckpt.grid.tp != world_size and not reshard:

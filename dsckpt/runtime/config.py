@@ -232,7 +232,7 @@ class TrainOptions:
     steps: int = 20
     save_dir: str | None = None
     save_every: int = 0  # 0: save once at the end
-    sync_save: bool = False  # True: DeepSpeed's own blocking save instead of runtime.async_save
+    sync_save: bool = False  # True: DeepSpeed's own blocking save instead of checkpoint_engine.background
     seed: int = 1234
     batch_size: int = 8
     lr: float = 3e-3

@@ -59,8 +59,8 @@ def shutdown(exit_process: bool = False, before_exit: Callable[[], object] | Non
     of the communication stack still joinable when static destructors run).  All files are closed
     by then, so a finished CLI command skips interpreter teardown with ``os._exit``.
     """
-    if "dsckpt.runtime.async_save" in sys.modules:  # saves still persisting finish first (a failure is raised)
-        sys.modules["dsckpt.runtime.async_save"].close_all()
+    if "dsckpt.checkpoint_engine.lifecycle" in sys.modules:  # saves still persisting finish first (a failure is raised)
+        sys.modules["dsckpt.checkpoint_engine.lifecycle"].close_all()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -105,31 +105,9 @@ def check_model_dtype(module: torch.nn.Module, wanted: torch.dtype) -> None:
             f"{wanted}", hint="a model factory must not cast its parameters itself")
 
 
-PARTIAL_SUFFIX = ".dsckpt-partial"
-
-
 def _barrier() -> None:
     if torch.distributed.is_initialized() and world_size() > 1:
         torch.distributed.barrier()
-
-
-def publish_tag(save_dir: Path, partial: str, tag: str) -> None:
-    """Rename a completely written tag folder into place, then update `latest` atomically."""
-    import shutil
-
-    from ..io.output import fsync_path
-    from .staged_files import publish_latest
-
-    final, staged = save_dir / tag, save_dir / partial
-    fsync_path(staged)  # every rank file's data, then the tag folder's entries, before publishing
-    old = save_dir / f".{tag}.dsckpt-old"
-    if final.exists():  # re-saving a tag: the old one stays complete until the new one is in place
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(staged, final)
-    shutil.rmtree(old, ignore_errors=True)
-    fsync_path(save_dir, files=False)  # the renamed tag folder is durable before `latest` names it
-    publish_latest(save_dir, tag)
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -169,7 +147,7 @@ class Runtime:
 
     def __init__(self, config: Mapping[str, Any], async_save: bool = True):
         self.config = dict(config)
-        self.async_save = async_save  # saves persist in the background (runtime.async_save); False: stock, blocking
+        self.async_save = async_save  # saves persist in the background (checkpoint_engine.background); False: stock, blocking
         self.saver: Any = None
         self.remote_device = self.config.pop("dsckpt_remote_device", None)
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
@@ -220,7 +198,7 @@ class Runtime:
                                                model_parameters=groups if optimizer is None else None)
         check_model_dtype(self.engine.module, model_dtype(self.config))
         if self.async_save:
-            from .async_save import enable_async_save
+            from ..checkpoint_engine import enable_async_save
             from .console import info
 
             self.saver = enable_async_save(self.engine, report=info)
@@ -239,13 +217,28 @@ class Runtime:
             self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=state)
             self._note_sharded(save_dir, tag)
             return tag
-        # Crash safety: DeepSpeed writes into a hidden partial folder; only when every rank is done
-        # does rank 0 rename it to the tag and then (atomically) point `latest` at it.
-        partial = f".{tag}{PARTIAL_SUFFIX}"
-        self.engine.save_checkpoint(str(save_dir), tag=partial, client_state=state, save_latest=False)
+        # DeepSpeed's blocking save through the same commit as the background one (checkpoint_engine.commit): the tag
+        # written into a hidden sibling, renamed into place by rank 0 once every rank is done, `latest` after it
+        from ..checkpoint_engine.commit import LocalTarget, new_owner, staging_name
+
+        target = LocalTarget(str(save_dir))
+        owner = [new_owner()]
+        if torch.distributed.is_initialized() and world_size() > 1:
+            torch.distributed.broadcast_object_list(owner, src=0)
+        staging = staging_name(tag, owner[0])
+        if rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            target.prepare(tag, staging)
+        _barrier()
+        try:
+            self.engine.save_checkpoint(str(save_dir), tag=staging, client_state=state, save_latest=False)
+        except BaseException:
+            target.discard(staging, [], leader=rank() == 0)  # (a kill leaves it for the next save or `prune`)
+            raise
         _barrier()
         if rank() == 0:
-            publish_tag(Path(save_dir), partial, tag)
+            target.publish(tag, staging, [], leader=True)
+            target.publish_latest(tag)
         _barrier()
         self._note_sharded(save_dir, tag)
         return tag
@@ -279,7 +272,7 @@ class Runtime:
         """
         from ..saves_in_flight import settle
         from ..zero.reader import open_checkpoint
-        from . import safe_load
+        from ..checkpoint_engine import safe_load
 
         settle()  # a tag this process is still writing is not loadable yet (``ckpt`` may be opened already)
         ckpt = ckpt or open_checkpoint(load_dir, tag=tag)  # ``ckpt``: already opened by the caller
@@ -288,7 +281,7 @@ class Runtime:
         safe_load.install(self.engine, trust)
         kwargs: dict[str, Any] = dict(load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer)
         if self.loads_resharded(ckpt, trust):
-            from .planned_load import load_resharded
+            from ..checkpoint_engine.planned_load import load_resharded
 
             path, client = load_resharded(self.engine, load_dir, ckpt.layout.tag, checkpoint=ckpt, **kwargs)
         elif ckpt.world_size * ckpt.grid.tp != world_size():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dsckpt.runtime.async_save import AsyncSave
-from dsckpt.runtime.persist import write_snapshot
+from dsckpt.checkpoint_engine.background import AsyncSave
+from dsckpt.checkpoint_engine.persist import write_snapshot
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.train import TrainOptions, Trainer
 
@@ -30,7 +30,7 @@ def main(out: str) -> None:
     trainer.runtime.save_checkpoint(out, trainer.client_state(), tag="t1")
     saver.wait()
     trainer.step()
-    saver.write = stalled_save
+    saver.writer.write = stalled_save
     trainer.runtime.save_checkpoint(out, trainer.client_state(), tag="t2")
     torch.distributed.barrier()
     time.sleep(1)  # the writers are inside the stalled write now

@@ -1,9 +1,9 @@
 """Run on 2 ranks: dsckpt's background save against DeepSpeed's own, on one engine.
 
 ARGS: STAGE OUT REPORT.  OUT/ref: DeepSpeed's blocking save (tag t); OUT/async: the same state saved through
-runtime.async_save (tag t), its persist slowed so that the next two steps rewrite the optimizer's buffers while it
+checkpoint_engine.background (tag t), its persist slowed so that the next two steps rewrite the optimizer's buffers while it
 runs; then a second save at once (t2, back to back); then a save that fails in the background (a file-size limit:
-EFBIG on rank 1 only), reported on both ranks at the next step; then t4 after it.  Finally the engine loads OUT/async tag t with DeepSpeed's own
+EFBIG on rank 1 only): the next step runs, and the failure is raised on both ranks at the next save; then t4 after it.  Finally the engine loads OUT/async tag t with DeepSpeed's own
 load_checkpoint and the optimizer's partitions must equal the ones captured in memory right before the save.
 At ZeRO-3 the persistent parameters come out of the background save as the very tensors they were.
 """
@@ -18,9 +18,9 @@ import torch
 
 import dsckpt
 from dsckpt.errors import BackgroundSaveError
-from dsckpt.runtime.async_save import AsyncSave
-from dsckpt.runtime.persist import write_snapshot
-from dsckpt.runtime.snapshot import Snapshot
+from dsckpt.checkpoint_engine.background import AsyncSave
+from dsckpt.checkpoint_engine.persist import write_snapshot
+from dsckpt.checkpoint_engine.snapshot import Snapshot
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import rank, shutdown
 from dsckpt.runtime.train import TrainOptions, Trainer
@@ -65,7 +65,7 @@ def corrupting_save(state, path):
 def damaged_on_disk(trainer, runtime, saver, root):
     """Files whose bytes are not what their zip's CRC-32s say (checked beside the next file's write): the tag is not
     published, the failure surfaces at wait()."""
-    saver.write = corrupting_save
+    saver.writer.write = corrupting_save
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3c")
     try:
@@ -73,9 +73,14 @@ def damaged_on_disk(trainer, runtime, saver, root):
         failure = None
     except BackgroundSaveError as exc:
         failure = str(exc)
-    saver.write = write_snapshot
+    saver.writer.write = write_snapshot
     torch.distributed.barrier()  # (wait() is this rank's: another may still be removing its temps of the tag)
-    return failure, (root / "async" / "latest").read_text(), sorted(p.name for p in (root / "async" / "t3c").rglob("*"))
+    return failure, (root / "async" / "latest").read_text(), visible_or_staged(root / "async", "t3c")
+
+
+def visible_or_staged(save_dir, tag):
+    """What of ``tag`` is on disk: its folder, or any hidden folder named after it."""
+    return sorted(p.name for p in Path(save_dir).iterdir() if p.name == tag or p.name.startswith(f".{tag}."))
 
 
 def copies_after_the_call(trainer, runtime, saver, root):
@@ -111,12 +116,12 @@ def copies_after_the_call(trainer, runtime, saver, root):
 def read_while_persisting(trainer, runtime, saver, root):
     """dsckpt's readers, called right after a save returns while its files are still being written (slowed): they
     wait for it, and see its tag - not the previous one `latest` still names, nor a tag folder half written."""
-    saver.write = slow_save
+    saver.writer.write = slow_save
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t7")
     pending = not saver.idle.is_set()
     seen = dsckpt.open_checkpoint(root / "async").layout.tag
-    saver.write = write_snapshot
+    saver.writer.write = write_snapshot
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t8")  # at full speed, read at once
     loaded = len(dsckpt.load_state_dict(root / "async"))
     return {"pending_after_call": pending, "seen": seen, "loaded": loaded,
@@ -130,16 +135,16 @@ def fail_on_rank_1(trainer, runtime, saver, root):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, old[1]))
     trainer.step()
     runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3")
-    read_after = dsckpt.open_checkpoint(root / "async").layout.tag  # waits for t3; its failure stays for the step
+    read_after = dsckpt.open_checkpoint(root / "async").layout.tag  # waits for t3; its failure stays for the save
     resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    trainer.step()  # (the ranks stay in step: no rank raises here)
     try:
-        trainer.step()
+        runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t3b")
         failure = None
-    except BackgroundSaveError as exc:
+    except BackgroundSaveError as exc:  # on every rank, at this same call
         failure = str(exc)
     latest_after_failure = (root / "async" / "latest").read_text()
-    t3_files = sorted(p.name for p in (root / "async" / "t3").rglob("*"))
-    return failure, latest_after_failure, t3_files, read_after
+    return failure, latest_after_failure, visible_or_staged(root / "async", "t3"), read_after
 
 
 def main(stage: str, out: str, report: str) -> None:
@@ -153,7 +158,8 @@ def main(stage: str, out: str, report: str) -> None:
     runtime.save_checkpoint(root / "ref", client, tag="t")  # DeepSpeed's own blocking save
     before = capture(trainer.engine)
 
-    runtime.saver = saver = AsyncSave(trainer.engine, write=slow_save)
+    runtime.saver = saver = AsyncSave(trainer.engine)
+    saver.writer.write = slow_save
     persistent = getattr(trainer.engine.optimizer, "persistent_parameters", [])
     held = [(p.data_ptr(), p.detach().clone()) for p in persistent]
     runtime.save_checkpoint(root / "async", client, tag="t")
@@ -170,7 +176,7 @@ def main(stage: str, out: str, report: str) -> None:
     saver.wait()
     latest_after_t2 = (root / "async" / "latest").read_text()
 
-    saver.write = write_snapshot
+    saver.writer.write = write_snapshot
     failure, latest_after_failure, t3_files, read_after_failure = None, None, None, None
     if torch.distributed.get_world_size() > 1:  # (rank 0 copies DeepSpeed's scripts: a failing rank must be another)
         failure, latest_after_failure, t3_files, read_after_failure = fail_on_rank_1(trainer, runtime, saver, root)

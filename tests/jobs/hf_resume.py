@@ -72,7 +72,7 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
     trainer.add_callback(SaveAsLoaded())
     trainer.add_callback(WatchFolders())
     if limit:
-        from dsckpt.runtime.integrations import HFAsyncSave
+        from dsckpt.checkpoint_engine.integrations import HFAsyncSave
 
         trainer.add_callback(HFAsyncSave(trainer))
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)

@@ -37,7 +37,7 @@ def main(out: str, stage: str, max_steps: str, ckpt_path: str | None) -> None:
     if background:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from dsckpt.runtime.integrations import LightningAsyncSave
+        from dsckpt.checkpoint_engine.integrations import LightningAsyncSave
 
         callbacks += [LightningAsyncSave(), ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=1,
                                                             save_top_k=1, monitor="step", mode="max")]

@@ -75,7 +75,7 @@ def main() -> None:
         engine.save_checkpoint(str(root / "ckpt"), tag="step3", client_state={"note": "moe oracle"})
         result, name = records(engine, ep), "before.pt"
     else:
-        from dsckpt.runtime import safe_load
+        from dsckpt.checkpoint_engine import safe_load
 
         world = dist.get_world_size()
         safe_load.install(engine)

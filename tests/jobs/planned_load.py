@@ -1,4 +1,4 @@
-"""Run on M ranks: a checkpoint of another world size / ZeRO stage loaded without a copy (runtime.planned_load).
+"""Run on M ranks: a checkpoint of another world size / ZeRO stage loaded without a copy (checkpoint_engine.planned_load).
 
 ARGS: STAGE SOURCE TAG COPY REPORT.  An engine at ZeRO STAGE loads SOURCE (tag TAG, written at another world size
 or stage) through ``load_resharded``, and its optimizer partitions and client state are captured; then it loads COPY
@@ -14,7 +14,7 @@ import torch
 from async_save import capture, same
 from dsckpt.runtime.commands import quiet_deepspeed
 from dsckpt.runtime.engine import rank, shutdown
-from dsckpt.runtime.planned_load import load_resharded
+from dsckpt.checkpoint_engine.planned_load import load_resharded
 from dsckpt.runtime.train import TrainOptions, Trainer, states_equal
 
 

@@ -33,8 +33,12 @@ def main(save_dir: str, report: str) -> None:
     trainer.engine.save_checkpoint = real_save
     trainer.step()
     trainer.save()
+    from dsckpt.api.catalog import list_checkpoints
+
+    listed = [[e.name, e.leftover] for e in list_checkpoints(root) if e.leftover]
     Path(report).write_text(json.dumps({"after_crash": after_crash, "latest": (root / "latest").read_text(),
-                                        "tags": list_tags(root)}))
+                                        "tags": list_tags(root), "listed": listed,
+                                        "hidden": sorted(p.name for p in root.iterdir() if p.name.startswith("."))}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ when those follow-ups happen, so that no folder a trainer would resume from look
 * Lightning (``LightningAsyncSave``): ``ModelCheckpoint``'s deletion of older checkpoints runs once the newer one is
   published.  A Lightning DeepSpeed checkpoint folder holds nothing but DeepSpeed's files, `latest` last.  The engine
   is taken over as the strategy makes it, before ``fit(ckpt_path=)`` loads: another world size or stage loads too.
-* HF Trainer (``HFAsyncSave``): each ``checkpoint-N`` is written under ``output_dir/.dsckpt-pending/`` and moved into
+* HF Trainer (``HFAsyncSave``): each ``checkpoint-N`` is written under ``output_dir/.dsckpt-pending.dsckpt-tmp-<pid>-<id>/``
+  (rank 0's; ``dsckpt list`` shows what a killed job left there, ``prune`` removes it) and moved into
   ``output_dir`` once every rank's DeepSpeed files are durable; ``save_total_limit``'s rotation runs after that move.
   ``resume_from_checkpoint=True`` therefore never picks a checkpoint that is still being written.  The engine is
   taken over right after ``accelerator.prepare`` makes it, so that a resume at another world size or ZeRO stage
@@ -20,10 +21,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .async_save import AsyncSave, enable_async_save
+from .background import AsyncSave, enable_async_save
 from ..io.output import fsync_path
 
 PENDING = ".dsckpt-pending"  # HF checkpoints being written: the Trainer's resume looks for checkpoint-N only
+
+
+def pending_folder(run_dir: str, saver: AsyncSave) -> str:
+    from ..formats.storage import TEMP_MARK
+
+    return os.path.join(run_dir, f"{PENDING}{TEMP_MARK}{saver.owner}")
 
 
 def LightningAsyncSave() -> Any:
@@ -95,7 +102,7 @@ def HFAsyncSave(trainer: Any) -> Any:
             def staged_save(model: Any, trial: Any) -> None:
                 args = trainer.args
                 run_dir, limit = trainer._get_output_dir(trial=trial), args.save_total_limit
-                pending = os.path.join(run_dir, PENDING)
+                pending = pending_folder(run_dir, self.saver)  # type: ignore[arg-type]
                 args.output_dir, args.save_total_limit = pending, None  # written aside; rotated once published
                 try:
                     save_checkpoint(model, trial)
@@ -109,6 +116,9 @@ def HFAsyncSave(trainer: Any) -> Any:
                     return
                 name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
                 best = trainer.state.best_model_checkpoint
+                if best is not None and os.path.dirname(os.path.normpath(best)) == os.path.normpath(pending):
+                    best = trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                    _point_best_at(os.path.join(pending, name, "trainer_state.json"), best)
 
                 def publish() -> None:
                     final, staged = os.path.join(run_dir, name), os.path.join(pending, name)
@@ -139,3 +149,17 @@ def HFAsyncSave(trainer: Any) -> Any:
 
     return _HFAsyncSave()
 
+
+def _point_best_at(state_file: str, best: str) -> None:
+    """The Trainer wrote ``best_model_checkpoint`` as the pending path: the saved state names where it will be."""
+    import json
+
+    if not os.path.isfile(state_file):
+        return
+    with open(state_file) as fh:
+        state = json.load(fh)
+    state["best_model_checkpoint"] = best
+    temp = f"{state_file}.dsckpt-tmp-{os.getpid()}"
+    with open(temp, "w") as fh:
+        json.dump(state, fh, indent=2, sort_keys=True)
+    os.replace(temp, state_file)

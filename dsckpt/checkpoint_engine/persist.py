@@ -60,7 +60,11 @@ def write_snapshot(state: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(state, path)``, the storages' bytes written in parallel and read back (module docstring)."""
     storages: dict[str, torch.UntypedStorage] = {}
     with torch.serialization.skip_data():
-        torch.save(state, path, pickle_module=_recording_pickler(storages))
+        try:
+            torch.save(state, path, pickle_module=_recording_pickler(storages))
+        except RuntimeError:
+            _raise_os_error(state, path)
+            raise
     fd = os.open(path, os.O_RDWR)
     try:
         entries = _entries(fd)
@@ -70,6 +74,19 @@ def write_snapshot(state: Any, path: str | os.PathLike[str]) -> None:
                 os.pwrite(fd, struct.pack("<I", crcs[entry.key]), at)
     finally:
         os.close(fd)
+
+
+def _raise_os_error(state: Any, path: str | os.PathLike[str]) -> None:
+    """torch's zip writer reports a failed write in its own words ("unexpected pos ..."); the same write through a
+    Python file object lets the OS's error (ENOSPC, EFBIG, EDQUOT) reach us, raised as that."""
+    try:
+        with open(path, "wb") as fh, torch.serialization.skip_data():
+            torch.save(state, fh, pickle_module=_recording_pickler({}))
+    except OSError:
+        raise
+    except RuntimeError as exc:
+        if isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None
 
 
 def _recording_pickler(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:

@@ -1,0 +1,205 @@
+"""How a tag becomes visible: staged whole in a hidden sibling, published by one rename, ``latest`` last.
+
+The one commit protocol of every save dsckpt makes (the background engine's and the runtime's blocking save):
+
+1. ``prepare`` (rank 0, before any rank writes): leftovers of dead processes' saves into the folder are removed
+   (``.<tag>.dsckpt-tmp-<pid>-<id>``, a kill -9's) and so is this run's own failed attempt at the same tag;
+2. every rank writes its files into the staging folder ``staging_name(tag, owner)`` beside the tags (``owner``:
+   rank 0's pid and a token, the same name on every rank), each file flushed (``write_temp``);
+3. once every rank's files are durable (the ranks agree), rank 0 ``publish``es: the folder flushed, renamed to
+   ``<tag>``; a tag saved again is swapped in whole (``LocalStorage.swap_in``), so no reader ever sees it mixed
+   or missing; then any rank whose staging folder is still there (node-local storage) publishes its own;
+4. after another agreement rank 0 replaces ``latest`` (``publish_latest``).
+A failure before 4: every rank ``discard``s its files and rank 0 the folder; ``latest`` and every tag folder are
+as they were.  ``Targets.for_path(save_dir)`` chooses the target once from the path the trainer passed:
+``LocalTarget`` for a folder, ``BucketTarget`` for ``s3://``, ``gs://``, ``az://`` (DeepSpeed saves into a local
+scratch folder; each rank uploads its own files as the tag's objects, each visible only once whole; ``latest``
+is an object written last).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from ..formats.backends import storage_for
+from ..formats.bucket import BucketStorage
+from ..formats.storage import TEMP_MARK
+from ..io.output import LOCAL, dead_temps, fsync_path, remove_path
+from ..io.writeback import following
+from ..zero.layout import LATEST_FILE
+
+LEGACY_TEMP_FOLDER = ".dsckpt-saving"  # where dsckpt up to round 25 staged a rank's files, inside the tag folder
+
+
+def staging_name(tag: str, owner: str) -> str:
+    """The hidden sibling a tag is written into (``owner``: ``<pid>-<token>`` of rank 0)."""
+    return f".{tag}{TEMP_MARK}{owner}"
+
+
+def new_owner() -> str:
+    return f"{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def staged(path: str, tag_dir: str, staging: str) -> str:
+    """Where ``path`` (a file DeepSpeed names inside the tag folder) is written until the tag is published."""
+    return os.path.join(staging, os.path.relpath(path, tag_dir))
+
+
+def write_temp(write: Callable[[Any, str], None], state: Any, temp: str, follow: bool = True) -> None:
+    """``write(state, temp)``, then flushed; ``follow``: a writer that does not start the disk on what it wrote
+    gets a thread that does as the file grows (``io.writeback.following``)."""
+    Path(temp).parent.mkdir(parents=True, exist_ok=True)
+    with following(Path(temp)) if follow else contextlib.nullcontext():
+        write(state, temp)
+    fsync_path(Path(temp))
+
+
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def publish_latest(save_dir: Path, tag: str) -> None:
+    """`latest` replaced in one step, flushed with its folder: what makes a tag the one a resume picks."""
+    temp = save_dir / f".{LATEST_FILE}{TEMP_MARK}{new_owner()}"
+    temp.write_text(tag)
+    fsync_path(temp)
+    os.replace(temp, save_dir / LATEST_FILE)
+    fsync_path(save_dir, files=False)
+
+
+def publish_tag(save_dir: Path, staging: Path, tag: str) -> None:
+    """The staged tag folder flushed and renamed into place (swapped whole over a tag of the same name)."""
+    fsync_path(staging)  # every file's data, then the folder's entries, before the rename makes them a tag
+    LOCAL.swap_in(staging, save_dir / tag)
+    fsync_path(save_dir, files=False)  # the renamed tag folder is durable before `latest` names it
+
+
+class SaveTarget(Protocol):
+    """Where a tag goes.  Calls, by the writer thread of each rank: ``prepare`` (rank 0, in the save call, before the
+    ranks write), then after the agreement ``publish`` (rank 0, then the others), ``publish_latest`` (rank 0), or
+    ``discard`` on every rank when any failed."""
+    name: str  # what the trainer passed: messages name it
+    local: str  # the folder DeepSpeed saves into
+
+    def prepare(self, tag: str, staging: str) -> None: ...
+
+    def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None: ...
+
+    def publish_latest(self, tag: str) -> None: ...
+
+    def discard(self, staging: str, files: list[str], leader: bool) -> None: ...
+
+    def latest(self) -> str | None:
+        """The tag `latest` names now (None: there is none)."""
+
+    def close(self) -> None: ...
+
+
+class LocalTarget:
+    def __init__(self, save_dir: str):
+        self.name = self.local = str(save_dir)
+
+    def prepare(self, tag: str, staging: str) -> None:
+        for path in dead_temps(Path(self.local)):  # saves of processes that are gone (kill -9)
+            remove_path(path)
+        remove_path(Path(self.local) / staging)  # this run's own earlier attempt at the tag, failed
+
+    def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
+        folder = Path(self.local) / staging
+        if leader or folder.is_dir():  # (another rank's: still there only on storage rank 0 does not see)
+            publish_tag(Path(self.local), folder, tag)
+
+    def publish_latest(self, tag: str) -> None:
+        publish_latest(Path(self.local), tag)
+
+    def discard(self, staging: str, files: list[str], leader: bool) -> None:
+        remove_files(files)
+        if leader:
+            remove_path(Path(self.local) / staging)
+
+    def latest(self) -> str | None:
+        path = Path(self.local) / LATEST_FILE
+        return path.read_text().strip() if path.exists() else None
+
+    def close(self) -> None:
+        pass
+
+
+class BucketTarget:
+    def __init__(self, bucket: BucketStorage):
+        from ..io.remote import scratch_folder
+
+        self.bucket = bucket
+        self.name = self.bucket.url  # (what messages name)
+        self.scratch = scratch_folder(".dsckpt-save-")
+        self.local = str(self.scratch / self.bucket.root.rsplit("/", 1)[-1])
+        os.makedirs(self.local, exist_ok=True)
+        self.uploaded: list[str] = []
+
+    def prepare(self, tag: str, staging: str) -> None:
+        remove_path(Path(self.local) / staging)
+
+    def _put(self, local: str, name: str) -> None:
+        self.bucket.replace(Path(local), name)
+        self.uploaded.append(name)
+
+    def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
+        self.uploaded = []
+        folder = os.path.join(self.local, staging)
+        for path in files:
+            self._put(path, f"{tag}/{Path(os.path.relpath(path, folder)).as_posix()}")
+        remove_files(files)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+        if leader:  # what DeepSpeed wrote beside the tags itself (its zero_to_fp32.py)
+            for entry in os.scandir(self.local):
+                if entry.is_file() and entry.name != LATEST_FILE and not entry.name.startswith("."):
+                    self._put(entry.path, entry.name)
+                    os.remove(entry.path)
+
+    def publish_latest(self, tag: str) -> None:
+        self.bucket.write(LATEST_FILE, tag.encode())
+
+    def discard(self, staging: str, files: list[str], leader: bool) -> None:
+        remove_files(files)
+        shutil.rmtree(os.path.join(self.local, staging), ignore_errors=True)
+        for name in self.uploaded:  # best effort: the failure that brought us here is the one to report
+            with contextlib.suppress(Exception):
+                self.bucket.remove(name)
+        self.uploaded = []
+
+    def latest(self) -> str | None:
+        try:
+            size = self.bucket.object_size(LATEST_FILE)
+            return None if size is None else self.bucket.read(LATEST_FILE, 0, size).decode().strip()
+        except Exception:  # (no bucket, no access: no tag to fall back on)
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class Targets:
+    """The target of each ``save_checkpoint(save_dir)``, chosen from the path; a bucket's (its staging folder) kept
+    from save to save, removed by ``close``."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, BucketTarget] = {}
+
+    def for_path(self, save_dir: str | os.PathLike[str]) -> LocalTarget | BucketTarget:
+        storage = storage_for(save_dir)
+        if not isinstance(storage, BucketStorage):
+            return LocalTarget(str(save_dir))
+        url = storage.url
+        if url not in self.buckets:
+            self.buckets[url] = BucketTarget(storage)
+        return self.buckets[url]
+
+    def close(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.close()
