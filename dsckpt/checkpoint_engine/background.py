@@ -142,12 +142,22 @@ class AsyncSave:
             self._queue_tag()
             return True
 
-        def load_checkpoint(load_dir, tag=None, **kwargs):
+        def load_checkpoint(load_dir, tag=None, trust=False, **kwargs):
+            """DeepSpeed's load, weights-only (``trust=True``: DeepSpeed's own unpickler, for a checkpoint whose
+            client state holds classes beyond plain data - their pickles may then run code)."""
             from .planned_load import load_any_layout
 
             self._wait_previous(say=False)  # a tag still being written is not loadable yet
             self._staged()  # (the load rewrites what a save's deferred copies read)
-            return load_any_layout(engine, load, load_dir, tag, **kwargs)
+            if not trust:
+                return load_any_layout(engine, load, load_dir, tag, **kwargs)
+            from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+            checkpoint_engine, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine()
+            try:
+                return load(load_dir, tag=tag, **kwargs)
+            finally:
+                engine.checkpoint_engine = checkpoint_engine
 
         self.defers = fence_state_writers(engine, self._staged)
         engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint

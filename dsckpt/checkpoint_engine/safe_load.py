@@ -20,9 +20,10 @@ import re
 import sys
 
 from ..errors import UnsafeCheckpointError
-from ..formats.pickle_tree import DEEPSPEED_CLASSES, NUMPY_CLASSES, foreign_classes
+from ..formats.pickle_tree import DEEPSPEED_CLASSES, NUMPY_CLASSES, RECORD_CLASSES, foreign_classes
 
-TRUST_HINT = "if you trust whoever wrote it, pass --trust-checkpoint (its pickles may then run code)"
+TRUST_HINT = ("if you trust whoever wrote it, pass --trust-checkpoint (in Python: engine.load_checkpoint(..., trust=True) "
+              "on an engine given enable_async_save); its pickles may then run code")
 
 
 def check_checkpoint_classes(ckpt) -> None:
@@ -41,7 +42,7 @@ def safe_torch_load(path, map_location=None, name: str | None = None, mmap: bool
     import torch
     from torch.serialization import safe_globals
 
-    allowed = [_import(cls) for cls in DEEPSPEED_CLASSES] + _numpy_allowed()
+    allowed = [_import(cls) for cls in DEEPSPEED_CLASSES + RECORD_CLASSES] + _numpy_allowed()
     try:
         with safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

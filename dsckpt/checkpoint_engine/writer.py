@@ -75,7 +75,8 @@ def cause(error: BaseException) -> DsckptError:
     if isinstance(error, DsckptError):
         return error
     if isinstance(error, OSError) and error.strerror:
-        return BackgroundSaveError(f"writing failed: {error.strerror}", at=error.filename)
+        name = f" {os.path.basename(error.filename)}" if isinstance(error.filename, str) else ""
+        return BackgroundSaveError(f"writing{name} failed: {error.strerror}")
     return BackgroundSaveError(f"{type(error).__name__}: {error}")
 
 
@@ -113,6 +114,8 @@ class Writer:
                     try:
                         checks.append(self._persist(item))
                     except BaseException as exc:  # reported at the commit, on every rank
+                        if isinstance(exc, OSError) and exc.filename is None:
+                            exc.filename = item.temp  # (a pwrite's error names no file)
                         error = exc
                 if item.staged is not None:
                     wait([item.staged])  # (a failed tag's copies too: the buffers go back to the pool)

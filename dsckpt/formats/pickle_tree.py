@@ -51,7 +51,10 @@ def tensor_refs(value: Any) -> list[TensorRef]:
 # one): numpy's own rebuilders of plain data, under both of numpy's module names (``core`` before 2.0).
 NUMPY_CLASSES = tuple(f"numpy.{core}.multiarray.{name}" for core in ("core", "_core") for name in ("_reconstruct", "scalar")) \
     + ("numpy.ndarray", "numpy.dtype")
-DATA_CLASSES = DEEPSPEED_CLASSES + NUMPY_CLASSES  # what dsckpt writes back and lets DeepSpeed's load rebuild
+# Plain records a trainer keeps in its client state (Megatron and GPT-NeoX save their arguments): rebuilt from their
+# fields, no code of theirs runs
+RECORD_CLASSES = ("argparse.Namespace",)
+DATA_CLASSES = DEEPSPEED_CLASSES + NUMPY_CLASSES + RECORD_CLASSES  # what dsckpt writes back and lets DeepSpeed's load rebuild
 
 
 def foreign_classes(obj: Any) -> set[str]:

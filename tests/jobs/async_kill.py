@@ -1,7 +1,8 @@
 """Run on 2 ranks: every rank is killed (SIGKILL) while a background save is being written.
 
-ARGS: OUT.  Saves t1 and waits for it; steps; saves t2 with a writer that takes seconds, and as soon as
-save_checkpoint returns every rank kills itself.  The test then finds `latest` on t1, and t1 loadable.
+ARGS: OUT [TAG].  Saves t1 and waits for it; steps; saves TAG (t2, or t1 again: a reused tag) with a writer that takes
+seconds, and as soon as save_checkpoint returns every rank kills itself.  The test then finds `latest` on t1, and t1
+loadable and as first saved.
 """
 import os
 import signal
@@ -22,7 +23,7 @@ def stalled_save(state, path):
     time.sleep(30)
 
 
-def main(out: str) -> None:
+def main(out: str, tag: str = "t2") -> None:
     quiet_deepspeed()
     trainer = Trainer(TrainOptions(model="odd_model:build", stage=3, batch_size=2, sync_save=True))
     trainer.fit(1, progress=False)
@@ -31,7 +32,7 @@ def main(out: str) -> None:
     saver.wait()
     trainer.step()
     saver.writer.write = stalled_save
-    trainer.runtime.save_checkpoint(out, trainer.client_state(), tag="t2")
+    trainer.runtime.save_checkpoint(out, trainer.client_state(), tag=tag)
     torch.distributed.barrier()
     time.sleep(1)  # the writers are inside the stalled write now
     Path(out, f"killed.{torch.distributed.get_rank()}").write_text("")
@@ -39,4 +40,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
