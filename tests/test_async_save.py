@@ -59,8 +59,8 @@ def test_engine_writer_writes_what_torch_save_writes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(persist, "CHUNK", 4096)  # many chunks, the last one short
     monkeypatch.setattr(persist, "WRITE_PIECE", 1000)  # a chunk in several writes and read-backs, none dividing it
-    monkeypatch.setattr(persist, "READ_BACK", 1500)
-    monkeypatch.setattr(persist, "NICE", 1)
+    monkeypatch.setattr(persist, "_READ_BACK", 1500)
+    monkeypatch.setattr(persist, "_NICE", 1)
     flat = torch.randn(10_007)
     state = {"a": flat[3:], "b": flat[:7].view(7, 1), "empty": torch.empty(0), "ids": torch.arange(13),
              "bf": torch.randn(4099).bfloat16(), "p": torch.nn.Parameter(torch.randn(5, 3).t()),
@@ -199,6 +199,14 @@ def test_copies_left_past_the_call_finish_before_the_next_step(saved):
 
 
 @pytest.mark.runtime
+def test_a_setter_after_the_call_waits_for_the_copies(saved):
+    """#68.7: ``safe_set_local_fp32_param`` (ZeRO-3) / ``safe_set_full_fp32_param`` (ZeRO-2) right after the save
+    returns, its copies still running: the setter waits for them; the tag loads back as the state at the call."""
+    setter = saved[1]["setter"]
+    assert setter["pending_after_call"] and setter["changed"] and setter["restored"], setter
+
+
+@pytest.mark.runtime
 def test_a_read_right_after_a_save_waits_for_it(saved):
     """dsckpt's readers in the process that saves (``open_checkpoint``, ``load_state_dict``) wait for its saves in
     flight: they see the tag just saved, never `latest`'s previous one or a tag folder half written."""
@@ -225,7 +233,7 @@ def test_back_to_back_and_failed_saves(saved):
     assert damaged and "/t3c: the background save failed" in damaged and "fails its CRC-32 check" in damaged, damaged
     assert latest_after_damage == report["latest_after_failure"] and t3c_files == []
     assert [r[:2] for r in report["records"]] == [["t", True], ["t2", True], ["t3", False], ["t3c", False],
-                                                  ["t4", True], ["t6", True], ["t7", True], ["t8", True]]
+                                                  ["t4", True], ["t6", True], ["t9", True], ["t7", True], ["t8", True]]
     for tag in ("t", "t2", "t4"):
         assert not open_checkpoint(root / "async", tag).problems
     proc = run_cli("verify", root / "async", "--tag", "t2")

@@ -78,8 +78,8 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     saver = AsyncSave(engine, report=lambda text: None)
     async_save, async_engine = engine.save_checkpoint, engine.checkpoint_engine
     n, rows, root = int(steps_between), [], Path(out)
-    threads, read_back, write_piece = persist_module.THREADS, persist_module.READ_BACK, persist_module.WRITE_PIECE
-    nice = persist_module.NICE
+    threads, read_back, write_piece = persist_module.THREADS, persist_module._READ_BACK, persist_module.WRITE_PIECE
+    nice = persist_module._NICE
     baseline = timed_steps(n, 100)  # no save at all
     modes = os.environ.get("BENCH_MODES", "stock,async").split(",")
     t0 = time.perf_counter()  # the first background save allocates the host buffers every later one reuses
@@ -124,11 +124,11 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 saver.writer.write = torch.save if mode == "async-torch" else write_snapshot
                 use_pool(mode)
                 persist_module.THREADS = int(mode[7:]) if mode.startswith("async-t") and mode[7:].isdigit() else threads
-                persist_module.READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back
+                persist_module._READ_BACK = int(mode[8:]) << 20 if mode.startswith("async-rb") else read_back
                 persist_module.WRITE_PIECE = write_piece
-                persist_module.NICE = int(mode[10:]) if mode.startswith("async-nice") else nice
+                persist_module._NICE = int(mode[10:]) if mode.startswith("async-nice") else nice
                 if mode == "async-small-calls":
-                    persist_module.READ_BACK, persist_module.WRITE_PIECE = 8 << 20, 1 << 20
+                    persist_module._READ_BACK, persist_module.WRITE_PIECE = 8 << 20, 1 << 20
                 t0 = time.perf_counter()
                 async_save(str(root / mode), tag=tag)
                 sync()  # the snapshot's device-to-host copies are queued, not done, when the call returns

@@ -14,6 +14,14 @@ Save side, in the order a save goes through it:
 Load side: ``safe_load`` (DeepSpeed's loader made weights-only) and ``planned_load`` (another world size or stage
 loaded without a copy).
 """
-from .background import AsyncSave, enable_async_save
+from typing import Any
 
 __all__ = ["AsyncSave", "enable_async_save"]
+
+
+def __getattr__(name: str) -> Any:  # (lazily: ``safe_load`` is imported by commands that start no DeepSpeed)
+    if name in __all__:
+        from . import background
+
+        return getattr(background, name)
+    raise AttributeError(name)

@@ -123,10 +123,14 @@ class AsyncSave:
             self.target = self.targets.for_path(save_dir)
             self.current, self.in_save = None, True
             self.writer.idle.clear()
+            offloaded = self._offloaded_dir(engine)
+            existed = os.path.isdir(offloaded) if offloaded else True
             try:
                 with persistent_parameters_kept(getattr(engine, "optimizer", None)):
                     save(self.target.local, tag=self.tag, client_state=client_state, save_latest=False,
                          exclude_frozen_parameters=exclude_frozen_parameters)
+                if not existed and self.current is not None:
+                    self._adopt(offloaded)
             except BaseException:
                 if self.current is not None:
                     self.current.aborted = True  # nothing of it is published; `latest` stays
@@ -167,6 +171,26 @@ class AsyncSave:
                 return destroy(*args, **kwargs)
 
             engine.destroy = destroy_after_persist
+
+    def _offloaded_dir(self, engine: Any) -> str:
+        """Where DeepSpeed copies this rank's NVMe swap folder inside the tag (itself, in the call), or ''."""
+        nvme = getattr(engine, "zero_nvme_offload_optimizer", None)
+        if not callable(nvme) or not nvme():
+            return ""
+        rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+        return os.path.join(self.target.local, self.tag, "offloaded_tensors", f"rank{rank:0>2d}")
+
+    def _adopt(self, offloaded: str) -> None:
+        """The NVMe files DeepSpeed copied into the visible tag folder go into the staging folder with the rest."""
+        assert self.current is not None
+        staged_dir = os.path.join(self.target.local, self.current.staging, "offloaded_tensors")
+        os.makedirs(staged_dir, exist_ok=True)
+        os.replace(offloaded, os.path.join(staged_dir, os.path.basename(offloaded)))
+        for folder in (os.path.dirname(offloaded), os.path.dirname(os.path.dirname(offloaded))):
+            try:
+                os.rmdir(folder)  # (another rank's is still there: the last one removes it)
+            except OSError:
+                break
 
     def _queue_tag(self) -> None:
         current, self.current = self.current, None

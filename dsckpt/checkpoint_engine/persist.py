@@ -36,12 +36,12 @@ from ..formats.positional import pwrite_all
 from ..io import writeback
 
 CHUNK = 64 << 20
-READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back (a 64 MiB one, mapped anew per file, is slower)
+_READ_BACK = 8 << 20  # a thread's buffer for reading its chunks back (a 64 MiB one, mapped anew per file, is slower)
 # 0: no read-back (a benchmark's control: what the read-back's memory traffic costs the training, performance-log 40)
 WRITE_PIECE = CHUNK  # the most one pwrite takes: a chunk in one call
 STARTED_FROM = 1 << 20  # a smaller write's write-back is left to the fsync
 THREADS = int(os.environ.get("DSCKPT_PERSIST_THREADS", "0")) or max(1, min(4, os.cpu_count() or 1))
-NICE = 0  # added to the persist threads' nice value (Linux: per thread); 0 until measured (performance-log 37)
+_NICE = 0  # added to the persist threads' nice value (Linux: per thread); 0 until measured (performance-log 37)
 _CRC_FIELD = 14  # a local header's CRC-32, from its start
 _DESCRIPTOR_MAGIC = b"PK\x07\x08"  # a data descriptor (the CRC-32 after the bytes: torch's writer sets flag bit 3)
 _CD_RECORD = struct.Struct("<4s12xI8xHHH12x")  # a central-directory record: signature, CRC-32, name/extra/comment lengths
@@ -158,7 +158,7 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
         pwrite_all(fd, chunk, offset, WRITE_PIECE)
         if len(chunk) >= STARTED_FROM:
             started(offset, len(chunk))
-        if READ_BACK and _read_back_crc(fd, offset, len(chunk), scratch) != crc:
+        if _READ_BACK and _read_back_crc(fd, offset, len(chunk), scratch) != crc:
             raise CorruptFileError(f"storage {entry.key}: the bytes read back at [{offset}, "
                                    f"{offset + len(chunk)}) are not the ones written", at=path)
         return crc
@@ -176,19 +176,19 @@ def _fill(path: str | os.PathLike[str], fd: int, entries: list[_Entry],
 
 
 def _lower_priority() -> None:
-    if NICE and hasattr(os, "setpriority"):
+    if _NICE and hasattr(os, "setpriority"):
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICE))
 
 
 def _read_back_crc(fd: int, offset: int, nbytes: int, scratch: threading.local) -> int:
     """The CRC-32 of ``nbytes`` of the file from ``offset``, read through a buffer of the thread's own."""
     buffer = getattr(scratch, "buffer", None)
     if buffer is None:
-        buffer = scratch.buffer = memoryview(mmap.mmap(-1, READ_BACK))  # (a bytearray's zero-fill holds the GIL)
+        buffer = scratch.buffer = memoryview(mmap.mmap(-1, _READ_BACK))  # (a bytearray's zero-fill holds the GIL)
     crc, done = 0, 0
     while done < nbytes:
-        got = os.preadv(fd, [buffer[:min(READ_BACK, nbytes - done)]], offset + done)
+        got = os.preadv(fd, [buffer[:min(_READ_BACK, nbytes - done)]], offset + done)
         if got <= 0:
             break
         crc, done = crc32(buffer[:got], crc), done + got

@@ -113,6 +113,31 @@ def copies_after_the_call(trainer, runtime, saver, root):
             "restored": same(capture(trainer.engine), as_of_call)}
 
 
+def setter_after_the_call(trainer, runtime, saver, root):
+    """DeepSpeed's public setter of an fp32 master, called while the save's deferred copies still run (slowed):
+    it waits for them, so the tag holds the state as of the call and not the value set after it."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_local_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    finish = Snapshot.finish
+    Snapshot.finish = lambda snap: (time.sleep(0.5), finish(snap))[1]
+    trainer.step()
+    as_of_call = capture(trainer.engine)
+    runtime.save_checkpoint(root / "async", trainer.client_state(), tag="t9")
+    pending = any(not f.done() for f in saver.staging)
+    param = next(p for p in trainer.engine.module.parameters() if p.requires_grad)
+    if trainer.engine.zero_optimization_stage() == 3:
+        local = safe_get_local_fp32_param(param)
+        safe_set_local_fp32_param(param, torch.full_like(local, 7.0))
+    else:
+        safe_set_full_fp32_param(param, torch.full_like(safe_get_full_fp32_param(param), 7.0))
+    Snapshot.finish = finish
+    changed = not same(capture(trainer.engine), as_of_call)
+    saver.wait()
+    runtime.load_checkpoint(root / "async", tag="t9")
+    return {"pending_after_call": pending, "changed": changed, "restored": same(capture(trainer.engine), as_of_call)}
+
+
 def read_while_persisting(trainer, runtime, saver, root):
     """dsckpt's readers, called right after a save returns while its files are still being written (slowed): they
     wait for it, and see its tag - not the previous one `latest` still names, nor a tag folder half written."""
@@ -186,6 +211,7 @@ def main(stage: str, out: str, report: str) -> None:
     latest_after_t4 = (root / "async" / "latest").read_text()
 
     deferred = copies_after_the_call(trainer, runtime, saver, root)
+    setter = setter_after_the_call(trainer, runtime, saver, root)
     read_during_save = read_while_persisting(trainer, runtime, saver, root)
     runtime.load_checkpoint(root / "async", tag="t")  # DeepSpeed's own load (weights-only unpickler)
     restored = same(capture(trainer.engine), before)
@@ -198,7 +224,7 @@ def main(stage: str, out: str, report: str) -> None:
             "failure": failure, "latest_after_failure": latest_after_failure, "t3_files": t3_files,
             "read_after_failure": read_after_failure,
             "damaged": damaged, "latest_after_t4": latest_after_t4, "restored": restored, "latest_after_close": latest_after_close,
-            "deferred": deferred, "read_during_save": read_during_save, "stage": int(stage), "persistent_kept": kept,
+            "deferred": deferred, "setter": setter, "read_during_save": read_during_save, "stage": int(stage), "persistent_kept": kept,
             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
 
 
