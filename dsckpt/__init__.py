@@ -7,7 +7,7 @@ The operations live in ``dsckpt.api``; they are re-exported here.
 from ._version import __version__
 
 __all__ = ["__version__", "consolidate", "convert", "load_state_dict", "iter_state_dict", "open_checkpoint", "reshard",
-           "load_into", "classify", "verify", "enable_async_save", "into_deepspeed", "WriteOptions"]
+           "load_into", "classify", "verify", "enable_async_save", "into_deepspeed", "WriteOptions", "list_tags", "prune"]
 
 
 def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap

@@ -111,3 +111,17 @@ def test_inspect_du_accounts_for_every_byte(tmp_path):
         assert parts["companions (beside the tags)"] == sum(p.stat().st_size for p in beside)
     clean = run_cli("inspect", FIXTURES / "z2_ws2_fp32", "--du", "--stats")
     assert clean.returncode == 2 and "--du" in clean.stderr
+
+
+def test_list_tags_and_prune_in_python(tmp_path):
+    """#69.8: ``dsckpt.list_tags(root)`` gives the rows `dsckpt list --json` gives; ``dsckpt.prune(root, keep=)``
+    removes what `dsckpt prune` removes."""
+    import dsckpt
+
+    root = _run_folder(tmp_path)
+    rows = dsckpt.list_tags(root)
+    assert [vars(e) for e in rows] == json.loads(run_cli("list", root, "--json").stdout)["checkpoints"]
+    assert [e.tag for e in rows if e.complete][-1] == "step4" and next(e for e in rows if e.resumes_from).tag == "step3"
+    removed, kept = dsckpt.prune(root, keep=1)
+    assert [e.tag for e in removed] == ["step1"] and not (root / "step1").exists()
+    assert [e.tag for e in kept] == ["step2", "step3", "step4"]

@@ -95,3 +95,24 @@ def test_config_files_that_are_not_json_objects_get_one_typed_error_each(tmp_pat
     monkeypatch.setenv("DSCKPT_MAX_JSON_BYTES", "10")
     with pytest.raises(LimitExceededError, match=r"ok.json: the size of this JSON DeepSpeed config is 23, above the limit of 10"):
         load_config(ok)
+
+
+def test_model_factory_from_a_module_in_the_current_folder(tmp_path, monkeypatch):
+    """#69.4: `--model mymodule:build` finds mymodule.py in the folder the command runs from (as `python -m` does);
+    a module found nowhere gets a hint that says where it was looked for."""
+    import sys
+
+    import pytest
+    import torch
+
+    from dsckpt.errors import ConfigError
+    from dsckpt.runtime.train import load_factory
+
+    (tmp_path / "mymodule_for_dsckpt.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(3, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    model = load_factory("mymodule_for_dsckpt:build")()
+    assert isinstance(model, torch.nn.Linear) and model.weight.shape == (2, 3)
+    with pytest.raises(ConfigError) as err:
+        load_factory("no_such_module_anywhere:build")
+    assert "neither an installed package nor a .py file in" in (err.value.hint or "") and str(tmp_path) in err.value.hint

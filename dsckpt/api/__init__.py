@@ -8,7 +8,7 @@ from typing import Any
 _WHERE = {
     "consolidate": "consolidation", "convert": "conversion", "load_state_dict": "consolidation", "iter_state_dict": "consolidation",
     "verify_output": "consolidation", "reshard": "resharding", "load_into": "loading", "classify": "paths",
-    "into_deepspeed": "ingest", "WriteOptions": "options",
+    "into_deepspeed": "ingest", "WriteOptions": "options", "list_tags": "catalog", "prune": "catalog",
 }
 
 __all__ = sorted(_WHERE)

@@ -113,6 +113,12 @@ def _leftovers(root: Path, checkpoints: list[Path]) -> list[Entry]:
     return entries
 
 
+def list_tags(root: str | os.PathLike[str]) -> list[Entry]:
+    """``dsckpt.list_tags(root)``: the rows of ``dsckpt list`` (``list_checkpoints``); the newest complete one a
+    resume script wants is ``[e for e in rows if e.complete][-1]``."""
+    return list_checkpoints(root)
+
+
 def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
     """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept)."""
     if type(keep) is not int or keep < 1:

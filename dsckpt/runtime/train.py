@@ -8,7 +8,9 @@ options) and ``user`` (anything the caller adds).
 from __future__ import annotations
 
 import importlib
+import os
 import random
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -29,10 +31,16 @@ def load_factory(spec: str | None, freeze: bool = False) -> Callable[[], torch.n
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise ConfigError(f"--model {spec!r}: expected 'package.module:factory'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a module beside the user, as `python -m` finds it
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model {spec!r}: cannot load ({exc})") from None
+        hint = None
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            hint = (f"{module_name.split('.')[0]} is neither an installed package nor a .py file in {os.getcwd()}: run "
+                    "from the folder that holds it, or put its folder on PYTHONPATH")
+        raise ConfigError(f"--model {spec!r}: cannot load ({exc})", hint=hint) from None
     return factory
 
 
