@@ -94,11 +94,15 @@ def main() -> None:
     doc["summary"] = summary = {
         "async_blocked_s": med("async", "blocked_s"), "async_durable_s": med("async", "durable_s"),
         "async_persist_s": med("async", "persist_s"), "rank_bytes": nbytes, "dd_direct_gbps": dd,
+        "first_save_blocked_s": doc["first_save_blocked_s"],
+        "first_save_memory_waited_s": doc.get("first_save_memory_waited_s"),
         "dd_direct_before_after_gbps": [dd_before, dd_after], "steps_after_async_s": med("async", "steps_s"),
         "steps_no_save_s": med("none", "steps_s") if "none" in modes else doc["baseline_steps_s"]}
     print(f"{doc['device']}, {doc['params'] / 1e6:.0f}M parameters, ZeRO-{doc['stage']} {doc['precision']}, "
           f"world size {doc['world_size']}, {nbytes / 1e9:.2f} GB a rank, {args.rounds} alternating rounds (medians); "
-          f"the first background save, before the rounds, blocked {doc['first_save_blocked_s']:.2f} s")
+          f"the first background save, before the rounds, blocked {doc['first_save_blocked_s']:.2f} s "
+          f"({doc.get('first_save_memory_waited_s', 0.0):.2f} s of it for pinned memory"
+          f"{', allocated in the call: BENCH_NO_RESERVE' if os.environ.get('BENCH_NO_RESERVE') else ''})")
     if "stock" in modes:
         summary.update(stock_blocked_s=med("stock", "blocked_s"), stock_durable_s=med("stock", "durable_s"),
                        steps_after_stock_s=med("stock", "steps_s"))

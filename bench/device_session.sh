@@ -12,6 +12,8 @@
 #   bash bench/device_session.sh persist-loss $OUT    issue 54's open questions in one run (performance-log 37): the
 #        copy engines, the persist beside a Python-bound thread in and out of process, nice 19 on the throughput
 #   bash bench/device_session.sh paced $OUT    the paced device-to-host copies (performance-log 39): GPU test, throughput
+#   bash bench/device_session.sh first-save $OUT STAGE [STEPS] [PAIRS]   issue 68 point 8: the first save's block with the pinned
+#        buffers reserved after the first step (default) and allocated in the call (BENCH_NO_RESERVE), alternated
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
 # as wheels in .whl/ (installed to /tmp/site); an image without pydantic and hjson needs theirs too (pydantic_core
 # built for the host's Python: `pip download --python-version 3.12 --only-binary=:all:`).
@@ -55,6 +57,14 @@ case $part in
     timeout 280 python3 bench/bench_async_save.py --nproc 1 --stage 3 --precision bf16 --dim 2048 --layers 24 \
       --rounds 2 --modes async,none --steps-between 30 --paired --out /tmp/async \
       --json $out/async-paced.json 2>&1 | grep -v -i warn | tail -8 | tee $out/async-paced.txt ;;
+  first-save)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for pair in $(seq ${5:-1}); do for control in "" 1; do
+      BENCH_NO_RESERVE=$control timeout 140 python3 bench/bench_async_save.py --nproc 1 --stage $3 --precision bf16 \
+        --dim 2048 --layers 24 --rounds 1 --modes async --steps-between ${4:-30} --out /tmp/async \
+        --json $out/first-save-z$3-${control:-reserved}-$RANDOM.json 2>&1 | grep -v -i warn | grep -i "first\|blocked" \
+        | tee -a $out/first-save-z$3.txt
+    done; done ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks

@@ -154,6 +154,24 @@ def test_pinned_buffers_are_pinned_at_their_size():
     assert not torch.empty(0, dtype=torch.uint8).set_(buffer).is_pinned()
 
 
+@pytest.mark.gpu
+def test_the_first_save_takes_buffers_reserved_off_the_call():
+    """#68.8: pinned buffers reserved on a thread of their own (as the engine does after the optimizer's first step)
+    are what the first save takes: a take of a size still being reserved waits for that buffer, not a second one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool = HostPool()
+    sizes = [(64 << 20) + 3, (64 << 20) + 3, 5 << 20]
+    thread = pool.reserve(sizes)
+    first = pool.take(sizes[0], pinned=True)  # (at once: it waits for the reservation, if it is not done)
+    thread.join()
+    second, third = pool.take(sizes[1], pinned=True), pool.take(sizes[2], pinned=True)
+    assert {first.data_ptr(), second.data_ptr(), third.data_ptr()} <= {b.data_ptr() for b in pool.pinned}
+    assert len(pool.pinned) == 3 and pool.reserving == {}
+    assert all(torch.empty(0, dtype=torch.uint8).set_(b).is_pinned() for b in (first, second, third))
+    pool.close()
+
+
 def check_equal_to_stock(root: Path, report: dict) -> None:
     assert report["moved"], "the steps after the save must have rewritten the optimizer's buffers"
     for state in STATES:

@@ -94,6 +94,7 @@ class AsyncSave:
         self.staging: list[Future[None]] = []
         self.copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # (on the engine's device)
         self.defers = False  # the optimizer's writers are fenced: an optimizer-states file's copies may wait for them
+        self.reserve: threading.Thread | None = None  # the first save's pinned buffers, allocated off the call
         self.closed = False
         self._wrap(engine)
         lifecycle.opened(self)
@@ -118,7 +119,7 @@ class AsyncSave:
                 return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
             waited = self._wait_previous()
-            start = time.perf_counter()
+            start, memory = time.perf_counter(), self.pool.waited_s
             self.tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
             self.target = self.targets.for_path(save_dir)
             self.current, self.in_save = None, True
@@ -142,6 +143,7 @@ class AsyncSave:
                 self.current.save_latest = save_latest
                 rec = self.current.record
                 rec.blocked_s, rec.waited_s = time.perf_counter() - start, waited
+                rec.memory_waited_s = self.pool.waited_s - memory
                 self.records.append(rec)
             self._queue_tag()
             return True
@@ -256,7 +258,12 @@ class AsyncSave:
         return waited
 
     def _staged(self) -> None:
-        """Every deferred copy done (the time waited is the last save's ``step_waited_s``)."""
+        """Every deferred copy done (the time waited is the last save's ``step_waited_s``); on a GPU, once the
+        optimizer holds its state, the pinned buffers a save will need reserved off this thread."""
+        if self.reserve is None and self.copy_stream is not None and not self.records:
+            sizes = gpu_state_sizes(self.engine)
+            if sizes:
+                self.reserve = self.pool.reserve(sizes)
         if not self.staging:
             return
         staging, self.staging = self.staging, []
@@ -293,6 +300,25 @@ class AsyncSave:
                 self.writer.stop()
                 for stop in (self.stager.shutdown, self.targets.close, self.pool.close):
                     stop()
+
+
+def gpu_state_sizes(engine: Any) -> list[int]:
+    """The GPU storages a save of ``engine`` copies, by size, once its optimizer holds state (none before its first
+    step): each flat fp32 partition and its per-element state, and at ZeRO-1/2 the module's 16-bit parameters (each
+    cloned by DeepSpeed for the model-states file)."""
+    optimizer = getattr(engine, "optimizer", None)
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or \
+        getattr(optimizer, "single_partition_of_fp32_groups", None) or []
+    state = getattr(getattr(optimizer, "optimizer", None), "state", {})
+    if not flats or not any(flat in state for flat in flats):
+        return []
+    sizes = []
+    for flat in flats:
+        tensors = [flat] + [v for v in state.get(flat, {}).values() if isinstance(v, torch.Tensor) and v.dim()]
+        sizes += [t.untyped_storage().nbytes() for t in tensors if t.is_cuda]
+    if engine.zero_optimization_stage() < 3:
+        sizes += [p.numel() * p.element_size() for p in engine.module.parameters() if p.is_cuda]
+    return sizes
 
 
 def enable_async_save(engine: Any, report: Callable[[str], None] | None = None) -> AsyncSave:

@@ -6,15 +6,18 @@ The one commit protocol of every save dsckpt makes (the background engine's and 
    (``.<tag>.dsckpt-tmp-<pid>-<id>``, a kill -9's) and so is this run's own failed attempt at the same tag;
 2. every rank writes its files into the staging folder ``staging_name(tag, owner)`` beside the tags (``owner``:
    rank 0's pid and a token, the same name on every rank), each file flushed (``write_temp``);
-3. once every rank's files are durable (the ranks agree), rank 0 ``publish``es: the folder flushed, renamed to
-   ``<tag>``; a tag saved again is swapped in whole (``LocalStorage.swap_in``), so no reader ever sees it mixed
-   or missing; then any rank whose staging folder is still there (node-local storage) publishes its own;
-4. after another agreement rank 0 replaces ``latest`` (``publish_latest``).
-A failure before 4: every rank ``discard``s its files and rank 0 the folder; ``latest`` and every tag folder are
-as they were.  ``Targets.for_path(save_dir)`` chooses the target once from the path the trainer passed:
-``LocalTarget`` for a folder, ``BucketTarget`` for ``s3://``, ``gs://``, ``az://`` (DeepSpeed saves into a local
-scratch folder; each rank uploads its own files as the tag's objects, each visible only once whole; ``latest``
-is an object written last).
+3. ``persist``: every rank, its files written: nothing more for a folder; a bucket's rank uploads its files as
+   hidden objects under the staging name;
+4. once every rank's files are durable (the ranks agree), ``publish`` on every rank: rank 0 renames the folder to
+   ``<tag>`` (flushed first; a tag saved again is swapped in whole, ``LocalStorage.swap_in``, so no reader ever sees
+   it mixed or missing) - in a bucket each rank has the store copy its objects to the tag's names, then removes the
+   hidden ones; after an agreement ``publish_node_local``: a rank whose staging folder is still there (storage rank
+   0 does not see) renames its own;
+5. after another agreement rank 0 replaces ``latest`` (``publish_latest``).
+A failure before 4: every rank ``discard``s its files and rank 0 the folder; ``latest`` and every tag are as they
+were (in a bucket too: nothing of a reused tag is touched before every rank's objects are whole).
+``Targets.for_path(save_dir)`` chooses the target once from the path the trainer passed: ``LocalTarget`` for a
+folder, ``BucketTarget`` for ``s3://``, ``gs://``, ``az://`` (DeepSpeed saves into a local scratch folder).
 """
 from __future__ import annotations
 
@@ -80,15 +83,20 @@ def publish_tag(save_dir: Path, staging: Path, tag: str) -> None:
 
 
 class SaveTarget(Protocol):
-    """Where a tag goes.  Calls, by the writer thread of each rank: ``prepare`` (rank 0, in the save call, before the
-    ranks write), then after the agreement ``publish`` (rank 0, then the others), ``publish_latest`` (rank 0), or
-    ``discard`` on every rank when any failed."""
+    """Where a tag goes.  Calls: ``prepare`` (rank 0, in the save call, before the ranks write); then by the writer
+    thread of each rank ``persist`` (its files written), and after the agreement ``publish`` (every rank),
+    ``publish_node_local`` (every rank but 0, after another agreement), ``publish_latest`` (rank 0); or ``discard``
+    on every rank when any failed."""
     name: str  # what the trainer passed: messages name it
     local: str  # the folder DeepSpeed saves into
 
     def prepare(self, tag: str, staging: str) -> None: ...
 
+    def persist(self, staging: str, files: list[str]) -> None: ...
+
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None: ...
+
+    def publish_node_local(self, tag: str, staging: str) -> None: ...
 
     def publish_latest(self, tag: str) -> None: ...
 
@@ -109,9 +117,16 @@ class LocalTarget:
             remove_path(path)
         remove_path(Path(self.local) / staging)  # this run's own earlier attempt at the tag, failed
 
+    def persist(self, staging: str, files: list[str]) -> None:
+        pass  # (each file flushed as written)
+
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
+        if leader:
+            publish_tag(Path(self.local), Path(self.local) / staging, tag)
+
+    def publish_node_local(self, tag: str, staging: str) -> None:
         folder = Path(self.local) / staging
-        if leader or folder.is_dir():  # (another rank's: still there only on storage rank 0 does not see)
+        if folder.is_dir():  # (still there only on storage rank 0 does not see)
             publish_tag(Path(self.local), folder, tag)
 
     def publish_latest(self, tag: str) -> None:
@@ -144,23 +159,32 @@ class BucketTarget:
     def prepare(self, tag: str, staging: str) -> None:
         remove_path(Path(self.local) / staging)
 
-    def _put(self, local: str, name: str) -> None:
-        self.bucket.replace(Path(local), name)
-        self.uploaded.append(name)
+    def _name(self, path: str, staging: str, under: str) -> str:
+        return f"{under}/{Path(os.path.relpath(path, os.path.join(self.local, staging))).as_posix()}"
+
+    def persist(self, staging: str, files: list[str]) -> None:
+        self.uploaded = []
+        for path in files:  # (hidden objects: readers leave them out, nothing of the tag changes yet)
+            name = self._name(path, staging, staging)
+            self.bucket.replace(Path(path), name)
+            self.uploaded.append(name)
+        remove_files(files)
 
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
+        for name in self.uploaded:
+            self.bucket.copy(name, f"{tag}/{name.split('/', 1)[1]}")
+        for name in self.uploaded:
+            self.bucket.remove(name)
         self.uploaded = []
-        folder = os.path.join(self.local, staging)
-        for path in files:
-            self._put(path, f"{tag}/{Path(os.path.relpath(path, folder)).as_posix()}")
-        remove_files(files)
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
+        shutil.rmtree(os.path.join(self.local, staging), ignore_errors=True)
         if leader:  # what DeepSpeed wrote beside the tags itself (its zero_to_fp32.py)
             for entry in os.scandir(self.local):
                 if entry.is_file() and entry.name != LATEST_FILE and not entry.name.startswith("."):
-                    self._put(entry.path, entry.name)
+                    self.bucket.replace(Path(entry.path), entry.name)
                     os.remove(entry.path)
+
+    def publish_node_local(self, tag: str, staging: str) -> None:
+        pass
 
     def publish_latest(self, tag: str) -> None:
         self.bucket.write(LATEST_FILE, tag.encode())
@@ -168,9 +192,8 @@ class BucketTarget:
     def discard(self, staging: str, files: list[str], leader: bool) -> None:
         remove_files(files)
         shutil.rmtree(os.path.join(self.local, staging), ignore_errors=True)
-        for name in self.uploaded:  # best effort: the failure that brought us here is the one to report
-            with contextlib.suppress(Exception):
-                self.bucket.remove(name)
+        with contextlib.suppress(Exception):  # best effort: the failure that brought us here is the one to report
+            self.bucket.remove(staging)  # (every rank's hidden objects of the tag; the tag itself is untouched)
         self.uploaded = []
 
     def latest(self) -> str | None:

@@ -17,6 +17,7 @@ import copy
 import ctypes
 import mmap
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -40,12 +41,51 @@ class HostPool:
         self.pinned: list[torch.UntypedStorage] = []
         self._unpin = weakref.finalize(self, _unpin_all, self.pinned)  # a pool dropped without close() unpins too
         self._unpin.atexit = False  # (the process's end frees them)
+        self.reserving: dict[int, int] = {}  # pinned sizes a ``reserve`` thread has yet to allocate, and how many
+        self.reserved = threading.Condition(self.lock)
+        self.waited_s = 0.0  # how long takes waited for pinned memory: a reservation, or their own allocation
+
+    def reserve(self, sizes: list[int]) -> threading.Thread:
+        """Pinned buffers of ``sizes`` allocated on a thread of their own, off the training thread, so that the first
+        save takes them instead of allocating (and pinning) in its call; a take of a size still being reserved waits
+        for it rather than allocating a second one."""
+        with self.lock:
+            for n in sizes:
+                self.reserving[n] = self.reserving.get(n, 0) + 1
+        thread = threading.Thread(target=self._fill, args=(list(sizes),), name="dsckpt-async-reserve", daemon=True)
+        thread.start()
+        return thread
+
+    def _fill(self, sizes: list[int]) -> None:
+        for n in sorted(sizes, reverse=True):  # (the largest first: what a save waits longest for)
+            try:
+                buffer = self._allocate(n, pinned=True)
+            except Exception:  # (no memory now: the save allocates itself, and says so if it must wait)
+                buffer = None
+            with self.reserved:
+                if buffer is not None:
+                    self.free.setdefault((n, True), []).append(buffer)
+                self.reserving[n] -= 1
+                if not self.reserving[n]:
+                    del self.reserving[n]
+                self.reserved.notify_all()
 
     def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
-        with self.lock:
+        with self.reserved:
+            if pinned and nbytes in self.reserving and not self.free.get((nbytes, pinned)):
+                start = time.perf_counter()
+                self.reserved.wait_for(lambda: nbytes not in self.reserving or bool(self.free.get((nbytes, pinned))))
+                self.waited_s += time.perf_counter() - start
             spare = self.free.get((nbytes, pinned))
             if spare:
                 return spare.pop()
+        start = time.perf_counter()
+        buffer = self._allocate(nbytes, pinned)
+        if pinned:
+            self.waited_s += time.perf_counter() - start
+        return buffer
+
+    def _allocate(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
         if not pinned or nbytes < PINNED_IN_PLACE:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
         region = mmap.mmap(-1, nbytes)  # pages of its own: no other registered range shares one
@@ -75,20 +115,34 @@ def _unpin_all(buffers: list[torch.UntypedStorage]) -> None:
 
 
 def pin_in_place(buffer: torch.UntypedStorage) -> bool:
-    """Page-lock host memory where it is (cudaHostRegister, portable to every device's context); False where the
-    driver refuses, its error then cleared so that torch's next kernel-launch check does not raise it."""
-    if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1)) == 0:
+    """Page-lock host memory where it is (cudaHostRegister, portable to every device's context; through ctypes, which
+    lets the GIL go while the driver faults in and pins the pages); False where the driver refuses, its error then
+    cleared so that torch's next kernel-launch check does not raise it."""
+    runtime = _cuda_runtime()
+    if runtime is not None:
+        register = runtime.cudaHostRegister
+        register.argtypes, register.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+        status = register(buffer.data_ptr(), buffer.nbytes(), 1)
+    else:
+        status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1))
+    if status == 0:
         return True
     _clear_cuda_error()
     return False
 
 
+def _cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (None where it is linked into torch itself)."""
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+    return ctypes.CDLL(path) if path is not None else None
+
+
 def _clear_cuda_error() -> None:
     """cudaGetLastError of the runtime torch loaded (torch.cuda.cudart() does not expose it)."""
-    with open("/proc/self/maps") as maps:
-        runtime = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+    runtime = _cuda_runtime()
     if runtime is not None:
-        ctypes.CDLL(runtime).cudaGetLastError()
+        runtime.cudaGetLastError()
 
 
 class Snapshot:

@@ -40,6 +40,7 @@ class SaveRecord:
     nbytes: int = 0
     persist_s: float = 0.0
     ok: bool = False
+    memory_waited_s: float = 0.0  # of ``blocked_s``: pinned host memory allocated (or a reservation waited for)
 
 
 @dataclass
@@ -151,6 +152,16 @@ class Writer:
         write_temp(self.write, item.state, item.temp, follow=not own)
         return self.checker.submit(check_files, [] if own else [Path(item.temp)])
 
+    def _persisted(self, tag: QueuedTag, error: BaseException | None) -> BaseException | None:
+        """The target's part of making this rank's files durable (a bucket: uploaded as hidden objects)."""
+        if error is not None:
+            return error
+        try:
+            tag.target.persist(tag.staging, tag.temps)
+        except (OSError, DsckptError) as exc:
+            return exc
+        return None
+
     def _commit(self, tag: QueuedTag, error: BaseException | None, started: float) -> None:
         rank, target, published = self.group.rank, tag.target, False
 
@@ -164,10 +175,11 @@ class Writer:
             self.group.agree(failed)
 
         try:
+            error = self._persisted(tag, error)
             self.group.agree(None if error is None else cause(error))  # every rank's files durable
-            phase(lambda r: r == 0, lambda: target.publish(tag.tag, tag.staging, tag.temps, leader=True))
+            phase(lambda r: True, lambda: target.publish(tag.tag, tag.staging, tag.temps, leader=rank == 0))
             published = True
-            phase(lambda r: r != 0, lambda: target.publish(tag.tag, tag.staging, tag.temps, leader=False))
+            phase(lambda r: r != 0, lambda: target.publish_node_local(tag.tag, tag.staging))
             if tag.save_latest:
                 phase(lambda r: r == 0, lambda: target.publish_latest(tag.tag))
         except DsckptError as exc:  # (a peer gone or silent past the timeout too: parallel.transport)
@@ -179,7 +191,9 @@ class Writer:
         if rank == 0:
             rec = tag.record
             size = f"{rec.nbytes / 1e9:.2f} GB" if rec.nbytes >= 1e8 else f"{rec.nbytes / 1e6:.1f} MB"
-            self.report(f"saved {tag.name}: training blocked {rec.blocked_s * 1e3:.0f} ms, "
+            memory = (f" ({rec.memory_waited_s:.2f} s of it waiting for pinned host memory)"
+                      if rec.memory_waited_s >= 0.01 else "")
+            self.report(f"saved {tag.name}: training blocked {rec.blocked_s * 1e3:.0f} ms{memory}, "
                         f"{size} persisted in {rec.persist_s:.2f} s "
                         f"({rec.nbytes / 1e9 / max(rec.persist_s, 1e-9):.2f} GB/s)")
 

@@ -170,6 +170,10 @@ class BucketStorage:
         except Exception as exc:
             raise typed_error(self.shown(final), exc, "uploading") from None
 
+    def copy(self, source: Name, final: Name) -> None:
+        """Object ``source`` copied to ``final`` by the store itself (no bytes through this host)."""
+        self._call(final, "copying", lambda: self.fs.copy(self.key(source), self.key(final)))
+
     def merge_into(self, temp: Path, final: Name,
                    order: Callable[[builtins.list[str]], builtins.list[str]] = sorted) -> None:
         """Publish a staged local folder's files under ``final``, one by one in ``order`` (of their relative names)."""

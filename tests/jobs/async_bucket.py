@@ -4,7 +4,7 @@ ARGS: STAGE URL OUT REPORT.  Tag t1 is saved into URL and, at the same moment (n
 then a step and t2 into URL; then t3 into a bucket that does not exist (a failure reported at wait(), `latest` kept);
 then a load of URL through the engine is refused with a typed error.  Rank 0 writes REPORT.  Last, a step and t4
 into URL, whose upload rank 1 stalls while rank 0's objects go up: every rank kills itself (SIGKILL) mid-persist,
-leaving OUT/killed.<rank>.
+leaving OUT/killed.<rank>: rank 0's objects are up, hidden under t4's staging name, and nothing named t4 is.
 """
 import json
 import os
@@ -39,37 +39,69 @@ def main(stage: str, url: str, out: str, report: str) -> None:
         failure = None
     except BackgroundSaveError as exc:
         failure = str(exc)
+    reused = reused_tag_fails(trainer, url)
     try:
         engine.load_checkpoint(url)
         refused = None
     except ConfigError as exc:
         refused = f"{exc} (hint: {exc.hint})"
     if rank() == 0:
-        Path(report).write_text(json.dumps({"failure": failure, "refused": refused,
+        Path(report).write_text(json.dumps({"failure": failure, "refused": refused, "reused": reused,
                                             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
     killed_mid_upload(trainer, url, out)
+
+
+def reused_tag_fails(trainer: Trainer, url: str) -> dict:
+    """t2 saved again after a step, its upload failing on rank 1: t2's objects must be the first save's still."""
+    import fsspec
+    import torch.distributed as dist
+
+    from dsckpt.formats.bucket import BucketStorage
+
+    fs, prefix = fsspec.filesystem("s3", skip_instance_cache=True), url[len("s3://"):]
+    before = {p: fs.cat_file(p) for p in fs.find(f"{prefix}/t2")}
+    put = BucketStorage.replace
+    if rank() == 1:
+        def failing(self, local, name, **options) -> None:
+            if str(name).startswith(".t2."):
+                raise OSError(28, "No space left on device", str(local))
+            put(self, local, name, **options)
+        BucketStorage.replace = failing
+    trainer.step()
+    trainer.engine.save_checkpoint(url, tag="t2", client_state=trainer.client_state())
+    try:
+        dsckpt.enable_async_save(trainer.engine).wait()
+        failure = None
+    except BackgroundSaveError as exc:
+        failure = str(exc)
+    BucketStorage.replace = put
+    dist.barrier()
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    after = {p: fs.cat_file(p) for p in fs.find(f"{prefix}/t2")}
+    return {"failure": failure, "untouched": before == after and len(before) == 4,
+            "hidden_left": [p for p in fs.find(prefix) if "/.t2.dsckpt-tmp-" in p]}
 
 
 def killed_mid_upload(trainer: Trainer, url: str, out: str) -> None:
     import torch.distributed as dist
 
-    from dsckpt.checkpoint_engine import commit as staged_files
+    from dsckpt.formats.bucket import BucketStorage
 
     if rank() == 1:
-        put = staged_files.BucketTarget._put
+        put = BucketStorage.replace
 
-        def stalled(self, local: str, key: str) -> None:
-            if key.startswith("t4/"):
+        def stalled(self, local, name, **options) -> None:
+            if str(name).startswith(".t4."):
                 time.sleep(120)
-            put(self, local, key)
-        staged_files.BucketTarget._put = stalled
+            put(self, local, name, **options)
+        BucketStorage.replace = stalled
     trainer.step()
     trainer.engine.save_checkpoint(url, tag="t4", client_state=trainer.client_state())
-    if rank() == 0:  # until this rank's objects of t4 are in the bucket (rank 1's never come)
+    if rank() == 0:  # until this rank's (hidden) objects of t4 are in the bucket (rank 1's never come)
         import fsspec
 
-        fs, tag, deadline = fsspec.filesystem("s3", skip_instance_cache=True), url[len("s3://"):] + "/t4", time.time() + 60
-        while time.time() < deadline and len(fs.find(tag)) < 2:
+        fs, prefix, deadline = fsspec.filesystem("s3", skip_instance_cache=True), url[len("s3://"):], time.time() + 60
+        while time.time() < deadline and len([n for n in fs.find(prefix) if "/.t4.dsckpt-tmp-" in n]) < 2:
             time.sleep(0.2)
     dist.barrier()
     Path(out, f"killed.{rank()}").write_text("")
