@@ -115,3 +115,34 @@ def test_verify_reports_its_progress_in_bytes():
     expected = [loc.nbytes for p in sorted((ckpt / "step3").iterdir()) for loc in StorageIndex(p).storages.values()]
     (step,) = tally.steps
     assert step.phase is Phase.VERIFY and sorted(step.pieces) == sorted(expected) and step.done > 0
+
+
+@pytest.mark.parametrize("latest", [b"\x00\xff garbage \x01" * 3, b"step9"], ids=["garbage", "missing-tag"])
+def test_a_bad_latest_never_blocks_a_tag_named_explicitly(tmp_path, latest):
+    """#69.2: garbage in `latest`, or `latest` naming a tag that is not there: every command given --tag works,
+    `verify --all-tags` checks every tag and reports `latest` alone, `list` marks every healthy tag complete and
+    says what is wrong with `latest` once; without --tag the commands refuse, with a hint that leads to one."""
+    root = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(FIXTURES / "z2_ws2_fp32", root)
+    shutil.copytree(root / "step3", root / "step6")
+    (root / "latest").write_bytes(latest)
+    for args in (["verify", root, "--tag", "step6"], ["inspect", root, "--tag", "step6"],
+                 ["check-finite", root, "--tag", "step6"],
+                 ["consolidate", root, tmp_path / "m.safetensors", "--tag", "step6", "-q"],
+                 ["reshard", root, tmp_path / "ws3", "-w", "3", "--tag", "step6", "-q"]):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+    proc = run_cli("verify", root, "--all-tags", "--json")
+    assert proc.returncode == 1, proc.stderr
+    reports = json.loads(proc.stdout)["tags"]
+    assert [r["tag"] for r in reports] == ["latest", "step3", "step6"]
+    assert reports[0]["problems"] and all(not r["problems"] for r in reports[1:]), reports
+    listed = json.loads(run_cli("list", root, "--json").stdout)
+    assert [(e["tag"], e["complete"]) for e in listed["checkpoints"]] == [("step3", True), ("step6", True)]
+    assert len(listed["notes"]) == 1 and "latest" in listed["notes"][0]
+    refused = run_cli("verify", root)
+    assert refused.returncode in (1, 2) and "Traceback" not in refused.stderr
+    if refused.returncode == 2:
+        assert "--tag" in refused.stderr, refused.stderr

@@ -159,6 +159,19 @@ def _only_tag(folder: Path) -> str:
     return _latest(folder) or L.list_tags(folder)[-1]
 
 
+def latest_problem(root: str | os.PathLike[str]) -> str | None:
+    """What is wrong with a save folder's `latest` (unreadable, or naming no tag folder); None when nothing is, or
+    for an HF output_dir (each checkpoint-N has its own)."""
+    folder = Path(root)
+    if not L.list_tags(folder):
+        return None
+    try:
+        latest = L.read_latest(folder)
+    except DsckptError as exc:
+        return str(exc)
+    return str(L.stale_latest(folder, latest)) if latest is not None and latest not in L.list_tags(folder) else None
+
+
 def _latest(root: Path) -> str | None:
     try:
         return L.read_latest(root)

@@ -41,13 +41,17 @@ def list_command(root: str, as_json: bool) -> None:
       dsckpt list runs/demo
       dsckpt list out/ --json | jq '.checkpoints[] | select(.complete | not)'
     """
-    from ..api.catalog import list_checkpoints
+    from ..api.catalog import latest_problem, list_checkpoints
 
     entries = list_checkpoints(root)
+    notes = [f"{problem} (every tag is listed; pass one with --tag to the other commands)"
+             for problem in [latest_problem(root)] if problem]
     if as_json:
-        click.echo(json_document(input=root, checkpoints=[vars(e) for e in entries]))
+        click.echo(json_document(input=root, checkpoints=[vars(e) for e in entries], notes=notes))
         return
     click.echo("\n".join(_rows(entries)))
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     for e in entries:
         for p in e.problems[:3]:
             click.echo(f"  {e.name}: {p}", err=True)

@@ -238,9 +238,10 @@ def read_latest(root: Path) -> str | None:
         data = fh.read(limit("MAX_LATEST_BYTES") + 1)
     if len(data) > limit("MAX_LATEST_BYTES"):
         raise TagError(f"longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name", at=latest)
-    tag = data.decode("utf-8", errors="replace").strip()
+    tag = data.decode("utf-8", errors="backslashreplace").strip()
     if tag and (os.sep in tag or tag in (".", "..") or not tag.isprintable()):
-        raise TagError(f"{tag[:80]!r} is not a tag folder name", at=latest)
+        raise TagError(f"{tag[:80]!r} is not a tag folder name", at=latest,
+                       hint=f"name a tag with --tag (`dsckpt list {shlex.quote(str(root))}` shows them)")
     return tag or None
 
 
@@ -312,9 +313,19 @@ def discover(path: str | os.PathLike[str], tag: str | None = None) -> Layout:
     tags = list_tags(root)
     if root != p and p.name not in tags:
         tags.append(p.name)  # e.g. a hidden in-progress save named explicitly
-    latest = read_latest(root)
+    notes = []
+    try:
+        latest = read_latest(root)
+    except TagError as exc:
+        if tag is None:
+            raise
+        latest = None  # a tag named explicitly never needs `latest` (the way around a broken one)
+        notes.append(f"{exc}; not used: tag {tag!r} was named")
     if latest is not None and latest not in tags:
-        problems.append(stale_latest(root, latest))
+        if tag is None:
+            problems.append(stale_latest(root, latest))
+        else:
+            notes.append(f"{stale_latest(root, latest)}; not used: tag {tag!r} was named")
     if tag is None:
         if latest in tags:
             tag = latest
@@ -337,7 +348,6 @@ def discover(path: str | os.PathLike[str], tag: str | None = None) -> Layout:
     elif tag not in tags:
         raise TagError(f"tag {tag!r} not found; tags present: {', '.join(tags) or 'none'}", at=root)
     tag_dir = root / tag
-    notes = []
     if tag_dir.is_symlink() and not inside(tag_dir.resolve(), root):
         notes.append(f"{tag_dir}: a symlink to {tag_dir.resolve()}, outside {root}; followed")
     model, optim, pipeline, experts = _scan_tag_dir(tag_dir, problems)
