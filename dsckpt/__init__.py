@@ -20,6 +20,9 @@ def __getattr__(name: str):  # lazy: keep `import dsckpt` cheap
     if name == "verify":
         from .analysis.verify import verify
         return verify
+    if name == "prune":  # with the check that keeps the last finite checkpoints
+        from .analysis.finiteness import prune
+        return prune
     if name in __all__:
         from . import api
         return getattr(api, name)

@@ -125,3 +125,30 @@ def test_list_tags_and_prune_in_python(tmp_path):
     removed, kept = dsckpt.prune(root, keep=1)
     assert [e.tag for e in removed] == ["step1"] and not (root / "step1").exists()
     assert [e.tag for e in kept] == ["step2", "step3", "step4"]
+
+
+def test_prune_keeps_the_newest_finite_checkpoints_when_the_newest_hold_nan(tmp_path):
+    """#69.3: `prune --keep 1` of a run whose newest tag (the one `latest` names) has NaN masters keeps that tag and
+    the newest finite one, removing only older ones; `--no-check` keeps the newest --keep whatever they hold."""
+    import math
+
+    import torch
+
+    from malformed import torch_save
+
+    def poison(obj):
+        with torch.no_grad():
+            obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][3] = math.nan
+
+    root = torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*", poison, need_unsafe=True)(tmp_path)  # step3: NaN
+    for tag, step in (("step1", 1), ("step2", 2)):
+        shutil.copytree(FIXTURES / "z2_ws2_fp32" / "step3", root / tag)
+    dry = json.loads(run_cli("prune", root, "--keep", "1", "--dry-run", "--no-check", "--json").stdout)
+    assert [e["tag"] for e in dry["removed"]] == ["step1", "step2"] and dry["notes"] == []
+    proc = run_cli("prune", root, "--keep", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [e["tag"] for e in doc["removed"]] == ["step1"], doc
+    assert [(e["tag"], e["finite"]) for e in doc["kept"]] == [("step2", True), ("step3", False)]
+    assert len(doc["notes"]) == 1 and "step3: its fp32 masters hold NaN or Inf" in doc["notes"][0]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step2", "step3"]

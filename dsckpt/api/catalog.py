@@ -21,6 +21,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CheckpointNotFoundError, DsckptError, OutputError
 from ..zero import layout as L
@@ -42,6 +43,7 @@ class Entry:
     problems: list[str] = field(default_factory=list)
     name: str = ""  # what the other commands take: the tag, or an HF output_dir's checkpoint-N
     leftover: str | None = None  # INTERRUPTED or IN_PROGRESS: a save that is not (yet) a checkpoint
+    finite: bool | None = None  # its fp32 masters all finite (checked by a prune that keeps finite ones; else None)
 
 
 INTERRUPTED, IN_PROGRESS = "interrupted save", "save in progress"
@@ -119,8 +121,11 @@ def list_tags(root: str | os.PathLike[str]) -> list[Entry]:
     return list_checkpoints(root)
 
 
-def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tuple[list[Entry], list[Entry]]:
-    """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept)."""
+def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False,
+          finite: Callable[[Entry], bool] | None = None) -> tuple[list[Entry], list[Entry]]:
+    """Remove all but the newest ``keep`` complete checkpoints (see the module docstring); (removed, kept).
+    ``finite``: whether an entry's fp32 masters are finite - then the ``keep`` newest *finite* ones are kept (and
+    every newer one), so that a run gone to NaN never loses its last good checkpoints (``Entry.finite`` says)."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"keep={keep!r}: at least 1")
     _local(root, "prune")
@@ -128,7 +133,16 @@ def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False) -> tup
     entries = [e for e in everything if e.leftover is None]
     resumed = next((i for i, e in enumerate(entries) if e.resumes_from), len(entries) - 1)
     candidates = [e for e in entries[:resumed] if e.complete]  # older than the one a resume picks
-    newest_kept = {id(e) for e in [e for e in entries if e.complete][-keep:]}
+    complete = [e for e in entries if e.complete]
+    newest_kept = {id(e) for e in complete[-keep:]}
+    if finite is not None:
+        newest_kept, good = set(), 0
+        for e in reversed(complete):  # newest first, until `keep` finite ones are kept (checked only that far)
+            if good == keep:
+                break
+            newest_kept.add(id(e))
+            e.finite = finite(e)
+            good += e.finite
     removed = [e for e in candidates if id(e) not in newest_kept]
     removed += [e for e in everything if e.leftover == INTERRUPTED]
     entries = everything

@@ -61,27 +61,34 @@ def list_command(root: str, as_json: bool) -> None:
 @click.argument("root", type=click.Path())
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete checkpoints to keep (the newest).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON document: {input, removed, kept, dry_run}.")
-def prune(root: str, keep: int, dry_run: bool, as_json: bool) -> None:
+@click.option("--no-check", is_flag=True, help="Do not read the fp32 masters: keep the newest --keep complete "
+              "checkpoints whether or not they are finite.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document: {input, removed, kept, dry_run, notes}.")
+def prune(root: str, keep: int, dry_run: bool, no_check: bool, as_json: bool) -> None:
     """Remove the oldest complete checkpoints, keeping the newest --keep.
 
     Never removed: the one a resume picks (what `latest` names; an HF output_dir's newest
     checkpoint-N), an incomplete checkpoint, anything newer than the one a resume picks, or a save
     in progress.  Always removed: what interrupted saves left (hidden staging folders of processes
-    that are gone).  Prints every folder it removes.
+    that are gone).  Prints every folder it removes.  The newest checkpoints are read (fp32 masters,
+    streamed) until --keep finite ones are found: a run gone to NaN keeps its last good ones.
 
     \b
     Examples:
       dsckpt prune runs/demo --keep 3 --dry-run
       dsckpt prune out/ --keep 2              (an HF Trainer output_dir: whole checkpoint-N folders)
     """
-    from ..api.catalog import prune as run
+    from ..analysis.finiteness import prune as run
 
-    removed, kept = run(root, keep, dry_run)
+    removed, kept = run(root, keep, dry_run, check=not no_check)
+    notes = [f"{e.name}: its fp32 masters hold NaN or Inf; kept, with the newest finite ones beside it"
+             for e in kept if e.finite is False]
     if as_json:
         click.echo(json_document(input=root, dry_run=dry_run, removed=[vars(e) for e in removed],
-                                 kept=[vars(e) for e in kept]))
+                                 kept=[vars(e) for e in kept], notes=notes))
         return
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     verb = "would remove" if dry_run else "removed"
     for e in removed:
         what = e.leftover if e.leftover else f"step {e.step}"
