@@ -10,7 +10,7 @@ DEMO_DIR ?= demo_run
 TEST_JOBS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -rs -n $(TEST_JOBS) --dist loadfile
 
-.PHONY: setup demo test test-all test-fast fixtures bench bench-quick fuzz clean
+.PHONY: setup setup-runtime demo test test-all test-fast fixtures bench bench-quick fuzz clean
 
 # Where pip is set to find wheels (the CPU torch wheel, on these machines): uv, which reads no pip config, is told.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
@@ -20,12 +20,19 @@ $(BIN)/python:
 
 # uv installs what pip would, faster (docs/dev/performance-log.md 24), compiled to .pyc as pip does (where
 # PYTHONDONTWRITEBYTECODE is set nothing else compiles them); pip where uv cannot be had.
-# Beside it: Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm).
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# `make demo` installs the runtime only (torch, DeepSpeed, safetensors); `make test` adds the test toolchain and,
+# beside it, Azurite, Azure's storage emulator, for the az:// test (which skips, saying so, where there is no npm).
+INSTALL = { $(BIN)/pip install -q uv && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python \
+	    $(addprefix --find-links ,$(FIND_LINKS)) -e $(1) "$(TORCH_SPEC)" \
+	  || $(BIN)/pip install -q -e $(1) "$(TORCH_SPEC)"; }
+
+$(VENV)/.runtime: $(BIN)/python pyproject.toml
+	$(call INSTALL,".[runtime]")
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.runtime
 	{ command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix .tools azurite@3 >/dev/null 2>&1; } & \
-	{ $(BIN)/pip install -q uv && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python \
-	    $(addprefix --find-links ,$(FIND_LINKS)) -e ".[test]" "$(TORCH_SPEC)" \
-	  || $(BIN)/pip install -q -e ".[test]" "$(TORCH_SPEC)"; } && { wait || true; }
+	$(call INSTALL,".[test]") && { wait || true; }
 	touch $@
 
 # The tree's own modules compiled to .pyc: where PYTHONDONTWRITEBYTECODE is set (these machines) every process the
@@ -34,9 +41,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 	@$(BIN)/python -m compileall -q -j 0 -x 'bench/cache/' dsckpt tests fixtures bench > /dev/null
 
+setup-runtime: $(VENV)/.runtime
+	@$(BIN)/python -m compileall -q -j 0 dsckpt > /dev/null
+
 # The README's examples, in $(DEMO_DIR)/ (they run there as written afterwards: `cd demo_run`; tested).
 DS = cd $(DEMO_DIR) && $(abspath $(BIN))/dsckpt
-demo: setup
+demo: setup-runtime
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(DS) train --stage 3 --nproc 2 --steps 30 --save-dir runs/demo
 	$(DS) inspect runs/demo

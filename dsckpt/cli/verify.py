@@ -49,7 +49,8 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
             head = f"tag {r['tag']}: ZeRO-{r['zero_stage']}, world size {r['world_size']}, {len(r['files'])} rank " \
                    f"files, {r['storages_checked']} storages CRC-checked, {r['tensors_checked']} tensors checked finite"
             problems = r["problems"]
-            click.echo(f"{head}: {f'{len(problems)} problems' if problems else 'ok'}")
+            counted = f"{len(problems)} problem{'s' * (len(problems) != 1)}"
+            click.echo(f"{head}: {counted if problems else 'ok'}")
             for p in problems:
                 click.echo(f"  [{p['check']}] {p['message']}")
     if not ok:

@@ -240,7 +240,7 @@ def read_latest(root: Path) -> str | None:
         raise TagError(f"longer than {limit('MAX_LATEST_BYTES')} bytes; expected one tag name", at=latest)
     tag = data.decode("utf-8", errors="backslashreplace").strip()
     if tag and (os.sep in tag or tag in (".", "..") or not tag.isprintable()):
-        raise TagError(f"{tag[:80]!r} is not a tag folder name", at=latest,
+        raise TagError(f"'{repr(data.strip()[:80])[2:-1]}' is not a tag folder name", at=latest,
                        hint=f"name a tag with --tag (`dsckpt list {shlex.quote(str(root))}` shows them)")
     return tag or None
 
