@@ -176,7 +176,7 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
     if (folder / METADATA_FILE).is_file():
         index = read_index(folder)
         inputs = [folder / METADATA_FILE, *sorted({c.file for t in index.tensors.values() for c in t.chunks})]
-        return build_dcp_state(index, read_contents(index), model, group_order), inputs, folder
+        return _recorded_step(build_dcp_state(index, read_contents(index), model, group_order), folder), inputs, folder
     weights = weights_in(folder) if folder.exists() else None
     if weights is not None:
         return _weights_state(weights, model, param_groups, folder)
@@ -196,6 +196,22 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
     state, step = build_universal_state(ckpt)
     return DcpState(UNIVERSAL, state, step, (), ckpt.client_state), [f.path for f in ckpt.layout.all_files], \
         ckpt.layout.root
+
+
+def _recorded_step(found: DcpState, folder: Path) -> DcpState:
+    """The training step as the run recorded it beside the DCP folder (the client state dsckpt's ``convert --to dcp``
+    keeps: ``global_step``), not the optimizer's, which restarts at a full-weights resume."""
+    from ..export.sidecar import FOLDER_JSON, read_sidecar
+
+    if not (folder / FOLDER_JSON).is_file():
+        return found
+    client = read_sidecar(folder / FOLDER_JSON, load_tensors=False)
+    step = next((client[k] for k in ("global_steps", "global_step") if isinstance(client.get(k), int)), None)
+    if step is None or step == found.step:
+        return found
+    return replace(found, step=step, notes=found.notes + (
+        f"training step {step}, as {FOLDER_JSON} records it (the optimizer's own step, {found.step}, is kept in the "
+        "optimizer state)",))
 
 
 def _weights_state(path: Path, model: ModelNames | None, param_groups: tuple[ParamGroup, ...] | None,
