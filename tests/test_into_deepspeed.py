@@ -370,3 +370,18 @@ def test_the_training_step_is_the_one_the_run_recorded(converted, tmp_path):
     assert any("training step 77, as client_state.json records it" in n for n in json.loads(proc.stdout)["notes"])
     ckpt = open_checkpoint(tmp_path / "out")
     assert ckpt.layout.tag == "global_step77" and ckpt.global_steps == 77
+
+
+def test_inspect_summarizes_a_dcp_folder_before_converting(converted):
+    """#69.7: `dsckpt inspect` of the DCP folders `convert --to deepspeed` reads: layout, the processes that saved
+    it, step, the param groups and their settings, the entries no optimizer holds and what they will need."""
+    proc = run_cli("inspect", converted / "dcp", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == "dcp (fsdp2)" and doc["world_size"] == 2 and doc["step"] > 0
+    assert [g["settings"]["weight_decay"] for g in doc["param_groups"]] == [0.1, 0.0]
+    assert "frozen.weight" in doc["untrained"] and any("--model" in n for n in doc["notes"])
+    assert doc["bytes"] == sum(f.stat().st_size for f in (converted / "dcp").iterdir() if f.is_file())
+    titan = run_cli("inspect", converted / "titan")
+    assert titan.returncode == 0 and "torchtitan layout" in titan.stdout and "--group-order" in titan.stdout
+    assert run_cli("inspect", converted / "dcp", "--stats").returncode == 2

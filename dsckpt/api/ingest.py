@@ -201,12 +201,9 @@ def _source_state(folder: Path, model: ModelNames | None, group_order: tuple[str
 def _recorded_step(found: DcpState, folder: Path) -> DcpState:
     """The training step as the run recorded it beside the DCP folder (the client state dsckpt's ``convert --to dcp``
     keeps: ``global_step``), not the optimizer's, which restarts at a full-weights resume."""
-    from ..export.sidecar import FOLDER_JSON, read_sidecar
+    from ..export.sidecar import FOLDER_JSON, recorded_step
 
-    if not (folder / FOLDER_JSON).is_file():
-        return found
-    client = read_sidecar(folder / FOLDER_JSON, load_tensors=False)
-    step = next((client[k] for k in ("global_steps", "global_step") if isinstance(client.get(k), int)), None)
+    step = recorded_step(folder)
     if step is None or step == found.step:
         return found
     return replace(found, step=step, notes=found.notes + (

@@ -1,6 +1,7 @@
 """`dsckpt inspect`: a summary of a checkpoint or a consolidated file, from metadata alone."""
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -37,10 +38,22 @@ def inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: boo
       dsckpt inspect runs/demo --stats --optimizer --top 10
       dsckpt inspect model.safetensors --stats --json | jq '.stats[] | select(.nan > 0)'
       dsckpt inspect s3://bucket/runs/demo          (gs://, az:// too: pip install 'dsckpt[s3]')
+      dsckpt inspect runs/demo_dcp                  (a DCP folder: what convert --to deepspeed reads)
     Exit code 1 when problems (missing ranks, truncated files...) are found.
     """
+    from pathlib import Path
+
     from ..parallel.readable import readable
 
+    if Path(path).is_dir() and (Path(path) / ".metadata").is_file():  # a DCP folder: what convert --to deepspeed reads
+        if tag or tensors or stats or du:
+            raise click.UsageError("a torch.distributed.checkpoint folder is summarized as a whole: no --tag, "
+                                   "--tensors, --stats or --du")
+        from ..analysis.inspect_dcp import render_dcp, summarize_dcp
+
+        summary = summarize_dcp(Path(path))
+        click.echo(json.dumps(summary, indent=2) if as_json else render_dcp(summary))
+        return
     with readable(path, tag) as opened:
         _inspect(opened.path, opened.tag, as_json, tensors, stats, optimizer, top, plot, skip_crc_check, du,
                  opened.alias, opened.fetch)

@@ -217,3 +217,12 @@ def read_sidecar(json_path: Path, load_tensors: bool = True) -> dict[str, Any]:
         raise CorruptFileError(f"{exc}", at=json_path) from None
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptFileError(f"malformed client state ({type(exc).__name__})", at=json_path) from None
+
+
+def recorded_step(folder: Path) -> int | None:
+    """The training step a folder's client-state sidecar records (``global_steps``, else ``global_step``: what
+    DeepSpeed, dsckpt's runtime and Lightning count), None where there is no sidecar or no such number."""
+    if not (folder / FOLDER_JSON).is_file():
+        return None
+    client = read_sidecar(folder / FOLDER_JSON, load_tensors=False)
+    return next((client[k] for k in ("global_steps", "global_step") if isinstance(client.get(k), int)), None)

@@ -58,7 +58,7 @@ class DcpState:
     client_state: dict[str, Any] = field(default_factory=dict)  # what the source kept beside the training state
 
 
-def _split(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, str]], dict[Any, dict[str, str]],
+def split_entries(index: DcpIndex) -> tuple[str, dict[str, str], dict[str, dict[str, str]], dict[Any, dict[str, str]],
                                      list[str]]:
     """Layout, then model entries (fqn -> key), optimizer state (fqn -> state key -> key), group entries
     (group -> setting -> key) and the keys neither holds."""
@@ -109,7 +109,7 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
     """``group_order``: torchtitan's layout with parameters of several settings - one parameter of each
     rebuilt group, in the order the DeepSpeed job's optimizer lists its groups."""
     where = index.metadata_file
-    layout, entries, state, group_entries, other = _split(index)
+    layout, entries, state, group_entries, other = split_entries(index)
     if not entries:
         raise UnsupportedCheckpointError(f"no model entries (neither {FSDP2}'s \"model.<fqn>\" nor "
                                          f"{TORCHTITAN}'s top-level <fqn>)", at=where)
@@ -172,7 +172,7 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
     if set(other) - kept:
         notes.append(f"left out {len(set(other) - kept)} entries that are neither model nor optimizer state "
                      f"(first: {sorted(set(other) - kept)[0]!r})")
-    reached = _training_step(index, contents, other, steps)
+    reached = training_step(index, contents, other, steps)
     return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), reached,
                     tuple(notes))
 
@@ -235,7 +235,7 @@ def _kinds(index: DcpIndex, entries: dict[str, str], trainable: set[str],
     return {n: ("param" if n in trainable else "buffer", None) for n in entries}
 
 
-def _training_step(index: DcpIndex, contents: DcpContents, other: list[str], steps: set[Any]) -> int:
+def training_step(index: DcpIndex, contents: DcpContents, other: list[str], steps: set[Any]) -> int:
     """torchtitan's ``train_state.step`` when saved, else the optimizer's step (0 when it never stepped)."""
     for key in other:
         if index.paths[key] == ("train_state", "step"):
