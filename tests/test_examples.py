@@ -25,7 +25,7 @@ def dsckpt(args: list[str], cwd) -> subprocess.CompletedProcess:
 
 
 def demo_recipe() -> list[list[str]]:
-    lines = (ROOT / "Makefile").read_text().split("\ndemo: setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    lines = (ROOT / "Makefile").read_text().split("\ndemo: setup-runtime\n", 1)[1].split("\n\n", 1)[0].splitlines()
     return [shlex.split(line.strip()[len("$(DS) "):]) for line in lines if line.strip().startswith("$(DS) ")]
 
 

@@ -22,6 +22,8 @@ def masters_finite(entry: Entry) -> bool:
 
 def prune(root: str | os.PathLike[str], keep: int, dry_run: bool = False,
           check: bool = True) -> tuple[list[Entry], list[Entry]]:
-    """``dsckpt.prune``: all but the newest ``keep`` complete checkpoints removed - with ``check``, the newest
-    ``keep`` whose fp32 masters are finite (and every newer one) kept; returns (removed, kept)."""
+    """``dsckpt.prune``: all but the newest ``keep`` complete checkpoints under ``root`` removed, and what interrupted
+    saves left; never the one a resume picks, an incomplete one or a save in progress.  With ``check`` the newest
+    ``keep`` whose fp32 masters are finite (and every newer one) are kept: a run gone to NaN keeps its last good
+    ones.  ``dry_run``: nothing removed.  Returns (removed, kept), lists of ``Entry``."""
     return prune_entries(root, keep, dry_run, finite=masters_finite if check else None)

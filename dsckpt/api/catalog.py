@@ -116,8 +116,10 @@ def _leftovers(root: Path, checkpoints: list[Path]) -> list[Entry]:
 
 
 def list_tags(root: str | os.PathLike[str]) -> list[Entry]:
-    """``dsckpt.list_tags(root)``: the rows of ``dsckpt list`` (``list_checkpoints``); the newest complete one a
-    resume script wants is ``[e for e in rows if e.complete][-1]``."""
+    """``dsckpt.list_tags(root)``: every checkpoint a run saved under ``root`` (a DeepSpeed save folder or an HF
+    Trainer ``output_dir``), oldest first, as the ``Entry`` rows ``dsckpt list`` prints: path, tag, step, ZeRO stage,
+    world size, bytes, complete, whether a resume picks it, problems, and what interrupted saves left
+    (``leftover``).  The newest complete one a resume script wants is ``[e for e in rows if e.complete][-1]``."""
     return list_checkpoints(root)
 
 
