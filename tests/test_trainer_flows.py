@@ -288,7 +288,9 @@ def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{SAVE_AT}"]
     first = json.loads((out / "log.json").read_text())
     assert first["unpublished_at_save"] == []
-    run_job("hf_resume.py", 3, out, 3, "32", MAX_STEPS, 1, "last", env=env)
+    resumed = run_job("hf_resume.py", 3, out, 3, "32", MAX_STEPS, 1, "last", env=env)
+    said = "saved at 2 ranks ZeRO-2, for 3 ranks ZeRO-3 through the reshard plan"  # (#69.9: rank 0 says it, once)
+    assert resumed.stderr.count(said) == 1, resumed.stderr[-3000:]
     second = json.loads((out / "log.json").read_text())
     assert second["start_step"] == SAVE_AT and second["unpublished_at_save"] == [] and second["world_size"] == 3
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", "."))) == [f"checkpoint-{MAX_STEPS}"]

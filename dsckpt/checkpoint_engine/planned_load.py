@@ -101,7 +101,14 @@ def load_any_layout(engine: Any, load: Callable[..., Any], load_dir: str | os.Pa
     local_only(load_dir, ConfigError("DeepSpeed's load_checkpoint reads a local folder", hint=hint, at=load_dir))
     checkpoint = other_layout(engine, load_dir, tag)
     if checkpoint is not None:
-        return load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **load_kwargs)
+        loaded = load_resharded(engine, load_dir, tag, load=load, checkpoint=checkpoint, **load_kwargs)
+        if getattr(engine, "global_rank", 0) == 0:  # (a trainer's resume says nothing of it otherwise)
+            import sys
+
+            print(f"dsckpt: loaded {checkpoint.layout.tag_dir}, saved at {checkpoint.world_size} ranks ZeRO-"
+                  f"{checkpoint.zero_stage}, for {engine.dp_world_size} ranks ZeRO-{engine.zero_optimization_stage()}"
+                  " through the reshard plan (no copy written)", file=sys.stderr, flush=True)
+        return loaded
     return load(load_dir, tag=tag, **load_kwargs)
 
 
