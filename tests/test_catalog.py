@@ -152,3 +152,14 @@ def test_prune_keeps_the_newest_finite_checkpoints_when_the_newest_hold_nan(tmp_
     assert [(e["tag"], e["finite"]) for e in doc["kept"]] == [("step2", True), ("step3", False)]
     assert len(doc["notes"]) == 1 and "step3: its fp32 masters hold NaN or Inf" in doc["notes"][0]
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step2", "step3"]
+
+
+def test_every_json_document_carries_notes(tmp_path):
+    """#69.9: docs/cli.md's vocabulary - every --json document has a `notes` list, empty when there is none:
+    `inspect --du`, `inspect FILE`, `list` and `prune --dry-run` had none."""
+    root = _run_folder(tmp_path)
+    assert run_cli("consolidate", root, tmp_path / "m.safetensors", "-q").returncode == 0
+    for args in (["inspect", root, "--du", "--json"], ["inspect", tmp_path / "m.safetensors", "--json"],
+                 ["list", root, "--json"], ["prune", root, "--keep", "1", "--dry-run", "--json"]):
+        doc = json.loads(run_cli(*args).stdout)
+        assert isinstance(doc.get("notes"), list), (args, doc)

@@ -42,7 +42,7 @@ def summarize_file(path: Path, with_tensors: bool = False) -> dict[str, Any]:
     summary = {"schema": JSON_SCHEMA, "kind": KINDS[fmt.name], "input": str(path),
                "files": [str(f) for f in present], "bytes": sum(f.stat().st_size for f in present),
                "tensors": len(rows), "numel": numel, "dtypes": dict(Counter(label(d) for _, d, _ in rows)),
-               "metadata": metadata, "problems": problems}
+               "metadata": metadata, "problems": problems, "notes": []}
     folder = path if path.is_dir() else path.parent
     if (folder / hf.CONFIG).is_file():  # a Hugging Face model folder: what from_pretrained will build
         try:

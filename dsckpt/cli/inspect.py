@@ -101,7 +101,7 @@ def _inspect(path: str, tag: str | None, as_json: bool, tensors: bool, stats: bo
         ckpt = open_checkpoint(path, tag)
         usage = alias.renamed(disk_usage(ckpt))
         if as_json:
-            click.echo(json_document(input=alias(path), tag=ckpt.layout.tag, **usage))
+            click.echo(json_document(input=alias(path), tag=ckpt.layout.tag, **usage, notes=list(ckpt.layout.notes)))
             return
         width = max(len(k) for k in usage["components"]) + 2
         for name, n in usage["components"].items():
