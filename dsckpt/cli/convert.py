@@ -138,7 +138,8 @@ def _into_deepspeed(source: str, out_dir: str, world_size, stage, dtype, model_s
     what = {"fsdp2": "FSDP2's DCP", "torchtitan": "torchtitan's DCP", "universal": "a universal checkpoint",
             "weights": "weights"}.get(result.source_layout, result.source_layout)
     report_result(result, source, as_json, lambda r: f"wrote {r.out} (DeepSpeed ZeRO-{r.zero_stage} at {r.world_size} "
-                  f"ranks, tag {r.tag}, from {what} at step {r.step}, {r.tensors} tensors, {r.bytes:,} bytes)", group)
+                  f"rank{'s' * (r.world_size != 1)}, tag {r.tag}, from {what} at step {r.step}, {r.tensors} tensors, "
+                  f"{r.bytes:,} bytes)", group)
 
 
 def _json_object(text: str, option: str) -> dict:
