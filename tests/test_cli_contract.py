@@ -578,3 +578,36 @@ def test_the_writing_commands_take_one_set_of_writing_options():
         seen.append([(p, params[p].opts, params[p].default, (params[p].help or "").replace("OUT_DIR", "OUT"))
                      for p in shared])
     assert seen[0] == seen[1] == seen[2]
+
+
+def test_the_exit_code_table(tmp_path):
+    """#69.2: docs/cli.md's exit-code table, row by row, as the commands behave."""
+    import math
+
+    import torch
+
+    from malformed import torch_save
+
+    good = FIXTURES / "z2_ws2_fp32"
+    missing = tmp_path / "missing"
+    shutil.copytree(good, missing)
+    next((missing / "step3").glob("zero_pp_rank_1_*")).unlink()
+    stale_one, stale_many = tmp_path / "stale_one", tmp_path / "stale_many"
+    for folder in (stale_one, stale_many):
+        shutil.copytree(good, folder)
+        (folder / "latest").write_text("step9")
+    shutil.copytree(good / "step3", stale_many / "step4")
+
+    def poison(obj):
+        with torch.no_grad():
+            obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][3] = math.nan
+    nan = torch_save("z2_ws2_fp32", "zero_pp_rank_0_*optim*", poison, need_unsafe=True)(tmp_path / "nan")
+    rows = [(0, ["inspect", good]), (1, ["inspect", missing]), (1, ["inspect", stale_one]),
+            (2, ["inspect", stale_many]), (0, ["inspect", stale_many, "--tag", "step4"]),
+            (0, ["verify", good]), (1, ["verify", missing]), (2, ["verify", tmp_path / "nowhere"]),
+            (0, ["diff", good, good]), (1, ["diff", good, nan]),
+            (0, ["check-finite", good]), (3, ["check-finite", nan]), (2, ["check-finite", tmp_path / "nowhere"]),
+            (0, ["list", good]), (2, ["list", tmp_path / "nowhere"]),
+            (2, ["consolidate", missing, tmp_path / "m.safetensors"]), (2, ["consolidate", good, "--bogus"])]
+    found = [(expected, run_cli(*args).returncode, args) for expected, args in rows]
+    assert [(e, c) for e, c, _ in found] == [(e, e) for e, _, _ in found], [f for f in found if f[0] != f[1]]
