@@ -168,6 +168,11 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
     proc = run_cli("consolidate", ckpt, tmp_path / "adapter", "--hf", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["format"] == "peft"
+    (tmp_path / "base").mkdir()  # #69.6: the docs' old merged-model route says what is missing, not a vocabulary
+    model_config().to_json_file(tmp_path / "base" / "config.json")
+    merged = run_cli("consolidate", ckpt, tmp_path / "merged", "--hf", "--config", tmp_path / "base" / "config.json")
+    assert merged.returncode == 2 and "holds only the adapter:" in merged.stderr and "LoRA tensors" in merged.stderr
+    assert "merge_and_unload" in merged.stderr and not (tmp_path / "merged").exists(), merged.stderr
     torch.manual_seed(11)
     base = LlamaForCausalLM(model_config())  # the frozen base: the same initialisation the run started from
     model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")

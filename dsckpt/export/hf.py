@@ -158,6 +158,20 @@ def _check_counts(config: dict[str, Any], names_shapes: dict[str, tuple[int, ...
                           hint="pass the config.json the model was built from", at=where)
 
 
+def _refuse_adapter_only(plan: Any, root: Path) -> None:
+    """A PEFT run's checkpoint holds the adapter and no base weights (the Trainer saved the trainable ones only):
+    a full model cannot come out of it, whatever config is given."""
+    from .peft import ADAPTER_TENSOR
+
+    adapter = [t.name for t in plan.tensors if ADAPTER_TENSOR.search(t.name)]
+    if adapter and all(ADAPTER_TENSOR.search(t.name) or t.kind == "buffer" for t in plan.tensors):
+        raise ConfigError(f"this checkpoint holds only the adapter: {len(adapter)} LoRA tensors and no base "
+                          "weights; a merged model needs the base model's weights, which it does not hold",
+                          hint="export the adapter (`dsckpt consolidate CKPT OUT --hf`, no --config), then merge in "
+                               "PEFT: PeftModel.from_pretrained(base, OUT).merge_and_unload().save_pretrained(...)",
+                          at=root)
+
+
 class HuggingFaceFormat(Format):
     name = "hf"
     directory = True
@@ -175,6 +189,7 @@ class HuggingFaceFormat(Format):
 
     def prepare(self, ckpt, plan, request: Request) -> Prepared:
         companions = find_companions(ckpt.layout.root, request.config, request.trust)  # no config: refused now
+        _refuse_adapter_only(plan, ckpt.layout.root)
         check_config_fits(companions.config, {t.name: t.shape for t in plan.tensors}, plan.aliases)
         if plan.aliases and not ties_embeddings(companions):
             plan = duplicate_aliases(plan)  # the config unties the head: transformers wants both names stored
