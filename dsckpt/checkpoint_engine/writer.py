@@ -127,7 +127,12 @@ class Writer:
             checks = []
             if item.aborted:  # (the call raised here; the other ranks learn it at the agreement)
                 error = error or BackgroundSaveError("save_checkpoint raised on this rank")
-            self._commit(item, error, started)
+            try:
+                self._commit(item, error, started)
+            except BaseException as exc:  # not one of the commit's own failures: the thread must live on to say it
+                self.failure = BackgroundSaveError(f"the background commit failed ({type(exc).__name__}: {exc})",
+                                                   hint="`dsckpt list` and `dsckpt verify` of the save folder say "
+                                                        "what is there", at=item.name)
             with self.hooks:
                 item.done, actions = True, (item.then if item.record.ok else [])
             try:
