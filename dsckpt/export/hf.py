@@ -161,7 +161,7 @@ def _check_counts(config: dict[str, Any], names_shapes: dict[str, tuple[int, ...
 def _refuse_adapter_only(plan: Any, root: Path) -> None:
     """A PEFT run's checkpoint holds the adapter and no base weights (the Trainer saved the trainable ones only):
     a full model cannot come out of it, whatever config is given."""
-    from .peft import ADAPTER_TENSOR
+    from .adapters import ADAPTER_TENSOR
 
     adapter = [t.name for t in plan.tensors if ADAPTER_TENSOR.search(t.name)]
     if adapter and all(ADAPTER_TENSOR.search(t.name) or t.kind == "buffer" for t in plan.tensors):

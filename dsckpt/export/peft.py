@@ -8,12 +8,12 @@ with PEFT's names (the adapter name dropped, as ``get_peft_model_state_dict`` do
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..io.context import WriteContext
+from .adapters import ADAPTER_TENSOR
 from .registry import Format, Listing, Prepared, Request, register
 
 if TYPE_CHECKING:  # (the plan's modules load with the first conversion, not with --help)
@@ -21,9 +21,6 @@ if TYPE_CHECKING:  # (the plan's modules load with the first conversion, not wit
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# `<module>.lora_A.<adapter>.weight`, `<module>.modules_to_save.<adapter>.weight`, ...: the adapter's own
-# tensors, with the adapter name as the segment after the tuner's (PEFT strips ".<adapter>" on save).
-ADAPTER_TENSOR = re.compile(r"\.(lora_[A-Za-z_]+|modules_to_save|lora_magnitude_vector)\.(?P<adapter>[^.]+)\.")
 
 
 def adapter_config(root: Path) -> Path | None:
