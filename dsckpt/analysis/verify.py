@@ -70,29 +70,19 @@ def verify(path: str | Path, tag: str | None = None, all_tags: bool = False,
 
 
 def _verify_local(path: Path, tag: str | None, all_tags: bool, progress: Progress | None) -> list[TagReport]:
+    from ..api.catalog import latest_problem
     from ..zero import layout as L
 
     if all_tags and tag is None and path.is_dir() and L.list_tags(path):  # every tag by name: `latest` not needed
         begin(progress, Phase.VERIFY, None)
         reports = [_verify_tag(path, t, None, advancing(progress)) for t in L.list_tags(path)]
-        broken = _latest_problem(path)
+        broken = latest_problem(path)
         return ([TagReport(L.LATEST_FILE, problems=[{"check": "structure", "message": broken}])] if broken else []) \
             + reports
     first = open_checkpoint(path, tag)  # a path that is no checkpoint at all: the typed error, exit 2
     tags = first.layout.tags if all_tags else (first.layout.tag,)
     begin(progress, Phase.VERIFY, None)
     return [_verify_tag(path, t, first if t == first.layout.tag else None, advancing(progress)) for t in tags]
-
-
-def _latest_problem(root: Path) -> str | None:
-    """What is wrong with ``root``'s `latest` (unreadable, or naming no tag folder), None when nothing is."""
-    from ..zero import layout as L
-
-    try:
-        latest = L.read_latest(root)
-    except DsckptError as exc:
-        return str(exc)
-    return str(L.stale_latest(root, latest)) if latest is not None and latest not in L.list_tags(root) else None
 
 
 def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callable[[int], None] | None) -> TagReport:

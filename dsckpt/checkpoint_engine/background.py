@@ -103,10 +103,6 @@ class AsyncSave:
     def idle(self) -> threading.Event:
         return self.writer.idle
 
-    @property
-    def failure(self) -> Any:
-        return self.writer.failure
-
     # -- the training thread ---------------------------------------------------------------------
     def _wrap(self, engine: Any) -> None:
         save, destroy, load = engine.save_checkpoint, getattr(engine, "destroy", None), engine.load_checkpoint

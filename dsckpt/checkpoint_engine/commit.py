@@ -34,9 +34,6 @@ from ..io.output import LOCAL, dead_temps, fsync_path, remove_path
 from ..io.writeback import following
 from ..zero.layout import LATEST_FILE
 
-LEGACY_TEMP_FOLDER = ".dsckpt-saving"  # where dsckpt up to round 25 staged a rank's files, inside the tag folder
-
-
 def staging_name(tag: str, owner: str) -> str:
     """The hidden sibling a tag is written into (``owner``: ``<pid>-<token>`` of rank 0)."""
     return f".{tag}{TEMP_MARK}{owner}"
