@@ -9,6 +9,7 @@ adds the persist through ``torch.save`` (the engine's writer before ``persist.wr
 save to the same alternation.
 
     python bench/bench_async_save.py --nproc 2 --stage 3 --precision bf16 --dim 1024 --layers 8 --rounds 5
+    BENCH_DS_WRITER=fast|decoupled: "stock" is DeepSpeed's FastPersist writer or its decoupled engine (async_io op)
     (on a GPU host: --nproc 1; the ranks run over nccl)
 """
 from __future__ import annotations
@@ -106,6 +107,13 @@ def main() -> None:
     if "stock" in modes:
         summary.update(stock_blocked_s=med("stock", "blocked_s"), stock_durable_s=med("stock", "durable_s"),
                        steps_after_stock_s=med("stock", "steps_s"))
+        writer = doc.get("stock_writer", "torch.save")
+        first_steps = [r["each_step_s"][0] for r in rows if r["mode"] == "stock"]
+        summary.update(stock_writer=writer, stock_first_step_s=statistics.median(first_steps),
+                       stock_durable_gbps=nbytes * args.nproc / 1e9 / summary["stock_durable_s"])
+        print(f"  stock's writer: {writer}; the first step after its save {summary['stock_first_step_s']:.2f} s "
+              f"(the decoupled engine's commit waits there); stock durable at "
+              f"{summary['stock_durable_gbps']:.2f} GB/s")
         print(f"  blocked: stock {summary['stock_blocked_s'] * 1e3:.0f} ms, dsckpt "
               f"{summary['async_blocked_s'] * 1e3:.0f} ms ({summary['async_blocked_s'] / summary['stock_blocked_s']:.3f}x);"
               f" durable: stock + fsync {summary['stock_durable_s']:.2f} s, dsckpt background "

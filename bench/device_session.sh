@@ -14,6 +14,9 @@
 #   bash bench/device_session.sh paced $OUT    the paced device-to-host copies (performance-log 39): GPU test, throughput
 #   bash bench/device_session.sh first-save $OUT STAGE [STEPS] [PAIRS]   issue 68 point 8: the first save's block with the pinned
 #        buffers reserved after the first step (default) and allocated in the call (BENCH_NO_RESERVE), alternated
+#   bash bench/device_session.sh engines $OUT STAGE WRITER [ROUNDS] [STEPS]   issue 68: DeepSpeed's own engines (WRITER
+#        fast: the FastPersist writer, decoupled: its writer process) alternating with dsckpt's background save, in one
+#        run; builds the async_io op first (libaio unpacked in .whl/libaio/, ninja from .whl/)
 # DeepSpeed 0.19.8, einops and isal (dsckpt's own dependency: without it every CRC-32 is zlib's, ~10x slower) travel
 # as wheels in .whl/ (installed to /tmp/site); an image without pydantic and hjson needs theirs too (pydantic_core
 # built for the host's Python: `pip download --python-version 3.12 --only-binary=:all:`).
@@ -65,6 +68,17 @@ case $part in
         --json $out/first-save-z$3-${control:-reserved}-$RANDOM.json 2>&1 | grep -v -i warn | grep -i "first\|blocked" \
         | tee -a $out/first-save-z$3.txt
     done; done ;;
+  engines)
+    aio=$PWD/.whl/libaio/usr; lib=$aio/lib/x86_64-linux-gnu
+    export CPATH=$aio/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib:$LD_LIBRARY_PATH CFLAGS="-I$aio/include" \
+      LDFLAGS="-L$lib" TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=$PWD/bench/cache/ext PATH=/tmp/site/bin:$PATH
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    start=$(date +%s)
+    python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load()" 2>&1 | grep -v -i warn | tail -3
+    echo "async_io op ready in $(( $(date +%s) - start )) s" | tee $out/engines-build.txt
+    BENCH_DS_WRITER=$4 timeout 420 python3 bench/bench_async_save.py --nproc 1 --stage $3 --precision bf16 --dim 2048 \
+      --layers 24 --rounds ${5:-2} --modes stock,async --steps-between ${6:-5} --out /tmp/async \
+      --json $out/engines-z$3-$4.json 2>&1 | grep -v -i warn | tail -9 | tee $out/engines-z$3-$4.txt ;;
   curve)
     bash $0 generate $out $3 ${4:-1024} && bash $0 scaling $out $3 ${4:-1024} ${5:-2} ;;
   generate)  # the checkpoint only (cached under bench/cache/ while the machine is held), trained on CPU ranks

@@ -7,7 +7,8 @@ persist before persist.write_snapshot), "async-tN" with N persist threads, "asyn
 "async-tp" with the snapshot's buffers from torch's pinned allocator (before they were pinned in place),
 "async-small-calls" with the persist's calls before round 23 (1 MiB pwrites, 8 MiB read-backs), "async-niceN" with
 the persist threads' nice value raised by N,
-"none" does not save.  After each, STEPS_BETWEEN training steps run, timed
+"none" does not save.  BENCH_DS_WRITER=fast|decoupled makes "stock" DeepSpeed's FastPersist writer or its decoupled
+engine (a writer process per rank; the next step waits for its commit) instead of `torch.save`.  After each, STEPS_BETWEEN training steps run, timed
 (an async save's persist overlaps them).  A first background save before the rounds allocates the host buffers
 the others reuse (its block is reported apart).  Rank 0 writes REPORT (JSON).
 """
@@ -49,6 +50,12 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
     config = resolve_config(None, preset=None, precision=precision, stage=int(stage))
     config["train_micro_batch_size_per_gpu"] = 1
     config.pop("train_batch_size", None)
+    ds_writer = os.environ.get("BENCH_DS_WRITER")
+    if ds_writer:
+        config["checkpoint"] = {"writer": {"type": "fast", "decoupled": ds_writer == "decoupled",
+                                           "data_parallel": "replica"}}
+        for name, value in (("CROSS_RANK", "0"), ("CROSS_SIZE", "1"), ("LOCAL_SIZE", os.environ["WORLD_SIZE"])):
+            os.environ.setdefault(name, value)  # the `deepspeed` launcher's variables, which the fast writer reads
     runtime = Runtime(config, async_save=False)
     engine = runtime.setup(transformer, lambda p: torch.optim.AdamW(p, lr=1e-4))
     model = engine.module
@@ -117,9 +124,13 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
                 stock_save(str(root / mode), tag=tag)
                 sync()
                 blocked = time.perf_counter() - t0
-                fsync_tree(root / mode / tag)
-                durable = time.perf_counter() - t0
-                steps = timed_steps(n, 200 + r)
+                if ds_writer == "decoupled":  # its writer process is done once the next step's commit returns
+                    steps = timed_steps(n, 200 + r)
+                    durable = blocked + each_step[0]
+                else:
+                    fsync_tree(root / mode / tag)
+                    durable = time.perf_counter() - t0
+                    steps = timed_steps(n, 200 + r)
                 persist = step_waited = after = None
                 during = each_step[:]
             else:
@@ -156,6 +167,7 @@ def main(out: str, stage: str, precision: str, rounds: str, steps_between: str, 
         Path(report).write_text(json.dumps({"rows": rows, "baseline_steps_s": baseline, "first_save_blocked_s": first_blocked,
                                             "first_save_memory_waited_s": first_memory, "steps_between": n,
                                             "stage": int(stage), "precision": precision,
+                                            "stock_writer": ds_writer or "torch.save",
                                             "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                                           for p in model.parameters()),
                                             "world_size": torch.distributed.get_world_size(),
