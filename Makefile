@@ -10,7 +10,7 @@ DEMO_DIR ?= demo_run
 TEST_JOBS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -rs -n $(TEST_JOBS) --dist loadfile
 
-.PHONY: setup setup-runtime demo test test-all test-fast fixtures bench bench-quick fuzz clean
+.PHONY: setup setup-runtime demo test test-all test-fast fixtures nvme-tools bench bench-quick fuzz clean
 
 # Where pip is set to find wheels (the CPU torch wheel, on these machines): uv, which reads no pip config, is told.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
@@ -71,8 +71,9 @@ test: setup
 	$(MYPY)
 	$(PYTEST)
 
-# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix, DeepSpeed's Muon and its JIT build).
-test-all: setup
+# Everything, the slow cases too (the whole HF Trainer / Accelerate matrix, DeepSpeed's Muon and its JIT build,
+# the ZeRO-Infinity training flows once nvme-tools could build the async_io op).
+test-all: setup nvme-tools
 	$(MYPY)
 	$(PYTEST) -m "slow or not slow"
 
@@ -83,6 +84,16 @@ test-fast: setup
 
 fixtures: setup
 	$(BIN)/python fixtures/make_fixtures.py
+
+# DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload) needs libaio: Debian's packages unpacked, no root needed
+# (tests/nvme_support.py), then its JIT build (~5 min on 2 cores), cached in .tools/torch_extensions.  Where apt-get
+# cannot fetch them, the NVMe training flows skip and say so.
+LIBAIO_DEBS = .tools/libaio-debs
+nvme-tools: setup
+	@test -f .tools/libaio/usr/include/libaio.h || { mkdir -p $(LIBAIO_DEBS) && cd $(LIBAIO_DEBS) \
+	  && { apt-get download libaio-dev libaio1 2>/dev/null || apt-get download libaio-dev libaio1t64; } \
+	  && for deb in *.deb; do dpkg -x $$deb ../libaio; done; } || echo "nvme-tools: libaio could not be fetched"
+	-$(BIN)/python tests/nvme_support.py
 
 bench: setup
 	$(BIN)/pip install -q huggingface_hub  # zero_to_fp32 --safe_serialization needs it

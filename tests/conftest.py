@@ -20,8 +20,9 @@ from dsckpt.plan.segments import Zeros
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and (p / "latest").exists()
-                       and not p.name.startswith(("moe_", "tp", "pp")))  # the demo model's runs (reference.pt: its state dict)
+                       and not p.name.startswith(("moe_", "tp", "pp", "nvme_")))  # the demo model's runs (reference.pt: its state dict)
 MOE_FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("moe_*") if (p / "latest").exists())  # make_moe_fixtures.py
+NVME_FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("nvme_*") if (p / "latest").exists())  # make_nvme_fixtures.py
 TP_FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("tp*") if (p / "latest").exists())  # make_tp_fixtures.py
 JOB_TIMEOUT = 240  # gloo's own timeout is 10 minutes; fail well before
 

@@ -5,7 +5,8 @@ Every storage of every file of the tag is counted once, under the component that
 tree: ``module`` and frozen fragments (the model's own tensors), the fp32 partitions of the optimizer, a per-element
 optimizer state by its key (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...), tensors under client-state keys;
 expert files count as expert weights.  What a file holds beyond its storages (pickles, zip records) is overhead;
-files beside the tag folders (a trainer's state, RNG states, configs) are companions.
+files beside the tag folders (a trainer's state, RNG states, configs) are companions.  ZeRO-Infinity's swap files
+(``offloaded_tensors/``) count whole under the masters or their optimizer state.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from ..formats.pickle_policy import TensorRef
 from ..zero import layout as L
+from ..zero.offloaded import MASTER, kind_of, offloaded_files
 from ..zero.reader import Checkpoint
 
 MASTERS = "fp32 masters"
@@ -46,6 +48,11 @@ def disk_usage(ckpt: Checkpoint) -> dict[str, Any]:
         size = tf.path.stat().st_size
         add(OVERHEAD, size - sum(tf.storages[k].nbytes for k in seen))
         total += size
+    for path in offloaded_files(ckpt.layout.tag_dir):  # ZeRO-Infinity's swap files: raw, all payload
+        kind = kind_of(path)
+        add(MASTERS if kind == MASTER else kind, path.stat().st_size)
+        total += path.stat().st_size
+    offloaded = offloaded_files(ckpt.layout.tag_dir)
     root = ckpt.layout.root
     beside = [p for p in root.iterdir() if p.is_file()] if root != ckpt.layout.tag_dir else []
     for p in beside:
@@ -53,7 +60,7 @@ def disk_usage(ckpt: Checkpoint) -> dict[str, Any]:
         total += p.stat().st_size
     return {"components": dict(sorted(parts.items(), key=lambda kv: -kv[1])), "bytes": total,
             "files": [str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
-                      for p in [*(tf.path for tf, _ in files), *beside]]}
+                      for p in [*(tf.path for tf, _ in files), *offloaded, *beside]]}
 
 
 def _component(path: tuple[str, ...], optimizer: bool) -> str:

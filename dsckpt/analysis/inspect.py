@@ -16,6 +16,7 @@ from ..errors import DsckptError
 from ..formats.pickle_policy import Opaque, TensorRef
 from ..plan.consolidate import build_plan
 from ..plan.joins import JOINS, TensorParallel
+from ..zero import offloaded
 from ..api.paths import classify
 from ..zero.companions import trainer_summary
 from ..zero.reader import Checkpoint, open_checkpoint
@@ -69,6 +70,11 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
     largest = sorted(shapes.items(), key=lambda kv: -math.prod(kv[1]))[:TOP_N]
     problems = [str(p) for p in ckpt.problems] + ([plan_error] if plan_error else [])
     fp32 = numel(shapes) * 4 + sum(t.nbytes for t in ckpt.buffers.values())
+    try:
+        nvme = offloaded.describe(ckpt)
+    except DsckptError as exc:
+        nvme = None
+        problems += [str(exc)] if str(exc) not in problems else []
     summary = {
         "schema": JSON_SCHEMA,
         "kind": "deepspeed",
@@ -94,7 +100,8 @@ def summarize_checkpoint(ckpt: Checkpoint, with_tensors: bool = False) -> dict[s
         "files": [str(f.path) for f in lay.all_files],
         "rank_files": [{"path": str(f.path), "kind": f.kind, "rank": f.dp_rank, "tp_rank": f.mp_rank, "size": f.size}
                        for f in lay.all_files],
-        "bytes": sum(f.size for f in lay.all_files),
+        "bytes": sum(f.size for f in lay.all_files) + (nvme["bytes"] if nvme else 0),
+        "nvme": nvme,  # ZeRO-Infinity: the optimizer state DeepSpeed copied into offloaded_tensors/
         "tensors": len(plan.tensors) + len(plan.aliases) if plan is not None else None,
         "estimates": {"elements": elements, "fp32_bytes": fp32,
                       "bf16_bytes": numel(shapes) * 2 + sum(t.nbytes for t in ckpt.buffers.values()),
@@ -214,6 +221,14 @@ def render(s: dict[str, Any]) -> str:
     lines += table([(Path(f["path"]).name, f["kind"], (f"tp {f['tp_rank']}  " if tp else "")
                      + f"rank {'-' if f['rank'] is None else f['rank']!s:<4}",
                      f"{human_bytes(f['size']):>12}") for f in s["rank_files"]], (52, 7, 15 if tp else 9, 12))
+    if s.get("nvme"):
+        n = s["nvme"]
+        kinds = sorted({"masters" if k == "fp32" else k for r in n["per_rank"].values() for k in r}, key=lambda k: (k != "masters", k))
+        row("NVMe offload", f"{', '.join(n['offloaded'])} on NVMe; {n['swapped_sub_groups']} of {n['sub_groups']} "
+                            f"sub-groups' {' + '.join(kinds) or 'state'} in {n['folder']}/ ({n['files']} files, "
+                            f"{human_bytes(n['bytes'])} over {len(n['per_rank'])} ranks); the rest in the rank files")
+        if n["nvme_path"]:
+            row("", f"nvme_path recorded: {n['nvme_path']} (the writer's swap folder; not needed to read or resume)")
     e = s["estimates"]
     row("consolidated", f"{human_bytes(e['fp32_bytes'])} as fp32, {human_bytes(e['bf16_bytes'])} as bf16")
     row("consolidate RSS", f"< {human_bytes(e['consolidate_peak_rss_bytes'])} streaming "

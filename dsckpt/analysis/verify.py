@@ -29,6 +29,7 @@ from ..io.integrity import crc_failures
 from ..plan.consolidate import build_plan
 from ..progress import Phase, Progress, advancing, begin
 from ..zero.companions import TRAINER_STATE
+from ..zero.offloaded import OFFLOADED_DIR, offloaded_files
 from ..zero.reader import Checkpoint, open_checkpoint
 from .sources import Source
 from .stats import compute_stats
@@ -44,6 +45,7 @@ class TagReport:
     zero_stage: int | None = None
     world_size: int | None = None
     files: list[str] = field(default_factory=list)  # the tag's files read, relative to the checkpoint folder
+    swap_files: list[str] = field(default_factory=list)  # ZeRO-Infinity's offloaded_tensors/, the same way
     storages_checked: int = 0
     tensors_checked: int = 0
     problems: list[dict[str, str]] = field(default_factory=list)  # {"check", "message"}
@@ -95,7 +97,12 @@ def _verify_tag(path: Path, tag: str, ckpt: Checkpoint | None, progress: Callabl
     report.zero_stage, report.world_size = ckpt.zero_stage, ckpt.world_size
     report.notes = list(ckpt.layout.notes)
     files = [f.path for f in ckpt.layout.all_files] + list(ckpt.layout.expert_files) + list(ckpt.layout.pipeline_files)
+    swap_files = offloaded_files(ckpt.layout.tag_dir)
     report.files = [_relative(p, ckpt.layout.root) for p in files]
+    report.swap_files = [_relative(p, ckpt.layout.root) for p in swap_files]
+    if swap_files:
+        report.notes.append(f"{len(swap_files)} NVMe swap files ({OFFLOADED_DIR}/): sizes checked against the "
+                            "partition plan and values for finiteness; DeepSpeed records no checksum for them")
     for problem in ckpt.problems:  # step 1
         report.add("structure", str(problem))
     if not ckpt.problems:

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UnsupportedCheckpointError
+from .offloaded_load import load_offloaded, offloads_to_nvme
 from .safe_load import check_checkpoint_classes, safe_torch_load
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
 
     ckpt = checkpoint or open_checkpoint(load_dir, tag=tag)
     check_checkpoint_classes(ckpt)
+    if offloads_to_nvme(engine):  # DeepSpeed loads the rest; the optimizer's part is load_offloaded's
+        def rest() -> tuple[str | None, dict[str, Any] | None]:
+            return load_resharded(engine, load_dir, tag, load=load, check_crc=check_crc, checkpoint=ckpt,
+                                  **load_kwargs)
+        return load_offloaded(engine, ckpt, rest, load_kwargs.get("load_optimizer_states", True))
     ranks, stage = engine.dp_world_size, engine.zero_optimization_stage()  # (DeepSpeed names its files by these)
     if ckpt.grid.tp > 1 or ckpt.pp_slices:
         raise UnsupportedCheckpointError("a tensor- or pipeline-parallel checkpoint",
@@ -105,16 +111,19 @@ def load_any_layout(engine: Any, load: Callable[..., Any], load_dir: str | os.Pa
         if getattr(engine, "global_rank", 0) == 0:  # (a trainer's resume says nothing of it otherwise)
             import sys
 
+            nvme = " into an optimizer on NVMe, every sub-group's masters, moments and step set from it" \
+                if offloads_to_nvme(engine) else ""
             print(f"dsckpt: loaded {checkpoint.layout.tag_dir}, saved at {checkpoint.world_size} ranks ZeRO-"
                   f"{checkpoint.zero_stage}, for {engine.dp_world_size} ranks ZeRO-{engine.zero_optimization_stage()}"
-                  " through the reshard plan (no copy written)", file=sys.stderr, flush=True)
+                  f"{nvme} through the reshard plan (no copy written)", file=sys.stderr, flush=True)
         return loaded
     return load(load_dir, tag=tag, **load_kwargs)
 
 
 def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> Checkpoint | None:
     """The checkpoint, opened, when it is dsckpt-readable, ZeRO 1-3, and at another data-parallel size or stage than
-    ``engine`` (what ``load_resharded`` adds to a stock load); None otherwise, and for anything it cannot tell."""
+    ``engine`` (what ``load_resharded`` adds to a stock load), or ``engine`` keeps its optimizer on NVMe; None
+    otherwise, and for anything it cannot tell."""
     from ..errors import DsckptError
     from ..zero.reader import open_checkpoint
 
@@ -123,6 +132,8 @@ def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> C
     except DsckptError:
         return None
     stage = engine.zero_optimization_stage()
+    if offloads_to_nvme(engine) and not ckpt.universal and ckpt.grid.tp == 1 and not ckpt.pp_slices:
+        return ckpt  # DeepSpeed's own load of it is not exact at any world size (offloaded_load)
     other = (ckpt.world_size, ckpt.zero_stage) != (engine.dp_world_size, stage) and \
         ckpt.zero_stage in (1, 2, 3) and stage in (1, 2, 3) and ckpt.grid.tp == 1 and not ckpt.pp_slices and \
         not ckpt.universal

@@ -46,8 +46,9 @@ def verify(checkpoint: str, tag: str | None, all_tags: bool, as_json: bool) -> N
         click.echo(json_document(input=checkpoint, ok=ok, tags=reports, notes=notes))
     else:
         for r in reports:
+            swap = f" + {len(r['swap_files'])} NVMe swap files" if r.get("swap_files") else ""
             head = f"tag {r['tag']}: ZeRO-{r['zero_stage']}, world size {r['world_size']}, {len(r['files'])} rank " \
-                   f"files, {r['storages_checked']} storages CRC-checked, {r['tensors_checked']} tensors checked finite"
+                   f"files{swap}, {r['storages_checked']} storages CRC-checked, {r['tensors_checked']} tensors checked finite"
             problems = r["problems"]
             counted = f"{len(problems)} problem{'s' * (len(problems) != 1)}"
             click.echo(f"{head}: {counted if problems else 'ok'}")

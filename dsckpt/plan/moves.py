@@ -230,6 +230,9 @@ def is_bf16(path: Path) -> bool:
 
 
 def state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupMove) -> TensorRef:
+    held = ckpt.optimizer_states[rank].groups[group].moments.get(key)  # (a ZeRO-Infinity run's: in its swap file)
+    if isinstance(held, TensorRef) and held.numel == move.source.partition_numel:
+        return held
     osd = ckpt.optim_files[rank].obj[L.OPTIMIZER_STATE_DICT]
     torch_state = osd[L.OPTIMIZER_STATE_DICT] if ckpt.zero_stage == 3 else osd[L.BASE_OPTIMIZER_STATE]
     ref = torch_state["state"][group][key]

@@ -130,8 +130,8 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
                                  partition_segments(move, pos, spaces, length - trimmed, where)))
         state = torch_state.get("state", {}).get(g)
         for key, value in list((state or {}).items()):
-            if not isinstance(value, TensorRef) or value.numel <= 1:
-                continue  # Adam's step and other scalars: the same on every rank, kept
+            if key not in sources[0].moments and (not isinstance(value, TensorRef) or value.numel <= 1):
+                continue  # Adam's step and other scalars: the same on every rank, kept (moments on NVMe: empty here)
             spaces = [FlatSpace([state_tensor(ckpt, r, g, key, move)]) for r in source_ranks]
             state[key] = new_tensor(value, length, partition_segments(move, pos, spaces, length, f"{where} {key}"))
     renamed = {m.index: world_size // len(m.target_ranks) for m in mine

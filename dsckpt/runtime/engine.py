@@ -257,9 +257,12 @@ class Runtime:
                  f"`dsckpt consolidate {shlex.quote(str(save_dir))} model.safetensors` makes one file of it")
 
     def loads_resharded(self, ckpt: Any, trust: bool) -> bool:
-        """Whether ``ckpt`` is at another data-parallel size or ZeRO stage that ``load_checkpoint`` answers from the
-        reshard plan (ZeRO 1-3 both sides, no tensor or pipeline parallelism, no foreign classes to keep)."""
-        other = (ckpt.world_size, ckpt.zero_stage) != (data_parallel(self.engine)[1], self.stage)
+        """Whether ``ckpt`` is at another data-parallel size or ZeRO stage (or the engine's optimizer is on NVMe) that
+        ``load_checkpoint`` answers from the reshard plan (ZeRO 1-3 both sides, no tensor or pipeline parallelism, no foreign classes to keep)."""
+        from ..checkpoint_engine.offloaded_load import offloads_to_nvme
+
+        other = (ckpt.world_size, ckpt.zero_stage) != (data_parallel(self.engine)[1], self.stage) \
+            or offloads_to_nvme(self.engine)  # (DeepSpeed's own load of an NVMe optimizer is not exact)
         return (other and not trust and ckpt.zero_stage in (1, 2, 3) and self.stage in (1, 2, 3)
                 and ckpt.grid.tp == 1 and not ckpt.pp_slices and not ckpt.universal)
 

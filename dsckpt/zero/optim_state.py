@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import layout as L
+from .offloaded import attach
 from ..errors import InconsistentCheckpointError
 from ..formats.pickle_policy import Opaque, TensorRef
 
@@ -60,8 +61,9 @@ class RankState:
 
 
 def rank_states(ckpt: Any) -> list[RankState]:  # (a zero.reader.Checkpoint: the reader imports this module)
-    """The typed optimizer state of every rank, in rank order (empty at stage 0)."""
-    return [_rank_state(ckpt.zero_stage, r, f) for r, f in enumerate(ckpt.optim_files)]
+    """The typed optimizer state of every rank, in rank order (empty at stage 0); a ZeRO-Infinity run's sub-groups
+    on NVMe read from their swap files (``offloaded``)."""
+    return attach(ckpt, [_rank_state(ckpt.zero_stage, r, f) for r, f in enumerate(ckpt.optim_files)])
 
 
 def _rank_state(stage: int, rank: int, tf: TorchFile) -> RankState:
