@@ -165,8 +165,8 @@ def needs_aio(test):
     return pytest.mark.runtime(pytest.mark.skipif(not aio_built(), reason=reason)(test))
 
 
-def _job(nproc, *args):
-    return run_job("nvme_flow.py", nproc, *map(str, args), env=aio_environment())
+def _job(nproc, *args, **env):
+    return run_job("nvme_flow.py", nproc, *map(str, args), env={**aio_environment(), **env})
 
 
 @needs_aio
@@ -181,6 +181,18 @@ def test_resume_is_exact_where_deepspeeds_own_load_is_not(tmp_path):
     assert ours["different"] == [] and ours["step"] == 3.0 and ours["losses"] == losses
     assert "::step" in stock["different"] and any(k.startswith("norm.") for k in stock["different"])
     assert stock["losses"] != losses
+
+
+@needs_aio
+def test_a_background_save_of_an_nvme_run_resumes_exactly(tmp_path):
+    """dsckpt's background engine stages the swap files DeepSpeed copies in the call with the rank files and
+    publishes them with the tag: the resume is the uninterrupted run's."""
+    _job(2, "train", tmp_path, tmp_path / "train.json", NVME_FLOW_SAVE="background")
+    assert len(list((tmp_path / "ckpt" / OFFLOADED).rglob("*.swp"))) == 24
+    assert not list((tmp_path / "ckpt").glob(".*"))  # nothing staged is left
+    _job(2, "resume-dsckpt", tmp_path, tmp_path / "ours.json")
+    ours = json.loads((tmp_path / "ours.json").read_text())
+    assert ours["different"] == [] and ours["losses"] == json.loads((tmp_path / "train.json").read_text())["losses"]
 
 
 @needs_aio

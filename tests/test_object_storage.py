@@ -21,10 +21,12 @@ import pytest
 import dsckpt
 
 from conftest import FIXTURES, JOB_TIMEOUT, PYTHONPATH, ROOT, run_cli, run_job
+from nvme_support import aio_built, aio_environment
 from dsckpt.runtime.launch import free_port
 
 BUCKET = "dsckpt-test"
 CKPTS = ("z3_ws2_fp32", "z2_ws3_bf16", "tp2_dp2_z1_fp32")
+NVME = "nvme_z3_ws2_fp32"  # ZeRO-Infinity: the optimizer's state in <tag>/offloaded_tensors/rankNN/ (issue 70)
 
 
 
@@ -57,7 +59,7 @@ def s3():
 
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         fs.mkdir(BUCKET)
-        for name in CKPTS:
+        for name in (*CKPTS, NVME):
             fs.put(f"{FIXTURES / name}/", f"{BUCKET}/{name}/", recursive=True)
         try:
             yield fs
@@ -99,6 +101,42 @@ def test_consolidate_reshard_convert_read_a_bucket_and_write_what_they_write_loc
     ok("convert", url, tmp_path / "u_remote", "--to", "universal")
     ok("convert", local, tmp_path / "u_local", "--to", "universal")
     same_tree(tmp_path / "u_remote", tmp_path / "u_local")
+
+
+def test_a_zero_infinity_checkpoint_in_a_bucket_reads_as_the_folder_does(s3, tmp_path):
+    """The swap files two folders below the tag come with it: the masters and moments they hold, the NVMe section."""
+    url, local = f"s3://{BUCKET}/{NVME}", FIXTURES / NVME
+    ok("consolidate", url, tmp_path / "remote.safetensors", "--no-client-state")
+    ok("consolidate", local, tmp_path / "local.safetensors", "--no-client-state")
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    ok("convert", url, tmp_path / "u_remote", "--to", "universal")
+    ok("convert", local, tmp_path / "u_local", "--to", "universal")
+    same_tree(tmp_path / "u_remote", tmp_path / "u_local")
+    nvme = json.loads(ok("inspect", url, "--json").stdout)["nvme"]
+    assert nvme["bytes"] == json.loads(ok("inspect", local, "--json").stdout)["nvme"]["bytes"] > 0
+    report = json.loads(ok("verify", url, "--json").stdout)
+    assert report["ok"] and len(report["tags"][0]["swap_files"]) == 24
+
+
+@pytest.mark.runtime
+@pytest.mark.skipif(not aio_built(), reason="DeepSpeed's async_io op is not built here (make nvme-tools)")
+def test_a_background_save_of_a_zero_infinity_run_uploads_its_swap_files(s3, tmp_path):
+    """The swap files DeepSpeed copies into the tag in the call go up with the rank files, hidden until the tag is
+    whole; the tag in the bucket holds the live engine's masters, bit for bit."""
+    url = f"s3://{BUCKET}/nvme-engine-{tmp_path.name}"
+    env = {**aio_environment(), "NVME_FLOW_SAVE": "background", "NVME_FLOW_SAVE_DIR": url,
+           **{key: os.environ[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                               "AWS_DEFAULT_REGION")}}
+    run_job("nvme_flow.py", 2, "train", tmp_path, tmp_path / "train.json", env=env)
+    prefix = url[len("s3://"):]
+    swapped = sorted(p.split(f"{prefix}/", 1)[1] for p in s3.find(f"{prefix}/step3/offloaded_tensors"))
+    assert len(swapped) == 24 and swapped[0] == "step3/offloaded_tensors/rank00/14_17.tensor.swp", swapped
+    assert not [p for p in s3.find(prefix) if ".dsckpt-tmp-" in p] and s3.cat_file(f"{prefix}/latest") == b"step3"
+    import torch
+
+    reference = torch.load(tmp_path / "reference.pt")
+    got = dict(dsckpt.api.consolidation.load_state_dict(url))
+    assert [k for k in reference if "::" not in k and not torch.equal(reference[k], got[k])] == []
 
 
 def test_outputs_in_a_bucket_equal_local_ones_and_an_existing_one_needs_force(s3, tmp_path):

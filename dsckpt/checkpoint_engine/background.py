@@ -183,7 +183,9 @@ class AsyncSave:
         assert self.current is not None
         staged_dir = os.path.join(self.target.local, self.current.staging, "offloaded_tensors")
         os.makedirs(staged_dir, exist_ok=True)
-        os.replace(offloaded, os.path.join(staged_dir, os.path.basename(offloaded)))
+        staged = os.path.join(staged_dir, os.path.basename(offloaded))
+        os.replace(offloaded, staged)
+        self.current.temps += sorted(entry.path for entry in os.scandir(staged))  # (a bucket uploads them too)
         for folder in (os.path.dirname(offloaded), os.path.dirname(os.path.dirname(offloaded))):
             try:
                 os.rmdir(folder)  # (another rank's is still there: the last one removes it)

@@ -35,6 +35,7 @@ from ..io.skeleton import SMALL, skeleton
 from ..limits import limit
 from ..saves_in_flight import settle
 from ..zero import layout as L
+from ..zero.offloaded import OFFLOADED_DIR
 from ..zero.reader import Checkpoint, open_checkpoint
 from .group import Group
 from .survey import choose_tag, met, refuse, survey
@@ -251,6 +252,8 @@ def remote_view(group: Group, url: str, tag: str | None, scratch_parent: Path, e
         if L.LATEST_FILE in sizes else None
     no_ranks = not any(L.RANK_FILE_RE.match(rel.rsplit("/", 1)[-1]) for rel in sizes)  # a weights folder
     chosen = None if every_tag or no_ranks else choose_tag(sizes, tag, latest, _Url(store.url))
+    if chosen is not None and any(rel.startswith(f"{chosen}/zero_pp_rank_") for rel in sizes):  # ZeRO-3: NVMe too?
+        sizes.update({e.name.as_posix(): e.size for e in store.list(f"{chosen}/{OFFLOADED_DIR}")})
     wanted = sorted(rel for rel in sizes if "/" not in rel or every_tag or
                     (chosen is not None and rel.split("/")[0] == chosen))
     name = store.url.rsplit("/", 1)[-1]

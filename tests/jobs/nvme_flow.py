@@ -40,7 +40,8 @@ def trainer(swap: Path, offload: str, save_dir: str | None, sub_group_size: int)
     path = swap / f"config-{rank()}.json"
     path.write_text(json.dumps(config))
     return Trainer(TrainOptions(model="make_nvme_fixtures:build_nvme_model", config=str(path), steps=3,
-                                seed=7, batch_size=4, sync_save=True, save_dir=save_dir))
+                                seed=7, batch_size=4, sync_save=os.environ.get("NVME_FLOW_SAVE") != "background",
+                                save_dir=save_dir))
 
 
 def state(engine) -> dict:
@@ -70,10 +71,12 @@ def main(mode: str, out: str, report: str, offload: str = "nvme", sub_group_size
     quiet_deepspeed()
     out_dir = Path(out)
     with tempfile.TemporaryDirectory(prefix=f"nvme-{rank()}-") as swap:
-        t = trainer(Path(swap), offload, str(out_dir / "ckpt") if mode == "train" else None, int(sub_group_size))
+        save_dir = os.environ.get("NVME_FLOW_SAVE_DIR", str(out_dir / "ckpt"))  # (a bucket's URL: background saves)
+        t = trainer(Path(swap), offload, save_dir if mode == "train" else None, int(sub_group_size))
         result: dict = {}
         if mode == "train":
             t.fit(3, progress=False)  # (saves at its end)
+            t.runtime.wait_for_saves()
             reference = state(t.engine)
             result["losses"] = gathered_losses([t.step(), t.step()])
             if rank() == 0:
