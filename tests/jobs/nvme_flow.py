@@ -4,11 +4,14 @@ ARGS: MODE OUT REPORT [OFFLOAD] [SUB_GROUP_SIZE].  The model and config are the 
 swap threshold lowered so the small model has several swapped sub-groups and one kept in memory).
 * ``train``: 3 steps, a save into OUT/ckpt, then 2 more steps; rank 0 writes OUT/reference.pt (masters, moments and
   step gathered from the live engine at the save) and REPORT (every rank's 2 losses after the save);
-* ``resume-dsckpt`` / ``resume-stock``: a fresh engine loads OUT/ckpt through dsckpt's runtime (``load_checkpoint``)
-  or DeepSpeed's own ``engine.load_checkpoint``, then the same 2 steps; REPORT: the losses, and whether the masters,
+* ``resume-dsckpt`` / ``resume-stock`` / ``resume-engine``: a fresh engine loads OUT/ckpt through dsckpt's runtime
+  (``load_checkpoint``), DeepSpeed's own ``engine.load_checkpoint``, or ``engine.load_checkpoint`` as
+  ``enable_async_save`` answers it (with NVME_FLOW_SAVE=background), then the same 2 steps; REPORT: the losses, and whether the masters,
   moments and step right after the load equal the reference bit for bit;
-* ``load``: at another world size, OFFLOAD ``nvme`` or ``cpu`` (the optimizer's offload device): dsckpt's load of
-  OUT/ckpt, then the same comparison with the reference.
+* ``load``: at another world size: dsckpt's load of OUT/ckpt, then the same comparison with the reference.
+OFFLOAD: ``nvme`` (default: the optimizer and the parameters), ``nvme-optimizer`` (the optimizer only) or ``cpu``
+(the optimizer on the CPU).  NVME_FLOW_HPZ=K adds hpZ (``zero_hpz_partition_size``); NVME_FLOW_SAVE=background saves
+with dsckpt's background engine, into NVME_FLOW_SAVE_DIR when set (a bucket's URL).
 SUB_GROUP_SIZE (default 1000: five sub-groups at 2 ranks, one of them too small to swap) must cut the sub-groups the
 same way at both world sizes for ``load`` (dsckpt's reshard does not cut them anew yet).
 """
@@ -37,6 +40,8 @@ def trainer(swap: Path, offload: str, save_dir: str | None, sub_group_size: int)
     config = nvme.nvme_config("32", offload == "nvme", sub_group_size, str(swap))
     if offload == "cpu":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if os.environ.get("NVME_FLOW_HPZ"):  # hpZ: DeepSpeed refuses it beside parameters on NVMe
+        config["zero_optimization"]["zero_hpz_partition_size"] = int(os.environ["NVME_FLOW_HPZ"])
     path = swap / f"config-{rank()}.json"
     path.write_text(json.dumps(config))
     return Trainer(TrainOptions(model="make_nvme_fixtures:build_nvme_model", config=str(path), steps=3,
@@ -83,7 +88,7 @@ def main(mode: str, out: str, report: str, offload: str = "nvme", sub_group_size
                 torch.save(reference, out_dir / "reference.pt")
         else:
             ckpt = str(out_dir / "ckpt")
-            if mode == "resume-stock":
+            if mode in ("resume-stock", "resume-engine"):  # (engine: with NVME_FLOW_SAVE=background, dsckpt's)
                 _, client = t.engine.load_checkpoint(ckpt)
             else:
                 client = t.runtime.load_checkpoint(ckpt)
