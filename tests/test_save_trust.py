@@ -109,3 +109,59 @@ def test_a_namespace_in_the_client_state_loads_weights_only(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["args"] == {"lr": 1e-4, "layers": [3, 5],
                                                                          "name": "megatron-style"}
     assert run_cli("verify", tmp_path / "ckpt", "--tag", "n").returncode == 0
+
+
+@pytest.mark.runtime
+def test_a_client_state_beyond_plain_data_loads_with_trust_only(tmp_path):
+    """#68.9: the weights-only load refuses a foreign class, naming the Python argument that trusts it; trust=True
+    (enable_async_save's load_checkpoint) then loads it."""
+    proc = _trust_job("foreign", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads((tmp_path / "report.json").read_text())
+    assert "fractions.Fraction" in facts["refused"] and "load_checkpoint(..., trust=True)" in facts["refused"]
+    assert facts["ratio"] == "3/7"
+
+
+@pytest.mark.runtime
+def test_a_hung_persist_is_a_typed_error_at_the_next_wait_and_save_and_the_process_still_ends(tmp_path):
+    """#68.5: wait(timeout=1) and, under DSCKPT_SAVE_TIMEOUT=1, the next save_checkpoint raise BackgroundSaveError
+    after about a second; `latest` stays on the previous tag; the process ends, with status 1, though its writer
+    is still stuck."""
+    proc = _trust_job("hung", tmp_path, DSCKPT_SAVE_TIMEOUT="1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    facts = json.loads((tmp_path / "report.json").read_text())
+    for name in ("wait", "next_save"):
+        seconds, message = facts[name]
+        assert seconds < 10 and "still being written after 1 s" in message, facts
+    assert facts["latest"] == "x" and "was not saved" in proc.stderr
+
+
+@pytest.mark.runtime
+def test_a_load_right_after_a_save_leaves_that_save_as_of_its_call(tmp_path):
+    """#68.7: load_checkpoint while a save persists: the save holds the state of its call, the engine the loaded one."""
+    proc = _trust_job("load-fence", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "report.json").read_text()) == {"saved_as_of_call": True, "load_took_effect": True}
+
+
+@pytest.mark.runtime
+def test_a_rank_that_dies_mid_persist_fails_the_save_on_the_others_at_once(tmp_path):
+    """#68.4-5: rank 1 dies writing its files; rank 0's commit learns it from the transport (well inside the run's
+    timeout), raises a typed error at wait() saying what is on disk, and publishes nothing."""
+    from dsckpt.runtime.launch import run_ranks
+
+    out = tmp_path / "ckpt"
+    with tempfile.TemporaryFile("w+") as log:
+        codes = run_ranks([sys.executable, str(ROOT / "tests" / "jobs" / "async_trust.py"), "rank-dies", str(out),
+                           str(tmp_path / "report.json")], 2,
+                          {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, "DSCKPT_DIST_TIMEOUT": "60"}, JOB_TIMEOUT,
+                          stdout=log, stderr=log, cwd=ROOT)
+        log.seek(0)
+        text = log.read()
+    assert codes == [0, 9], text[-3000:]
+    facts = json.loads((tmp_path / "report.json").read_text())
+    seconds, kind, message = facts["raised"]
+    assert seconds < 30 and kind == "BackgroundSaveError" and "a process of the run stopped" in message, facts
+    assert message.count("published") == 1 and "`latest` still names 'x'" in message
+    assert facts["latest"] == "x" and [n for n in facts["visible"] if not n.endswith(".py")] == ["latest", "x"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".d.")]  # rank 0 removed the staged tag

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import BackgroundSaveError, DsckptError
+from ..errors import BackgroundSaveError, DistributedError, DsckptError
 from ..parallel.group import Group
 from .commit import SaveTarget, write_temp
 from .persist import write_snapshot
@@ -222,7 +222,8 @@ class Writer:
         if tag.aborted:
             return  # the call itself raised on this rank: the caller has that error
         about = f" [{error.at}]" if error.at is not None and str(error.at) not in error.message else ""
+        peer_gone = isinstance(error, DistributedError)  # (its own words say nothing was published: said below)
         self.failure = BackgroundSaveError(
-            f"the background save failed: {error.message}{about}; {state}",
-            hint="free space or fix permissions (or a bucket's credentials) where the checkpoint goes, then save "
-                 "again", at=tag.name)
+            f"the background save failed: {error.message.removesuffix('; nothing was published')}{about}; {state}",
+            hint=error.hint if peer_gone else "free space or fix permissions (or a bucket's credentials) where the "
+                                              "checkpoint goes, then save again", at=tag.name)

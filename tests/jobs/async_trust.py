@@ -8,7 +8,15 @@ tag ``x`` and waits for it, then:
   (or abandoned past it), and the process ends by SIGTERM either way;
 * ``then-consolidate``: a ``then()`` follow-up consolidates the tag just saved (it must not wait on its own writer);
 * ``namespace``: a client state holding an ``argparse.Namespace`` (Megatron's arguments) loads back through the
-  engine's weights-only ``load_checkpoint``.
+  engine's weights-only ``load_checkpoint``;
+* ``foreign``: a client state holding a class beyond plain data (``fractions.Fraction``): the weights-only load
+  refuses it naming ``trust=True``, which then loads it;
+* ``hung``: a persist that hangs: ``wait(timeout=1)`` and, with DSCKPT_SAVE_TIMEOUT=1, the next save raise a typed
+  error instead of waiting; the process still ends (bounded);
+* ``rank-dies`` (2 ranks): rank 1 dies in the middle of writing its files; rank 0's commit learns it within the run's
+  timeout (DSCKPT_DIST_TIMEOUT) and raises at ``wait()``, publishing nothing;
+* ``load-fence``: a load right after a save whose persist is slow: the save holds the state as of its call, the load
+  the loaded tag's.
 """
 import argparse
 import json
@@ -76,6 +84,73 @@ def main(mode: str, out: str, report: str) -> None:
         runtime.saver.wait()
         _, client = engine.load_checkpoint(out, tag="n")
         facts["args"] = vars(client["args"]) if isinstance(client.get("args"), argparse.Namespace) else repr(client)
+    if mode == "foreign":
+        from fractions import Fraction
+
+        engine.save_checkpoint(out, tag="f", client_state={"ratio": Fraction(3, 7)})
+        runtime.saver.wait()
+        try:
+            engine.load_checkpoint(out, tag="f")
+            facts["refused"] = None
+        except dsckpt.errors.DsckptError as exc:
+            facts["refused"] = f"{exc} {exc.hint or ''}"
+        _, client = engine.load_checkpoint(out, tag="f", trust=True)
+        facts["ratio"] = str(client["ratio"])
+    if mode == "hung":
+        runtime.saver.writer.write = slowed(40)
+        engine.save_checkpoint(out, tag="h")
+        for name, call in (("wait", lambda: runtime.saver.wait(timeout=1)),
+                           ("next_save", lambda: engine.save_checkpoint(out, tag="h2"))):
+            start = time.monotonic()
+            try:
+                call()
+                facts[name] = None
+            except dsckpt.errors.BackgroundSaveError as exc:
+                facts[name] = [round(time.monotonic() - start, 1), str(exc)]
+        facts["latest"] = (Path(out) / "latest").read_text()
+        Path(report).write_text(json.dumps(facts))
+        sys.exit(0)  # (the exit waits for the hung save at most DSCKPT_SAVE_TIMEOUT, then ends non-zero)
+    if mode == "rank-dies":
+        from dsckpt.runtime.engine import rank
+
+        def dies(state, path):
+            time.sleep(1)  # (past the save call's own barrier, which DeepSpeed's: this is the persist's part)
+            Path(path).write_bytes(b"partial")
+            os._exit(9)
+        if rank() == 1:
+            runtime.saver.writer.write = dies
+        engine.save_checkpoint(out, tag="d")
+        start = time.monotonic()
+        try:
+            runtime.saver.wait(timeout=120)
+            facts["raised"] = None
+        except dsckpt.errors.DsckptError as exc:
+            facts["raised"] = [round(time.monotonic() - start, 1), type(exc).__name__, str(exc)]
+        facts["latest"] = (Path(out) / "latest").read_text()
+        facts["visible"] = sorted(p.name for p in Path(out).iterdir() if not p.name.startswith("."))
+        Path(report).write_text(json.dumps(facts))
+        os._exit(0)  # (its peer is gone: no collective shutdown)
+    if mode == "load-fence":
+        from dsckpt.runtime.engine import full_state_dict
+
+        from dsckpt.runtime.demo_model import synthetic_batch
+
+        model = engine.module
+        loss = engine(synthetic_batch(1, seed=0, batch_size=1, seq_len=model.seq_len, vocab_size=model.vocab_size))
+        engine.backward(loss)
+        engine.step()  # (so that the state saved as "l" is not the one "x" holds)
+        before = {k: v.clone() for k, v in full_state_dict(engine.module).items()}
+        runtime.saver.writer.write = slowed(3)
+        engine.save_checkpoint(out, tag="l")
+        engine.load_checkpoint(out, tag="x")  # (a state other than the one "l" snapshots: "x" was saved earlier)
+        loaded = full_state_dict(engine.module)
+        runtime.saver.wait()
+        from dsckpt.api.consolidation import load_state_dict
+
+        saved = load_state_dict(out, tag="l")
+        facts["saved_as_of_call"] = all(torch.equal(saved[k].to(v.dtype), v) for k, v in before.items()
+                                        if k in saved)
+        facts["load_took_effect"] = any(not torch.equal(loaded[k], v) for k, v in before.items())
     Path(report).write_text(json.dumps(facts))
 
 
