@@ -306,6 +306,21 @@ def test_hf_trainer_background_saves_resume(hf_reference, tmp_path):
         assert abs(entry["loss"] - reference[step]["loss"]) <= 1e-5 * abs(entry["loss"]), step
 
 
+def test_hf_trainer_best_model_checkpoint_never_points_into_a_pending_folder(tmp_path):
+    """#68.9: with background saves, an evaluation at every save and load_best_model_at_end, the Trainer's
+    best_model_checkpoint - in its state and in every trainer_state.json - names a published checkpoint-N (which
+    rotation kept), never the pending folder; the Trainer's own load of it at the end succeeds."""
+    out = tmp_path / "out"
+    run_job("hf_resume.py", 2, out, 2, "32", MAX_STEPS, 1, env={"DSCKPT_ASYNC_LIMIT": "1", "DSCKPT_BEST": "1"})
+    best = json.loads((out / "log.json").read_text())["best_model_checkpoint"]
+    assert best is not None and Path(best).parent == out and (Path(best) / "latest").is_file(), best
+    left = sorted(p for p in out.iterdir() if p.name.startswith(("checkpoint-", ".")))
+    assert Path(best) in left and all(not p.name.startswith(".") for p in left), left
+    for folder in left:
+        named = json.loads((folder / "trainer_state.json").read_text())["best_model_checkpoint"]
+        assert named is not None and ".dsckpt-pending" not in named and Path(named).is_dir(), (folder, named)
+
+
 def test_accelerate_background_save_state_loads(tmp_path):
     """``dsckpt.enable_async_save(model)`` under Accelerate: ``save_state`` returns while the files are written,
     training goes on, and ``load_state`` of that folder in a new job resumes with the same next steps."""

@@ -94,6 +94,16 @@ def HFAsyncSave(trainer: Any) -> Any:
             if self.saver is None and wrapped is not None:
                 self.saver = enable_async_save(wrapped.engine)
                 trainer._save_checkpoint = self._staged(trainer._save_checkpoint)
+                load_best = trainer._load_best_model
+
+                def load_best_once_published() -> None:  # (load_best_model_at_end runs before on_train_end)
+                    import torch.distributed as dist
+
+                    self.saver.wait()  # type: ignore[union-attr]
+                    if dist.is_initialized() and dist.get_world_size() > 1:
+                        dist.barrier()  # rank 0's writer moves the folder into place: every rank waits for it
+                    load_best()
+                trainer._load_best_model = load_best_once_published
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.enable()
@@ -112,12 +122,14 @@ def HFAsyncSave(trainer: Any) -> Any:
 
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.barrier()  # every rank's own files (rng_state_{rank}.pth) are in the folder before it moves
+                name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+                best = trainer.state.best_model_checkpoint  # (every rank's: each loads it at the end)
+                pointed = best is not None and os.path.dirname(os.path.normpath(best)) == os.path.normpath(pending)
+                if pointed:
+                    best = trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
                 if not args.should_save:
                     return
-                name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-                best = trainer.state.best_model_checkpoint
-                if best is not None and os.path.dirname(os.path.normpath(best)) == os.path.normpath(pending):
-                    best = trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                if pointed:
                     _point_best_at(os.path.join(pending, name, "trainer_state.json"), best)
 
                 def publish() -> None:

@@ -15,7 +15,8 @@ With ``DSCKPT_ASYNC_LIMIT=K`` in the environment the saves go through dsckpt's b
 OUTPUT_DIR that has no ``latest`` yet (one the Trainer's ``resume_from_checkpoint=True`` could pick half-written).
 RESUME_FROM ``last`` is ``resume_from_checkpoint=True``.  ``DSCKPT_INIT_FROM=FOLDER`` starts the model from a
 ``save_pretrained`` folder (``from_pretrained``) instead of the seeded initialization.  ``DSCKPT_STOP_AT=N`` stops the run after step N (a job
-ended early: the schedule is still MAX_STEPS long).
+ended early: the schedule is still MAX_STEPS long).  ``DSCKPT_BEST=1``: an evaluation at every save and
+``load_best_model_at_end`` on ``eval_loss`` (the log notes ``best_model_checkpoint``).
 """
 import json
 import os
@@ -40,8 +41,10 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
                  "train_batch_size": GLOBAL_BATCH, "zero_optimization": {"stage": int(stage)},
                  "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True}
     limit = os.environ.get("DSCKPT_ASYNC_LIMIT")
+    best = {"eval_strategy": "steps", "eval_steps": int(save_steps), "load_best_model_at_end": True,
+            "metric_for_best_model": "eval_loss"} if os.environ.get("DSCKPT_BEST") else {}
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, deepspeed=ds_config, max_steps=int(max_steps),
-                             save_total_limit=int(limit) if limit else None,
+                             save_total_limit=int(limit) if limit else None, **best,
                              per_device_train_batch_size=GLOBAL_BATCH // world, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, bf16=bf16,
                              save_steps=int(save_steps), save_strategy="steps", report_to=[], seed=11,
@@ -49,7 +52,8 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
     torch.manual_seed(11)
     init = os.environ.get("DSCKPT_INIT_FROM")
     model = LlamaForCausalLM.from_pretrained(init) if init else LlamaForCausalLM(model_config())
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), processing_class=tokenizer())
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), processing_class=tokenizer(),
+                      eval_dataset=Tokens() if best else None)
     started = {}
 
     class SaveAsLoaded(TrainerCallback):
@@ -78,7 +82,7 @@ def main(output_dir: str, stage: str, precision: str, max_steps: str, save_steps
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     if torch.distributed.get_rank() == 0:
         log = {"start_step": started["step"], "world_size": world, "history": trainer.state.log_history,
-               "unpublished_at_save": unpublished}
+               "unpublished_at_save": unpublished, "best_model_checkpoint": trainer.state.best_model_checkpoint}
         with open(os.path.join(output_dir, "log.json"), "w") as fh:
             json.dump(log, fh)
     torch.distributed.barrier()
