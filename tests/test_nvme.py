@@ -198,13 +198,18 @@ def test_a_background_save_of_an_nvme_run_resumes_exactly(tmp_path):
 @needs_aio
 def test_another_world_size_loads_into_nvme_and_cpu_offload_engines_exactly(tmp_path):
     """2 ranks with the optimizer on NVMe into 3 ranks with it on NVMe (no offloaded_tensors/ at that size: DeepSpeed
-    cannot) and on the CPU; and a CPU-offload run into an NVMe engine.  One sub-group, which every size cuts alike."""
+    cannot) and on the CPU, read in place and from `dsckpt reshard`'s copy; and a CPU-offload run into an NVMe engine.
+    One sub-group, which every size cuts alike."""
     whole = 10 ** 12
     _job(2, "train", tmp_path, tmp_path / "train.json", "nvme", whole)
     for offload in ("nvme", "cpu"):
         _job(3, "load", tmp_path, tmp_path / f"{offload}.json", offload, whole)
         result = json.loads((tmp_path / f"{offload}.json").read_text())
         assert result == {"different": [], "step": 3.0}, offload
+    assert run_cli("reshard", tmp_path / "ckpt", tmp_path / "ws3", "-w", "3").returncode == 0  # a copy on disk: the
+    _job(3, "load", tmp_path, tmp_path / "copy.json", "nvme", whole, NVME_FLOW_LOAD=str(tmp_path / "ws3"))  # same
+    assert json.loads((tmp_path / "copy.json").read_text()) == {"different": [], "step": 3.0}
+    assert not (tmp_path / "ws3" / "step3" / "offloaded_tensors").exists()  # (the moments in the rank files)
     cpu_run = tmp_path / "cpu"
     cpu_run.mkdir()
     _job(2, "train", cpu_run, cpu_run / "train.json", "cpu", 1000)

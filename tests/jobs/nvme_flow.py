@@ -10,7 +10,7 @@ swap threshold lowered so the small model has several swapped sub-groups and one
   moments and step right after the load equal the reference bit for bit;
 * ``load``: at another world size: dsckpt's load of OUT/ckpt, then the same comparison with the reference.
 OFFLOAD: ``nvme`` (default: the optimizer and the parameters), ``nvme-optimizer`` (the optimizer only) or ``cpu``
-(the optimizer on the CPU).  NVME_FLOW_HPZ=K adds hpZ (``zero_hpz_partition_size``); NVME_FLOW_SAVE=background saves
+(the optimizer on the CPU).  NVME_FLOW_LOAD=DIR loads DIR instead of OUT/ckpt.  NVME_FLOW_HPZ=K adds hpZ (``zero_hpz_partition_size``); NVME_FLOW_SAVE=background saves
 with dsckpt's background engine, into NVME_FLOW_SAVE_DIR when set (a bucket's URL).
 SUB_GROUP_SIZE (default 1000: five sub-groups at 2 ranks, one of them too small to swap) must cut the sub-groups the
 same way at both world sizes for ``load`` (dsckpt's reshard does not cut them anew yet).
@@ -87,7 +87,7 @@ def main(mode: str, out: str, report: str, offload: str = "nvme", sub_group_size
             if rank() == 0:
                 torch.save(reference, out_dir / "reference.pt")
         else:
-            ckpt = str(out_dir / "ckpt")
+            ckpt = os.environ.get("NVME_FLOW_LOAD", str(out_dir / "ckpt"))  # (another: `dsckpt reshard`'s output)
             if mode in ("resume-stock", "resume-engine"):  # (engine: with NVME_FLOW_SAVE=background, dsckpt's)
                 _, client = t.engine.load_checkpoint(ckpt)
             else:
