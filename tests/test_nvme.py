@@ -181,6 +181,8 @@ def test_resume_is_exact_where_deepspeeds_own_load_is_not(tmp_path):
     assert ours["different"] == [] and ours["step"] == 3.0 and ours["losses"] == losses
     assert "::step" in stock["different"] and any(k.startswith("norm.") for k in stock["different"])
     assert stock["losses"] != losses
+    _job(3, "load", tmp_path, tmp_path / "three.json")  # five sub-groups at 2 ranks, cut anew at 3
+    assert json.loads((tmp_path / "three.json").read_text()) == {"different": [], "step": 3.0}
 
 
 @needs_aio

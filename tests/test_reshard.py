@@ -35,8 +35,8 @@ from dsckpt.zero.reader import open_checkpoint
 torch = pytest.importorskip("torch")
 
 MOVES = ((2, 3), (2, 1), (3, 2))  # larger, down to one rank, smaller
-SUBGROUP_MOVES = ((2, 1),)  # the one move that keeps the odd model's sub-groups (the others are refused by name:
-                            # test_sub_groups_that_fall_differently_are_refused)
+SUBGROUP_MOVES = MOVES  # 2 -> 1 keeps the odd model's sub-groups, 2 -> 3 and 3 -> 2 cut them anew
+                        # (test_sub_groups_that_fall_differently_are_cut_anew)
 # Continuing at M is continuing at another world size: the same samples, but gradients reduced over
 # other partitions in another order.  fp32: that is rounding noise (measured: loss 1e-7 relative,
 # masters 6e-8 to 1.2e-7 after 3 steps).  16-bit: the forward runs on the 16-bit weights with another
@@ -101,7 +101,8 @@ def test_stock_deepspeed_restores_every_state_bit_for_bit(oracle, n, m, stage, p
     assert len(before["moments"]) == 2 * len(before["masters"]) > 0
     assert _equal(before["module"], after["module"]) == []  # 16-bit weights, frozen layer, buffers
     assert "frozen.weight" in after["module"] and "scale" in after["module"]
-    assert after["steps"] == before["steps"] and before["steps"]  # (fp16 may have skipped a step on overflow)
+    assert set(after["steps"]) == set(before["steps"]) and before["steps"]  # (fp16 may skip a step on overflow)
+    assert len(after["steps"]) == len(before["steps"]) or stage in SUBGROUPS  # (one per sub-group: cut anew at M)
     for key in ("scheduler", "loss_scale", "global_steps", "skipped_steps", "global_samples", "hyperparams"):
         assert after[key] == before[key], key
     assert {g["weight_decay"] for g in after["hyperparams"]} == {0.1, 0.0}  # two groups, their own settings
@@ -114,6 +115,9 @@ def test_stock_deepspeed_restores_every_state_bit_for_bit(oracle, n, m, stage, p
 def test_training_continues_like_the_uninterrupted_run(oracle, n, m, stage, precision):
     _, before, after = _records(oracle, n, m, stage, precision)
     tol = CONTINUATION_TOLERANCE[precision]
+    if stage in SUBGROUPS and (n, m) != (2, 1):  # the state loads exact (the tests above), but DeepSpeed then steps
+        tol = CONTINUATION_TOLERANCE["bf16"]  # other sub-groups: an element of near-zero gradient moves by ~lr
+        # one way or the other on the reduction's rounding (measured 3 -> 2: loss 2.5e-5 relative, masters 3.5e-4)
     for want, got in zip(before["after"]["losses"], after["after"]["losses"]):
         assert math.isfinite(got) and abs(got - want) <= tol["loss"] * abs(want), (want, got)
     worst = max(float((before["after"]["masters"][k] - after["after"]["masters"][k]).abs().max())
@@ -131,26 +135,28 @@ def test_files_equal_deepspeeds_own_save_at_the_new_world_size(oracle, n, m, sta
         assert tree_differences(TorchFile(ours / name).obj, TorchFile(native / name).obj, name) == []
 
 
-def test_sub_groups_that_fall_differently_are_refused(oracle):
+def test_sub_groups_that_fall_differently_are_cut_anew(oracle):
     """DeepSpeed cuts ZeRO-3 sub-groups by *partition* size (``_create_fp16_sub_groups``), so where it cuts
     depends on the world size: the odd model at sub_group_size 1500 has 3 sub-groups at 1 or 2 ranks and 2 at 3.
-    The move that keeps them (2 -> 1) passes every check above, three sub-groups each way; a move that
-    regroups is refused by name (writing it anyway, measured: DeepSpeed's load fails on the optimizer's groups)."""
+    Every move passes every check above (stock DeepSpeed restores each state bit for bit, saves the same files);
+    here the cuts themselves: the files hold as many sub-groups as DeepSpeed cuts at their world size, and the
+    optimizer's param groups list theirs."""
     from dsckpt.plan.moves import stage3_sub_groups
 
     if "32" not in _capabilities():
         pytest.skip("fp32 is not supported here")
     kept, ws3 = oracle[2] / "z3s_32", oracle[3] / "z3s_32"
-    assert "fall differently at world size 3: 3 at 2 ranks" in (kept / "ws3.refused").read_text()
-    assert "fall differently at world size 2: " in (ws3 / "ws2.refused").read_text()
-    assert (kept / "ws1" / f"step{STEPS}").is_dir() and not (kept / "ws1.refused").exists()
+    assert not list(kept.glob("*.refused")) and not list(ws3.glob("*.refused"))
     src = open_checkpoint(kept / "ckpt")  # param_shapes: one entry per sub-group; two optimizer groups hold them
     groups = [src.param_groups[0] | src.param_groups[1], src.param_groups[2]]
     assert [len(g) for g in src.param_groups] == [1, 1, 4]
     assert [len(g) for g in stage3_sub_groups(groups, 2, 1500)] == [1, 1, 4] == \
         [len(g) for g in stage3_sub_groups(groups, 1, 1500)] != [len(g) for g in stage3_sub_groups(groups, 3, 1500)]
-    assert len(TorchFile(next((kept / "ckpt").glob("*/*rank_0*optim_states.pt"))).obj["optimizer_state_dict"][
-        "fp32_flat_groups"]) == 3
+    for folder, ws in ((kept / "ws3", 3), (kept / "ws1", 1), (ws3 / "ws2", 2)):
+        osd = TorchFile(next(folder.glob("*/*rank_0*optim_states.pt"))).obj["optimizer_state_dict"]
+        assert len(osd["fp32_flat_groups"]) == len(stage3_sub_groups(groups, ws, 1500)), folder
+        owned = [g["params"] for g in osd["optimizer_state_dict"]["param_groups"]]
+        assert sorted(i for ids in owned for i in ids) == list(range(len(osd["fp32_flat_groups"]))), owned
 
 
 def test_consolidated_result_of_the_resharded_equals_the_original(oracle):

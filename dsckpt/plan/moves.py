@@ -16,7 +16,7 @@ from ..formats.pickle_policy import Opaque, TensorRef, opaque_type
 from ..formats.pickle_writer import NewTensor
 from ..limits import limit
 from ..zero import layout as L, slice_mappings
-from ..zero.partitioning import GroupLayout
+from ..zero.partitioning import GroupLayout, stage3_group
 from ..zero.reader import Checkpoint
 from ..zero.grid import BF16_PREFIX
 from .groups import stage3_groups, stage12_groups
@@ -43,6 +43,9 @@ class GroupMove:
     source_ranks: tuple[int, ...] | None = None  # the ranks holding its partitions at N, in order (None: all)
     target_ranks: tuple[int, ...] | None = None  # ... at M
     source_params: tuple[int, ...] | None = None  # per target parameter, its index in ``source`` (None: the same)
+    # ZeRO-3 sub-groups cut anew: the source sub-groups whose partitions, joined in order, ``source`` lays out (None:
+    # the one at ``index``)
+    source_groups: tuple[int, ...] | None = None
 
     def position(self, rank: int) -> int:
         """``rank``'s place among the target ranks (its partition of this group)."""
@@ -123,10 +126,23 @@ def _moved_experts(ckpt: Checkpoint, groups: list[Any], ep_size: int, world_size
 
 
 def stage3_moves(ckpt: Checkpoint, world_size: int) -> list[GroupMove]:
-    """The sub-groups at N laid out at M - valid only while DeepSpeed cuts the same sub-groups at M
-    (``_check_sub_groups_kept``)."""
-    moves = [GroupMove(group.names, group.layout, group.at(world_size), group.index) for group in stage3_groups(ckpt)]
-    _check_sub_groups_kept(ckpt, [m.names for m in moves], world_size)
+    """The sub-groups at N laid out at M; where DeepSpeed cuts them differently at M (``sub_group_size`` counts a
+    rank's elements), each new sub-group takes its parameters from the source sub-groups of its param group, joined:
+    at ZeRO-3 every parameter is split on its own, so a joined partition is the parts of all of them in order."""
+    groups = stage3_groups(ckpt)
+    cut = _sub_groups_at(ckpt, [g.names for g in groups], world_size)
+    if cut is None:
+        return [GroupMove(g.names, g.layout, g.at(world_size), g.index) for g in groups]
+    owner = [state.param_group for state in ckpt.optimizer_states[0].groups]
+    moves: list[GroupMove] = []
+    for param_group, names in cut:
+        joined = [g for g in groups if owner[g.index] == param_group]
+        order = [n for g in joined for n in g.names]
+        shapes = {n: s for g in joined for n, s in zip(g.names, g.shapes)}
+        source = stage3_group([math.prod(shapes[n]) for n in order], ckpt.world_size)
+        target = stage3_group([math.prod(shapes[n]) for n in names], world_size)
+        moves.append(GroupMove(names, source, target, len(moves), source_params=tuple(order.index(n) for n in names),
+                               source_groups=tuple(g.index for g in joined)))
     return moves
 
 
@@ -153,29 +169,26 @@ def stage3_sub_groups(groups: list[dict[str, tuple[int, ...]]], world_size: int,
     return out
 
 
-def _check_sub_groups_kept(ckpt: Checkpoint, source: list[tuple[str, ...]], world_size: int) -> None:
-    """Refuse a move that would regroup ZeRO-3 sub-groups (the optimizer's per-sub-group state would need
-    re-cutting, which this plan does not do); measured: DeepSpeed fails to load such a file."""
+def _sub_groups_at(ckpt: Checkpoint, source: list[tuple[str, ...]], world_size: int
+                   ) -> list[tuple[int, tuple[str, ...]]] | None:
+    """Where DeepSpeed cuts the sub-groups at ``world_size`` - (param group, names) each - when that differs from
+    the checkpoint's cut; None when it does not (or the size recorded is none DeepSpeed would run with)."""
     config = ckpt.model_files[0].obj.get(L.DS_CONFIG)
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     size = zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero, dict) else DEFAULT_SUB_GROUP_SIZE
     if not isinstance(size, (int, float)) or isinstance(size, bool) or size <= 0:
-        return  # not a size DeepSpeed would run with; the recovered groups stand
+        return None  # not a size DeepSpeed would run with; the recovered groups stand
     # ZeRO-3 records param_shapes per sub-group; the optimizer's own param groups list their sub-groups
     torch_groups = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT][L.OPTIMIZER_STATE_DICT]["param_groups"]
     groups = [{n: s for k in g["params"] for n, s in ckpt.param_groups[k].items()} for g in torch_groups]
     at_n = stage3_sub_groups(groups, ckpt.world_size, int(size))
-    at_m = stage3_sub_groups(groups, world_size, int(size))
     if at_n != source and len(source) > 1:
         raise UnsupportedCheckpointError(
             f"{len(source)} ZeRO-3 sub-groups, not where DeepSpeed 0.19.8 cuts them "
             f"(sub_group_size {int(size):,}: {len(at_n)}); not supported yet", at=ckpt.optim_files[0].path)
-    if at_m != at_n:
-        raise UnsupportedCheckpointError(
-            f"ZeRO-3 sub-groups (sub_group_size {int(size):,}) fall differently at world size "
-            f"{world_size}: {len(at_n)} at {ckpt.world_size} ranks, {len(at_m)} at {world_size} (or other members); "
-            "not supported yet", hint="reshard to a world size that keeps them, or consolidate and resume with "
-                                      "--full-weights", at=ckpt.layout.tag_dir)
+    if stage3_sub_groups(groups, world_size, int(size)) == at_n:
+        return None
+    return [(i, names) for i, group in enumerate(groups) for names in stage3_sub_groups([group], world_size, int(size))]
 
 
 # --- step 3: segments -----------------------------------------------------------------------------
@@ -230,16 +243,18 @@ def is_bf16(path: Path) -> bool:
 
 
 def state_tensor(ckpt: Checkpoint, rank: int, group: int, key: str, move: GroupMove) -> TensorRef:
+    numel = move.source.partition_numel if move.source_groups is None else \
+        ckpt.optimizer_states[rank].groups[group].fp32.numel  # (one of the joined sub-groups: its own size)
     held = ckpt.optimizer_states[rank].groups[group].moments.get(key)  # (a ZeRO-Infinity run's: in its swap file)
-    if isinstance(held, TensorRef) and held.numel == move.source.partition_numel:
+    if isinstance(held, TensorRef) and held.numel == numel:
         return held
     osd = ckpt.optim_files[rank].obj[L.OPTIMIZER_STATE_DICT]
     torch_state = osd[L.OPTIMIZER_STATE_DICT] if ckpt.zero_stage == 3 else osd[L.BASE_OPTIMIZER_STATE]
     ref = torch_state["state"][group][key]
-    if not isinstance(ref, TensorRef) or ref.numel != move.source.partition_numel:
+    if not isinstance(ref, TensorRef) or ref.numel != numel:
         raise UnsupportedCheckpointError(
             f"optimizer state {key!r} of group {group} is neither per element "
-            f"({move.source.partition_numel} elements) nor a scalar; dsckpt cannot split it", at=ckpt.optim_files[rank].path)
+            f"({numel} elements) nor a scalar; dsckpt cannot split it", at=ckpt.optim_files[rank].path)
     return ref
 
 

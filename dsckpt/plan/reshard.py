@@ -83,6 +83,9 @@ def _model_file(ckpt: Checkpoint, world_size: int, rank: int, moves: Sequence[Gr
         from .experts import rewritten_shapes
 
         tree[L.PARAM_SHAPES] = rewritten_shapes(tree[L.PARAM_SHAPES], moved, ckpt.trainable)
+    if any(m.source_groups is not None for m in moves):  # ZeRO-3 records the shapes per sub-group
+        kind = type(tree[L.PARAM_SHAPES][0]) if tree[L.PARAM_SHAPES] else dict
+        tree[L.PARAM_SHAPES] = [kind((n, ckpt.trainable[n]) for n in m.names) for m in moves]
     if ckpt.zero_stage == 3:
         name = rank_file_name("model", Coord(tp=ckpt.tp_rank, dp=rank))
         fragments = ckpt.frozen_fragments
@@ -118,22 +121,33 @@ def _optim_file(ckpt: Checkpoint, moves: list[GroupMove], world_size: int, rank:
     flats = []
     mine = [next(m for m in moves if m.index == g and (m.target_ranks is None or rank in m.target_ranks))
             for g in sorted({m.index for m in moves})]  # per flat group, the move this rank takes part in
+    recut = any(m.source_groups is not None for m in mine)  # ZeRO-3 sub-groups cut anew (moves.stage3_moves)
+    states = torch_state.get("state", {})
+    originals = dict(states)  # (re-cut: each new sub-group's scalars from its first source's, as saved)
     for g, move in enumerate(mine):
         where = f"{ckpt.layout.tag_dir}: group {g}"
         pos = move.position(rank)
         source_ranks = move.source_ranks if move.source_ranks is not None else range(ckpt.world_size)
-        sources = [ckpt.optimizer_states[r].groups[g] for r in source_ranks]
+        joined = move.source_groups or (g,)
+        sources = [[ckpt.optimizer_states[r].groups[k] for k in joined] for r in source_ranks]
         trimmed = 0 if stage3 else stage12_trimmed(move.target, pos)
         length = move.target.partition_numel
-        spaces = [FlatSpace([s.fp32]) for s in sources]
-        flats.append(new_tensor(sources[0].fp32, length - trimmed,
+        spaces = [FlatSpace([s.fp32 for s in ss]) for ss in sources]
+        flats.append(new_tensor(sources[0][0].fp32, length - trimmed,
                                  partition_segments(move, pos, spaces, length - trimmed, where)))
-        state = torch_state.get("state", {}).get(g)
+        state = copy_tree(originals.get(joined[0])) if recut else states.get(g)
         for key, value in list((state or {}).items()):
-            if key not in sources[0].moments and (not isinstance(value, TensorRef) or value.numel <= 1):
+            if key not in sources[0][0].moments and (not isinstance(value, TensorRef) or value.numel <= 1):
                 continue  # Adam's step and other scalars: the same on every rank, kept (moments on NVMe: empty here)
-            spaces = [FlatSpace([state_tensor(ckpt, r, g, key, move)]) for r in source_ranks]
+            spaces = [FlatSpace([state_tensor(ckpt, r, k, key, move) for k in joined]) for r in source_ranks]
             state[key] = new_tensor(value, length, partition_segments(move, pos, spaces, length, f"{where} {key}"))
+        if recut:
+            states[g] = state
+    if recut:
+        torch_state["state"] = {g: states[g] for g in range(len(mine)) if states.get(g) is not None}
+        owner = [s.param_group for s in ckpt.optimizer_states[0].groups]
+        for i, group in enumerate(torch_state["param_groups"]):
+            group["params"] = [g for g, m in enumerate(mine) if owner[(m.source_groups or (g,))[0]] == i]
     renamed = {m.index: world_size // len(m.target_ranks) for m in mine
                if m.source_params is not None and m.target_ranks is not None}
     if renamed:  # experts at another ep_size: their optimizer group is named for it
