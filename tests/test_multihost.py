@@ -208,6 +208,25 @@ def test_node_local_gather_and_consolidate_write_on_rank_0s_host(single, tmp_pat
 
 
 @needs_namespaces
+def test_a_zero_infinity_run_on_node_local_disks_consolidates_and_reshards_as_one_process_does(tmp_path):
+    """Each host holds its ranks' files and their swap files (offloaded_tensors/rankNN/): the bytes the plan reads
+    from the other host's swap files travel as a rank file's do (issue 70)."""
+    name = "nvme_z3_ws2_fp32"
+    files = lambda r: [f"step3/zero_pp_rank_{r}_mp_rank_00_{k}_states.pt" for k in ("model", "optim")] + \
+        sorted(p.relative_to(FIXTURES / name).as_posix() for p in (FIXTURES / name / f"step3/offloaded_tensors/rank0{r}").iterdir())
+    hosts = Hosts(tmp_path, name, [["latest", "reference.pt", *files(0)], files(1)])
+    results = hosts.run("consolidate", hosts.ckpt, hosts.outroot / "m.safetensors", "--no-fsync", "--no-client-state")
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    assert run_cli("consolidate", FIXTURES / name, tmp_path / "single.safetensors", "--no-fsync",
+                   "--no-client-state").returncode == 0
+    assert (hosts.out(0) / "m.safetensors").read_bytes() == (tmp_path / "single.safetensors").read_bytes()
+    results = hosts.run("reshard", hosts.ckpt, hosts.outroot / "out", "-w", "3", "--gather", "--no-fsync")
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    assert run_cli("reshard", FIXTURES / name, tmp_path / "single", "-w", "3", "--no-fsync", "-q").returncode == 0
+    assert _same_tree(tmp_path / "single", hosts.out(0) / "out") == []
+
+
+@needs_namespaces
 def test_a_rank_file_no_host_holds_is_one_error_and_nothing_is_published(tmp_path):
     hosts = Hosts(tmp_path, Z3, [Z3_SPLIT[0], Z3_SPLIT[1][:1]])  # rank 2's optimizer file is nowhere
     results = hosts.run("reshard", hosts.ckpt, hosts.outroot / "out", "-w", "2")

@@ -104,6 +104,22 @@ def test_inspect_du_verify_list_and_prune_count_the_swap_files(tmp_path):
     assert not (root / "step2").exists() and (root / OFFLOADED).is_dir()
 
 
+@pytest.mark.runtime
+def test_two_processes_read_the_swap_files_as_one_does(tmp_path):
+    """consolidate and reshard --nproc 2: each process's view holds the swap files two folders below the tag."""
+    name = FIXTURES / "nvme_z3_ws2_fp32"
+    for args in (("consolidate", name, "{out}.safetensors", "--no-client-state"), ("reshard", name, "{out}", "-w", "3")):
+        outs = {n: str(tmp_path / f"{args[0]}-{n}") for n in (1, 2)}
+        for n, out in outs.items():
+            proc = run_cli(*(a.format(out=out) if isinstance(a, str) else a for a in args), "--no-fsync",
+                           *(["--nproc", "2"] if n == 2 else []))
+            assert proc.returncode == 0, proc.stderr[-2000:]
+        if args[0] == "consolidate":
+            assert open(f"{outs[1]}.safetensors", "rb").read() == open(f"{outs[2]}.safetensors", "rb").read()
+        else:
+            assert run_cli("diff", outs[1], outs[2], "--optimizer").returncode == 0
+
+
 def _damaged(tmp_path, edit):
     root = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "nvme_z3_ws2_fp32", root)

@@ -1,7 +1,8 @@
 """What one process sees of a checkpoint folder, and the one rule for what a run refuses in it.
 
-``survey`` lists the regular files in CKPT and one folder down (the tag folders) with their sizes, and what is
-wrong where (a symlink leading out of CKPT, unless trusted; a rank file's name on something else).
+``survey`` lists the regular files in CKPT and one folder down (the tag folders; a ZeRO-Infinity tag's swap files
+too) with their sizes, and what is wrong where (a symlink leading out of CKPT, unless trusted; a rank file's name
+on something else).
 ``choose_tag`` is ``zero.layout.discover``'s choice over such a listing (``tag``, else what `latest` names, else
 the only tag folder), refused in its words; ``met`` says which problems a run meets: those one process reading
 alone would (a top-level file, the chosen tag folder, a rank file in it), so a distributed run or a bucket refuses
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, DsckptError, TagError
 from ..zero import layout as L
+from ..zero.offloaded import OFFLOADED_DIR
 
 Problem = DsckptError  # what is wrong at a path, found by a survey, raised where a process reading alone meets it
 
@@ -36,6 +38,7 @@ def survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], dict[str, Problem]]
             problems[entry.name + ("/" if entry.is_dir() else "")] = problem
             continue
         inner = sorted(os.scandir(entry.path), key=lambda e: e.name) if entry.is_dir() else [entry]
+        inner += [e for d in inner if d.name == OFFLOADED_DIR and d.is_dir() for e in _swap_files(Path(d.path))]
         for item in inner:
             path = Path(item.path)
             rel = path.relative_to(ckpt).as_posix()
@@ -45,6 +48,12 @@ def survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], dict[str, Problem]]
             elif item.is_file() and not item.name.startswith("."):
                 seen[rel] = item.stat().st_size
     return seen, problems
+
+
+def _swap_files(folder: Path) -> list[os.DirEntry]:
+    """A ZeRO-Infinity tag's ``offloaded_tensors/rankNN/*`` (two levels further down than the rank files)."""
+    ranks = sorted((e for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+    return [f for r in ranks for f in sorted(os.scandir(r.path), key=lambda e: e.name)]
 
 
 def met(rel: str, chosen: str | None) -> bool:

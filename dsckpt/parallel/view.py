@@ -210,6 +210,7 @@ def build_view(group: Group, ckpt: str | os.PathLike[str], tag: str | None, scra
     try:  # this process's own files: it alone may fail here, so all agree before going on
         (view.root / chosen if chosen else view.root).mkdir(parents=True)
         for rel in wanted:
+            view.path(rel).parent.mkdir(parents=True, exist_ok=True)  # (offloaded_tensors/rankNN/ below the tag)
             if rel in local and sizes[rel] <= SMALL_FILE:  # a copy: `latest` and companions are read as files
                 shutil.copyfile(ckpt / rel, view.path(rel))
             elif rel in local:
