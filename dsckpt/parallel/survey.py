@@ -50,7 +50,7 @@ def survey(ckpt: Path, trust: bool) -> tuple[dict[str, int], dict[str, Problem]]
     return seen, problems
 
 
-def _swap_files(folder: Path) -> list[os.DirEntry]:
+def _swap_files(folder: Path) -> "list[os.DirEntry[str]]":
     """A ZeRO-Infinity tag's ``offloaded_tensors/rankNN/*`` (two levels further down than the rank files)."""
     ranks = sorted((e for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
     return [f for r in ranks for f in sorted(os.scandir(r.path), key=lambda e: e.name)]
