@@ -422,6 +422,19 @@ def test_skip_crc_check_reads_anyway_and_says_so(damaged_masters):
     assert "note: CRC-32 checks skipped" in proc.stderr
 
 
+@pytest.mark.runtime
+def test_the_engines_load_at_another_world_size_refuses_damaged_bytes(damaged_masters, tmp_path):
+    """enable_async_save's load_checkpoint answers DeepSpeed from the reshard plan: the partitions it reads are
+    CRC-checked too (they were not: only the plan's unchanged tensors were), on every rank, before DeepSpeed sees
+    a byte of them."""
+    from conftest import run_job
+
+    run_job("load_damaged.py", 3, damaged_masters, 2, tmp_path / "said.json")
+    said = json.loads((tmp_path / "said.json").read_text())
+    assert all(s and "fails its CRC-32 check" in s and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in s
+               for s in said), said
+
+
 @pytest.mark.runtime  # (resume's preflight imports DeepSpeed)
 def test_sharded_resume_refuses_damaged_bytes_before_any_rank_starts(damaged_masters):
     clean_error(run_cli("resume", damaged_masters, "--steps", "1"), "fails its CRC-32 check")

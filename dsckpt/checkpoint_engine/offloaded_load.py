@@ -33,13 +33,15 @@ def offloads_to_nvme(engine: Any) -> bool:
 
 
 def load_offloaded(engine: Any, ckpt: "Checkpoint", rest: Callable[[], tuple[Any, Any]],
-                   with_optimizer: bool = True) -> tuple[Any, Any]:
+                   with_optimizer: bool = True, check_crc: bool = True) -> tuple[Any, Any]:
     """``ckpt`` (any world size, ZeRO 1-3) into an NVMe-offloaded engine, exactly: ``rest()`` is DeepSpeed's load of
     it (``planned_load``'s, answered from the plan where the world size differs), run with the optimizer's part
-    turned off; then every sub-group from the plan.  Returns what ``rest`` returned: ``(path, client_state)``."""
+    turned off; then every sub-group from the plan, its rank-file ranges CRC-checked first (``check_crc``; the swap
+    files carry none).  Returns what ``rest`` returned: ``(path, client_state)``."""
     import torch.distributed as dist
 
     from ..api.resharding import carry_only_allowed
+    from .safe_load import check_agreed
     from ..plan.reshard import build_reshard_plan
     from ..zero.layout import RANK_FILE_RE
 
@@ -56,6 +58,8 @@ def load_offloaded(engine: Any, ckpt: "Checkpoint", rest: Callable[[], tuple[Any
     finally:
         undo()
     if with_optimizer and loaded[0] is not None:
+        if check_crc:  # (every rank's verdict: one stopping alone would leave the others in a collective)
+            check_agreed(engine, optim)
         restore_sub_groups(engine.optimizer, optim[0].tree["optimizer_state_dict"], str(ckpt.layout.tag_dir))
     return loaded
 
@@ -98,13 +102,13 @@ def restore_sub_groups(optimizer: Any, saved: dict[str, Any], where: str) -> Non
         for g, master in enumerate(optimizer.fp32_partitioned_groups_flat):
             optimizer._prepare_sub_group(g, timers)
             numel = optimizer.fp16_partitioned_groups_flat_numel[g]
-            master.data.copy_(_tensor(reader, flats[g], numel, f"{where}: sub-group {g}'s masters"))
+            master.data.copy_(_tensor(reader, flats[g], numel, where, f"sub-group {g}'s masters"))
             live = optimizer.optimizer.state[master]
             for key, value in states.get(g, {}).items():
                 if key == STEP or not _is_tensor(value):
                     live[key] = _plain(value)
                 else:
-                    saved_value = _tensor(reader, value, numel, f"{where}: sub-group {g}'s {key}")
+                    saved_value = _tensor(reader, value, numel, where, f"sub-group {g}'s {key}")
                     if torch_numel(live.get(key)) == numel:
                         live[key].data.copy_(saved_value)
                     else:  # (an engine that has not stepped has none yet: the swapper adopts it on the way out)
@@ -125,7 +129,7 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, (TensorRef, NewTensor))
 
 
-def _tensor(reader: Any, value: Any, numel: int, what: str) -> Any:
+def _tensor(reader: Any, value: Any, numel: int, where: str, what: str) -> Any:
     """A planned tensor (a new one's byte pieces, or a stored one's bytes) as a flat fp32 torch tensor."""
     from ..formats.pickle_policy import TensorRef
     from ..io.read import torch_tensor
@@ -133,7 +137,7 @@ def _tensor(reader: Any, value: Any, numel: int, what: str) -> Any:
 
     if math.prod(value.shape) != numel:
         raise InconsistentCheckpointError(f"{what} has {math.prod(value.shape)} elements; the engine's has {numel}",
-                                          at=what.split(":")[0])
+                                          at=where)
     if isinstance(value, TensorRef):
         source = SimpleNamespace(src_dtype=value.dtype, dtype=value.dtype, pieces=ref_segments(value))
     else:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UnsupportedCheckpointError
 from .offloaded_load import load_offloaded, offloads_to_nvme
-from .safe_load import check_checkpoint_classes, safe_torch_load
+from .safe_load import check_agreed, check_checkpoint_classes, reads_file, safe_torch_load
 
 if TYPE_CHECKING:
     from ..zero.reader import Checkpoint
@@ -46,7 +46,7 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
         def rest() -> tuple[str | None, dict[str, Any] | None]:
             return load_resharded(engine, load_dir, tag, load=load, check_crc=check_crc, checkpoint=ckpt,
                                   **load_kwargs)
-        return load_offloaded(engine, ckpt, rest, load_kwargs.get("load_optimizer_states", True))
+        return load_offloaded(engine, ckpt, rest, load_kwargs.get("load_optimizer_states", True), check_crc)
     ranks, stage = engine.dp_world_size, engine.zero_optimization_stage()  # (DeepSpeed names its files by these)
     if ckpt.grid.tp > 1 or ckpt.pp_slices:
         raise UnsupportedCheckpointError("a tensor- or pipeline-parallel checkpoint",
@@ -61,6 +61,8 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
         finally:
             loader.load = stock_load
     plan, _ = carry_only_allowed(build_reshard_plan(ckpt, ranks, stage))
+    if check_crc:
+        check_agreed(engine, [f for f in plan.files if reads_file(f.name, engine)])
     tag_dir = os.path.abspath(ckpt.layout.tag_dir)
     planned = {f.name: f for f in plan.files}
     stand_ins: dict[str, Any] = {}  # an existing file's path handed to DeepSpeed, which asserts it exists
@@ -72,7 +74,7 @@ def load_resharded(engine: Any, load_dir: str | os.PathLike, tag: str | None = N
         if f is None:
             return safe_torch_load(path, map_location=map_location)
         if f.name not in rendered:
-            rendered[f.name] = _render(f, check_crc)
+            rendered[f.name] = _render(f)
         # the tensors map the rendered file's pages: nothing is copied a second time
         return safe_torch_load(f"/proc/self/fd/{rendered[f.name]}", map_location=map_location, mmap=True,
                                name=os.path.join(tag_dir, f.name))
@@ -140,18 +142,16 @@ def other_layout(engine: Any, load_dir: str | os.PathLike, tag: str | None) -> C
     return ckpt if other else None
 
 
-def _render(f: Any, check_crc: bool) -> int:
+def _render(f: Any) -> int:
     """One planned file as the torch zip a copy on disk would hold, in an anonymous in-memory file (``memfd``: no
-    path, gone with its last mapping); its source ranges CRC-checked.  Returns the descriptor."""
+    path, gone with its last mapping); its source ranges were CRC-checked before (``safe_load.check_agreed``).  Returns
+    the descriptor."""
     from pathlib import Path
 
     from ..formats.pickle_writer import dumps
-    from ..io.integrity import check_sources
     from ..io.read import Reader
     from ..io.torch_writer import write_pickled
-    from ..plan.segments import tree_pieces
 
-    check_sources(tree_pieces(f.tree), skip=not check_crc)
     fd = os.memfd_create(f.name)
     try:
         with Reader() as reader:

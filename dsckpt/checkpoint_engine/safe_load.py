@@ -11,13 +11,16 @@ dsckpt closes that path twice:
    that allows exactly ``DATA_CLASSES`` (DeepSpeed's own, numpy's arrays, scalars and dtypes) besides what torch's
    safe unpickler allows.
 
-``--trust-checkpoint`` (``trust=True``) restores DeepSpeed's own loader, with a warning.
+``--trust-checkpoint`` (``trust=True``) restores DeepSpeed's own loader, with a warning.  A load answered from a
+plan (another world size, an NVMe optimizer) first CRC-checks the source ranges each rank's files read and agrees on
+the verdict (``check_agreed``).
 """
 from __future__ import annotations
 
 import functools
 import re
 import sys
+from typing import Any
 
 from ..errors import UnsafeCheckpointError
 from ..formats.pickle_tree import DEEPSPEED_CLASSES, NUMPY_CLASSES, RECORD_CLASSES, foreign_classes
@@ -88,3 +91,40 @@ def install(engine, trust: bool = False) -> None:
               "its pickles may run code", file=sys.stderr)
     else:
         loader.load = safe_torch_load
+
+
+def reads_file(name: str, engine: Any) -> bool:
+    """Whether this rank's DeepSpeed load reads the planned file ``name``: every model-states file (it checks rank 0's)
+    and its own optimizer file."""
+    import torch.distributed as dist
+
+    from ..zero.layout import RANK_FILE_RE
+
+    found = RANK_FILE_RE.match(name)
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return found is None or found.group("kind") == "model" or int(found.group("dp") or 0) == dist.get_rank(group=group)
+
+
+def check_agreed(engine: Any, files: list[Any]) -> None:
+    """The source ranges of ``files`` CRC-checked (a partition's storage whole), then agreed: a damaged byte any
+    rank's files read is every rank's error, raised before DeepSpeed reads anything (no rank waits in its
+    collectives for one that stopped)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ..errors import DsckptError
+    from ..io.integrity import check_sources
+    from ..plan.segments import planned_pieces
+
+    failure = None
+    try:
+        check_sources([piece for f in files for piece in planned_pieces(f.tree)])
+    except DsckptError as exc:
+        failure = exc
+    every: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [failure]
+    if dist.is_initialized():
+        dist.all_gather_object(every, failure)
+    first = next((f for f in every if f is not None), None)
+    if first is not None:
+        raise copy.copy(first)

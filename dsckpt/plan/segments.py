@@ -141,6 +141,20 @@ def tree_pieces(tree: object) -> list[Piece]:
     return [piece for ref in tensor_refs(tree) for piece in ref_segments(ref)]
 
 
+def planned_pieces(tree: object) -> list[Piece]:
+    """Every byte piece a planned file's tree reads: its stored tensors' ranges and its new tensors' sources (a
+    reshard plan's partitions)."""
+    if isinstance(tree, NewTensor):
+        return list(read_pieces(tree.source))
+    if isinstance(tree, TensorRef):
+        return list(ref_segments(tree))
+    if isinstance(tree, dict):
+        return [piece for value in tree.values() for piece in planned_pieces(value)]
+    if isinstance(tree, (list, tuple)):
+        return [piece for value in tree for piece in planned_pieces(value)]
+    return []
+
+
 def written_source(storage: StorageOut) -> TensorSource:
     """Where a storage written into a torch zip (``pickle_writer.dumps``) takes its bytes from: a new tensor's
     pieces, or an unchanged tensor's whole stored storage."""
