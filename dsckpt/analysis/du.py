@@ -48,11 +48,11 @@ def disk_usage(ckpt: Checkpoint) -> dict[str, Any]:
         size = tf.path.stat().st_size
         add(OVERHEAD, size - sum(tf.storages[k].nbytes for k in seen))
         total += size
-    for path in offloaded_files(ckpt.layout.tag_dir):  # ZeRO-Infinity's swap files: raw, all payload
+    offloaded = offloaded_files(ckpt.layout.tag_dir)
+    for path in offloaded:  # ZeRO-Infinity's swap files: raw, all payload
         kind = kind_of(path)
         add(MASTERS if kind == MASTER else kind, path.stat().st_size)
         total += path.stat().st_size
-    offloaded = offloaded_files(ckpt.layout.tag_dir)
     root = ckpt.layout.root
     beside = [p for p in root.iterdir() if p.is_file()] if root != ckpt.layout.tag_dir else []
     for p in beside:
