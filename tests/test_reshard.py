@@ -115,9 +115,8 @@ def test_stock_deepspeed_restores_every_state_bit_for_bit(oracle, n, m, stage, p
 def test_training_continues_like_the_uninterrupted_run(oracle, n, m, stage, precision):
     _, before, after = _records(oracle, n, m, stage, precision)
     tol = CONTINUATION_TOLERANCE[precision]
-    if stage in SUBGROUPS and (n, m) != (2, 1):  # the state loads exact (the tests above), but DeepSpeed then steps
-        tol = CONTINUATION_TOLERANCE["bf16"]  # other sub-groups: an element of near-zero gradient moves by ~lr
-        # one way or the other on the reduction's rounding (measured 3 -> 2: loss 2.5e-5 relative, masters 3.5e-4)
+    if stage in SUBGROUPS and (n, m) != (2, 1):  # sub-groups cut anew: the state loads exact (the tests above), but
+        tol = CONTINUATION_TOLERANCE["bf16"]  # DeepSpeed steps other sub-groups at M (figures: docs/reliability.md)
     for want, got in zip(before["after"]["losses"], after["after"]["losses"]):
         assert math.isfinite(got) and abs(got - want) <= tol["loss"] * abs(want), (want, got)
     worst = max(float((before["after"]["masters"][k] - after["after"]["masters"][k]).abs().max())
