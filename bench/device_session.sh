@@ -14,6 +14,9 @@
 #   bash bench/device_session.sh paced $OUT    the paced device-to-host copies (performance-log 39): GPU test, throughput
 #   bash bench/device_session.sh first-save $OUT STAGE [STEPS] [PAIRS]   issue 68 point 8: the first save's block with the pinned
 #        buffers reserved after the first step (default) and allocated in the call (BENCH_NO_RESERVE), alternated
+#   bash bench/device_session.sh trust $OUT STAGE [EVERY] [gpu-tests]   issue 68, one stage's figures in one run: the first
+#        save with its buffers reserved and allocated in the call (the steps during the reservation beside it), then
+#        the steady block and throughput at a save every EVERY steps (default 30), paired, against rounds without a save
 #   bash bench/device_session.sh engines $OUT STAGE WRITER [ROUNDS] [STEPS]   issue 68: DeepSpeed's own engines (WRITER
 #        fast: the FastPersist writer, decoupled: its writer process) alternating with dsckpt's background save, in one
 #        run; builds the async_io op first (libaio unpacked in .whl/libaio/, ninja from .whl/)
@@ -68,6 +71,19 @@ case $part in
         --json $out/first-save-z$3-${control:-reserved}-$RANDOM.json 2>&1 | grep -v -i warn | grep -i "first\|blocked" \
         | tee -a $out/first-save-z$3.txt
     done; done ;;
+  trust)
+    stage=$3; every=${4:-30}; model="--nproc 1 --stage $stage --precision bf16 --dim 2048 --layers 24 --out /tmp/async"
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    [ "$5" = gpu-tests ] && timeout 90 python3 -m pytest -q -m gpu tests/test_async_save.py 2>&1 | grep -v -i warn \
+      | tail -5 | tee $out/gpu_tests.txt
+    for control in "" 1; do
+      name=reserved; [ -n "$control" ] && name=in-call
+      BENCH_NO_RESERVE=$control timeout 130 python3 bench/bench_async_save.py $model --rounds 1 --modes async \
+        --steps-between 30 --json $out/first-save-z$stage-$name.json 2>&1 \
+        | grep -v -i warn | grep -i "first\|no save" | tee -a $out/first-save-z$stage.txt
+    done
+    timeout 250 python3 bench/bench_async_save.py $model --rounds 3 --modes async,none --steps-between $every --paired \
+      --json $out/steady-z$stage.json 2>&1 | grep -v -i warn | tail -8 | tee $out/steady-z$stage.txt ;;
   engines)
     aio=$PWD/.whl/libaio/usr; lib=$aio/lib/x86_64-linux-gnu
     export CPATH=$aio/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib:$LD_LIBRARY_PATH CFLAGS="-I$aio/include" \

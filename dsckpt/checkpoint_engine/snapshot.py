@@ -115,34 +115,21 @@ def _unpin_all(buffers: list[torch.UntypedStorage]) -> None:
 
 
 def pin_in_place(buffer: torch.UntypedStorage) -> bool:
-    """Page-lock host memory where it is (cudaHostRegister, portable to every device's context; through ctypes, which
-    lets the GIL go while the driver faults in and pins the pages); False where the driver refuses, its error then
-    cleared so that torch's next kernel-launch check does not raise it."""
-    runtime = _cuda_runtime()
-    if runtime is not None:
-        register = runtime.cudaHostRegister
-        register.argtypes, register.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
-        status = register(buffer.data_ptr(), buffer.nbytes(), 1)
-    else:
-        status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1))
-    if status == 0:
+    """Page-lock host memory where it is (cudaHostRegister, portable to every device's context; torch's binding lets
+    the GIL go and initialises torch's CUDA state, without which ``is_pinned`` denies it); False where the driver
+    refuses, its error then cleared so that torch's next kernel-launch check does not raise it."""
+    if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes(), 1)) == 0:
         return True
     _clear_cuda_error()
     return False
 
 
-def _cuda_runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime torch loaded (None where it is linked into torch itself)."""
-    with open("/proc/self/maps") as maps:
-        path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
-    return ctypes.CDLL(path) if path is not None else None
-
-
 def _clear_cuda_error() -> None:
     """cudaGetLastError of the runtime torch loaded (torch.cuda.cudart() does not expose it)."""
-    runtime = _cuda_runtime()
+    with open("/proc/self/maps") as maps:
+        runtime = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
     if runtime is not None:
-        runtime.cudaGetLastError()
+        ctypes.CDLL(runtime).cudaGetLastError()
 
 
 class Snapshot:
