@@ -45,7 +45,7 @@ def loop_n():
 
 
 alone = [loop_n()]
-for rnd in range(2):
+for rnd in range(1):
     for how in ("one", "pieces", "touch", "touch+one"):
         done, holder = [], []
         t = threading.Thread(target=lambda: holder.append(prepare(how, done)))

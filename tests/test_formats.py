@@ -24,7 +24,7 @@ def test_registering_first_keeps_every_built_in():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names, chosen, mine = json.loads(proc.stdout)
-    assert names == ["hf", "lightning", "mine", "peft", "safetensors", "sharded", "torch"]
+    assert names == ["hf", "lightning", "merged", "mine", "peft", "safetensors", "sharded", "torch"]
     assert (chosen, mine) == ("safetensors", "mine")
 
 

@@ -175,6 +175,7 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
     assert "merge_and_unload" in merged.stderr and not (tmp_path / "merged").exists(), merged.stderr
     torch.manual_seed(11)
     base = LlamaForCausalLM(model_config())  # the frozen base: the same initialisation the run started from
+    base.save_pretrained(tmp_path / "base")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     live = torch.load(run / "live.pt", weights_only=True)
     loaded = peft.get_peft_model_state_dict(model)
@@ -182,6 +183,22 @@ def test_peft_adapter_export_loads_in_peft(stage, tmp_path):
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=live["probe"]).logits.float(), live["logits"])
+    # #69.6: merged into the base by dsckpt is PEFT's own merge_and_unload, bit for bit, and from_pretrained loads it
+    proc = run_cli("consolidate", ckpt, tmp_path / "merged", "--hf", "--base", tmp_path / "base", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == "merged" and any("merged 4 LoRA pairs" in n for n in doc["notes"]), doc
+    ours = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    theirs = model.merge_and_unload().eval()
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in ours.state_dict().items())
+    with torch.no_grad():
+        assert torch.allclose(ours(input_ids=live["probe"]).logits.float(), live["logits"], atol=1e-5)
+    other = model_config()
+    other.hidden_size *= 2
+    LlamaForCausalLM(other).save_pretrained(tmp_path / "other")  # another base: every projection of another shape
+    proc = run_cli("consolidate", ckpt, tmp_path / "wrong", "--hf", "--base", tmp_path / "other")
+    assert proc.returncode == 2 and "another base model" in proc.stderr and not (tmp_path / "wrong").exists()
 
 
 # --- Lightning ------------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
                 dtype: str | None = None, exclude_frozen: bool = False, duplicate_tied: bool = False,
                 strip_prefixes: str | tuple[str, ...] = (), rename: Any = (), max_shard_size: str | int = DEFAULT_SHARD,
                 client_state: bool = True, verify: bool = False, form: str | None = None,
-                config: str | os.PathLike[str] | None = None, options: WriteOptions = DEFAULTS) -> Result:
+                config: str | os.PathLike[str] | None = None, base: str | os.PathLike[str] | None = None,
+                options: WriteOptions = DEFAULTS) -> Result:
     """Gather a ZeRO 0-3 checkpoint's shards into one file or folder (what ``dsckpt consolidate`` does).
 
     Args:
@@ -102,6 +103,8 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
         form: a registered format by name: ``"safetensors"``, ``"torch"``, ``"sharded"``, ``"hf"`` (a folder
             ``from_pretrained`` loads; ``config``: its ``config.json`` when none is beside the checkpoint),
             ``"peft"``, ``"lightning"``.
+        base: with ``form="hf"`` and a PEFT (LoRA) run: the base model's folder or weights file; OUT is the base
+            with the adapter merged in, as PEFT's ``merge_and_unload`` makes it (format ``"merged"``).
         options: ``WriteOptions`` - ``force`` (replace an existing OUT; in a folder only the files dsckpt
             writes), ``fsync``, ``trust`` (follow links out of the checkpoint, copy pickled objects of any class),
             ``check_crc``, ``group`` (the processes of a torchrun run: ``dsckpt.parallel.group.init_group()``;
@@ -121,14 +124,21 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
     if config is not None and not fmt.takes_config:
         raise OutputError(f"--config {config}: only the Hugging Face export (--hf) writes a config; "
                           f"this output is {fmt.name}", hint="add --hf, or leave --config out")
+    if base is not None and fmt.name != "hf":
+        raise OutputError(f"--base {base}: merging a PEFT run into its base model writes a Hugging Face folder; "
+                          f"this output is {fmt.name}", hint="add --hf")
     request = Request(parse_size(max_shard_size), Path(config) if config is not None else None,
-                      prefixes(strip_prefixes), duplicate_tied, trust, rename_rules(rename))
+                      prefixes(strip_prefixes), duplicate_tied, trust, rename_rules(rename),
+                      Path(base) if base is not None else None)
     with destination(group, out, force, stream=not verify) as place:  # (verify re-reads the staged file)
         out = place.path
         with writing(group, checkpoint, tag, place, trust) as frame:
             view = frame.view
             ckpt, prepared, notes = group.step(lambda: _prepare(view, fmt, dtype, exclude_frozen, request))
             fmt, plan = prepared.format, prepared.plan
+            if verify and fmt.computes:
+                raise OutputError(f"--verify compares OUT with the checkpoint's bytes; a {fmt.name} output holds "
+                                  "values computed from them", hint="leave --verify out")
             inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
             write_client = bool(client_state and ckpt.client_state) and not fmt.stores_client_state
             tree = view.real_path(ckpt.layout.root)

@@ -39,12 +39,15 @@ def _formats():
               "config.json (dtype set to the weights'), generation config and tokenizer files found beside CHECKPOINT.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="With --hf: the model's config.json, when CHECKPOINT has none beside it.")
+@click.option("--base", "base", type=click.Path(exists=False), default=None,
+              help="With --hf, for a PEFT (LoRA) run: the base model's folder (save_pretrained's) or weights file; "
+              "OUT is the base with the adapter merged in, as PEFT's merge_and_unload makes it.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT; into an existing folder only the files dsckpt "
               "writes are replaced, everything else there stays.")
 @click.option("--verify", is_flag=True, help="CRC-check the sources, then re-read OUT and compare it with the shards.")
 @writing_options("OUT")
 def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate_tied, strip_prefix, rename,
-                max_shard_size, no_client_state, form, hf, config, force, trust_checkpoint, verify, skip_crc_check,
+                max_shard_size, no_client_state, form, hf, config, base, force, trust_checkpoint, verify, skip_crc_check,
                 no_fsync, nproc, quiet, as_json) -> None:
     """Gather a ZeRO 0-3 checkpoint's shards into one file (or a sharded folder).
 
@@ -63,6 +66,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
       dsckpt consolidate out/checkpoint-500 llama_hf --hf                  (an HF Trainer checkpoint)
       dsckpt consolidate "epoch=0-step=100.ckpt" model.ckpt --format lightning  (Lightning's DeepSpeed folder)
       dsckpt consolidate runs/gpt2 gpt2_hf --hf --config gpt2/config.json --strip-prefix lm.
+      dsckpt consolidate out/checkpoint-500 merged_hf --hf --base Llama-3.2-1B   (a LoRA run, merged)
       dsckpt consolidate runs/pipe model.safetensors --rename '(\\d+)\\.(.*)=layers.\\1.\\2'
                   (a PipelineModule run's layer names; repeat --rename for more rules)
       torchrun --nnodes 4 --nproc-per-node 2 ... -m dsckpt consolidate /local/ckpt /data/model.safetensors
@@ -74,6 +78,10 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         raise click.UsageError("--hf is a format of its own; give --hf or --format, not both")
     if config and not hf:
         raise click.UsageError("--config is the model config of a Hugging Face export; it needs --hf")
+    if base and not hf:
+        raise click.UsageError("--base merges a PEFT run into its base model, a Hugging Face export; it needs --hf")
+    if base and config:
+        raise click.UsageError("--base brings the base model's config.json; give --base or --config, not both")
     group = parallel_group(nproc, needs=("tqdm", "dsckpt.api.consolidation"))
     from ..api.consolidation import consolidate as run
 
@@ -82,7 +90,7 @@ def consolidate(checkpoint: str, out: str, tag, dtype, exclude_frozen, duplicate
         result = run(checkpoint, out, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen,
                      duplicate_tied=duplicate_tied, strip_prefixes=tuple(strip_prefix), rename=_rules(rename),
                      max_shard_size=max_shard_size, client_state=not no_client_state, verify=verify,
-                     form="hf" if hf else form, config=config,
+                     form="hf" if hf else form, config=config, base=base,
                      options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
     if group is not None and group.rank != 0:
         return

@@ -183,6 +183,8 @@ class HuggingFaceFormat(Format):
 
     def resolve(self, root: Path, request: Request) -> Format:
         peft = by_name("peft")
+        if request.base is not None:  # a PEFT run merged into the base model it started from
+            return by_name("merged")
         if request.config is None and peft.claims(root):  # a PEFT run: its adapter is the model to export
             return peft
         return self

@@ -18,7 +18,7 @@ A format answers four questions, and nothing outside it asks them again:
 * **how it reads back** - ``read(path)`` lists ``Stored`` tensors (name, dtype, shape, absolute byte range)
   for ``--verify``, ``inspect``, ``diff`` and the full-weights reader.
 
-The built-in formats (safetensors, torch, sharded, hf, peft, lightning) are modules of this package,
+The built-in formats (safetensors, torch, sharded, hf, peft, merged, lightning) are modules of this package,
 imported the first time the registry is used; registering a format of one's own never disables them.
 Modelled on torch.distributed.checkpoint's StorageWriter/SavePlanner split: planning is pure and
 testable, writing moves bytes.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ..plan.consolidate import Plan, TensorPlan
     from ..zero.reader import Checkpoint
 
-BUILTIN_MODULES = ("safetensors", "sharded", "torch_file", "hf", "peft", "lightning")  # registration order
+BUILTIN_MODULES = ("safetensors", "sharded", "torch_file", "hf", "peft", "merged", "lightning")  # registration order
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class Request:
     duplicate_tied: bool = False
     trust: bool = False  # follow links out of the checkpoint when copying companions
     renames: tuple[tuple[str, str], ...] = ()  # --rename: (pattern, replacement), after the prefixes are stripped
+    base: Path | None = None  # --base: the base model a PEFT run's adapter is merged into (``merged``)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Format:
     takes_config: bool = False  # writes the model config ``Request.config`` names (``--config``)
     splits: bool = False  # several writers fill one output (``share``, ``begin``, ``write_part``)
     streams_tensors: bool = False  # every tensor byte read through the context's storage, streamed to a URL OUT
+    computes: bool = False  # OUT holds values computed from the checkpoint, not its bytes (--verify refused)
     summary: str = ""  # one line for --help
 
     def resolve(self, root: Path, request: Request) -> "Format":
