@@ -462,3 +462,19 @@ def test_max_shard_size_takes_bytes_as_hugging_face_does(tmp_path):
     assert [Path(f).name for f in as_int] == [Path(f).name for f in as_text] and len(as_int) > 2
     assert all((tmp_path / "a" / Path(f).name).read_bytes() == (tmp_path / "b" / Path(f).name).read_bytes()
                for f in as_int if f.endswith(".safetensors"))
+
+
+def test_base_is_for_a_peft_runs_hugging_face_export(tmp_path):
+    """--base merges a PEFT run's adapter: without --hf, beside --config, or on a run with no adapter it is refused by
+    name and nothing is written (the merge itself: test_trainer_flows.py)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "a", "--base", base)
+    assert proc.returncode == 2 and "needs --hf" in proc.stderr
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "b", "--hf", "--base", base, "--config",
+                   base / "config.json")
+    assert proc.returncode == 2 and "not both" in proc.stderr
+    proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "c", "--hf", "--base", base)
+    assert proc.returncode == 2 and "holds no adapter_config.json" in proc.stderr, proc.stderr
+    assert not any((tmp_path / n).exists() for n in "abc")
