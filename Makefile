@@ -72,7 +72,7 @@ test: setup
 	$(PYTEST)
 
 # Everything, the slow cases too (the whole HF Trainer / Accelerate matrix, DeepSpeed's Muon and its JIT build,
-# the ZeRO-Infinity training flows once nvme-tools could build the async_io op).
+# the ZeRO-Infinity training flows once nvme-tools could build the async_io op, ZenFlow and its JIT-built CPU Adam).
 test-all: setup nvme-tools
 	$(MYPY)
 	$(PYTEST) -m "slow or not slow"

@@ -478,3 +478,64 @@ def test_base_is_for_a_peft_runs_hugging_face_export(tmp_path):
     proc = run_cli("consolidate", FIXTURES / "z2_ws2_fp32", tmp_path / "c", "--hf", "--base", base)
     assert proc.returncode == 2 and "holds no adapter_config.json" in proc.stderr, proc.stderr
     assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def _poison_first_master(ckpt: Path) -> None:
+    """Rank 0's first fp32 master element set to NaN, the file rewritten with valid CRCs (a run gone to NaN; test
+    code may unpickle its own fixtures)."""
+    tag = (ckpt / "latest").read_text().strip()
+    path = next((ckpt / tag).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    state = torch.load(path, weights_only=False)
+    optim = state["optimizer_state_dict"]
+    flats = optim.get("single_partition_of_fp32_groups") or optim["fp32_flat_groups"]
+    with torch.no_grad():
+        flats[0][0] = float("nan")
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("name", ["z2_ws2_fp32", "z3_ws3_bf16"])
+def test_writing_non_finite_masters_says_so(name, fixture_copy, tmp_path):
+    """#69.3: consolidate and reshard of masters holding NaN exit 0 as before, with a note (in --json's notes too),
+    from the bytes the CRC check reads anyway; a clean checkpoint gets none.  At 2 processes as at 1."""
+    ckpt = fixture_copy(name)
+    clean = json.loads(run_cli("consolidate", ckpt, tmp_path / "clean.safetensors", "--json").stdout)
+    assert not any("non-finite" in n for n in clean["notes"]), clean["notes"]
+    _poison_first_master(ckpt)
+    runs = [("consolidate", ckpt, tmp_path / "nan.safetensors", "--json"),
+            ("reshard", ckpt, tmp_path / "ws4", "-w", "4", "--json")]
+    if name.startswith("z2"):
+        runs.append(("consolidate", ckpt, tmp_path / "nan2.safetensors", "--json", "--nproc", "2"))
+    for args in runs:
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        notes = json.loads(proc.stdout)["notes"]
+        assert any("non-finite values (NaN or Inf)" in n and "check-finite" in n for n in notes), (args, notes)
+    proc = run_cli("consolidate", ckpt, tmp_path / "plain.safetensors")
+    assert "note: the fp32 masters hold non-finite values" in proc.stderr
+
+
+def test_the_finiteness_scan_sees_nan_and_inf_in_its_ranges_only():
+    """The scan behind that note: NaN, +Inf and -Inf inside a watched range are seen wherever a read's chunk starts;
+    finite values whose squares overflow are not taken for them; bytes outside the watched ranges are ignored."""
+    from dsckpt.io.integrity import Finiteness
+    from dsckpt.plan.segments import Segment
+
+    path = Path("/nowhere/rank.pt")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.ones(1001)
+        values[700] = bad
+        data = values.numpy().tobytes()
+        finite = Finiteness([Segment(path, 400, 3600), Segment(path, 0, 8)])
+        finite.scan(path, 0, data[:2048])
+        assert not finite.nonfinite
+        finite.scan(path, 2048, data[2048:])
+        assert finite.nonfinite, bad
+    outside = torch.ones(1001)
+    outside[0], outside[1000] = float("nan"), float("inf")
+    finite = Finiteness([Segment(path, 4, 3996)])
+    finite.scan(path, 0, outside.numpy().tobytes())
+    finite.scan(Path("/elsewhere"), 0, outside.numpy().tobytes())
+    assert not finite.nonfinite
+    huge = Finiteness([Segment(path, 0, 4000)])
+    huge.scan(path, 0, torch.full((1000,), 1e30).numpy().tobytes())
+    assert not huge.nonfinite

@@ -38,7 +38,7 @@ from .options import DEFAULTS, WriteOptions
 from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, fetching, ranges_held_elsewhere
 from ..parallel.view import View
-from ..plan.consolidate import Plan, TensorPlan, build_plan
+from ..plan.consolidate import Plan, TensorPlan, build_plan, master_pieces
 from ..plan.names import duplicate_aliases, prefixes, rename_rules, renamed
 from ..plan.segments import read_pieces, tree_pieces
 from ..zero.reader import Checkpoint, open_checkpoint
@@ -148,8 +148,8 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str],
             groups = storage_groups(group, out)
             staged = frame.stage(GroupStaging(group, groups, out, directory=fmt.directory, fsync=options.fsync,
                                               publishing={groups.of[0]}))
-            with frame.checked_reads(sources, options.check_crc, plan.replicas, options.progress) \
-                    as (context, crc_notes):
+            with frame.checked_reads(sources, options.check_crc, plan.replicas, options.progress,
+                                     master_pieces(plan)) as (context, crc_notes):
                 names, mine = _write(group, groups, view, ckpt, prepared, staged, write_client, out, context,
                                      options.progress)
             notes += tuple(crc_notes)

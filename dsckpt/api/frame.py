@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 from ..errors import InconsistentCheckpointError
 from ..formats.storage import LocalStorage
 from ..io.context import WriteContext
-from ..io.integrity import SKIPPED_NOTE, Ledger, check_sources
+from ..io.integrity import NONFINITE_NOTE, SKIPPED_NOTE, Finiteness, Ledger, check_sources
 from ..io.read import check_replicas
 from ..io.output import check_parent
 from ..parallel.group import Group
@@ -77,23 +77,27 @@ class Frame:
 
     @contextlib.contextmanager
     def checked_reads(self, pieces: Sequence[object], enabled: bool, replicas: tuple[Any, ...] = (),
-                      progress: Progress | None = None) -> Iterator[tuple[WriteContext, list[str]]]:
+                      progress: Progress | None = None,
+                      masters: Sequence[object] = ()) -> Iterator[tuple[WriteContext, list[str]]]:
         """The CRC-32 check of every storage ``pieces`` touch, around the block that writes (``io.integrity``):
         each process notes what its write reads (the context yielded carries the ledger); after it, processes that
         see the same files pool their notes and each checks its share of the storages, reading only what nobody
         read.  Processes that see different files (hosts with node-local disks) each check the files they hold,
-        before writing.  Tensor parallel: the ``replicas`` compared with the copies written first.  Yields the
-        write's context and the notes to report."""
+        before writing.  Tensor parallel: the ``replicas`` compared with the copies written first.  The
+        ``masters`` (the fp32 masters' pieces) are scanned for NaN/Inf in the same bytes: a note when any is.
+        Yields the write's context and the notes to report (the list is filled in after the block)."""
         if not enabled:
             yield self.context(progress=progress), [SKIPPED_NOTE]
             return
         pieces = list(pieces) + [p for r in replicas for p in read_pieces(r.source)]
+        finite, notes = Finiteness(masters), list[str]()
         if not (self.view.direct or self.view.shared):
-            self.group.step(lambda: check_sources(pieces, self.view.owns))
+            self.group.step(lambda: check_sources(pieces, self.view.owns, finite=finite))
             self.group.step(lambda: check_replicas(replicas, self.view.owns))
-            yield self.context(progress=progress), []
+            self._agree_finite(finite, notes)
+            yield self.context(progress=progress), notes
             return
-        ledger = Ledger()
+        ledger = Ledger(finite)
 
         def replicas_agree() -> None:
             try:
@@ -102,14 +106,20 @@ class Frame:
                 ledger.check(pieces)  # a damaged byte is the better answer, when it is one
                 raise
         self.group.step(replicas_agree)
-        yield self.context(ledger, progress), []
+        yield self.context(ledger, progress), notes
         if self.group.size == 1:
             ledger.check(pieces)
-            return
-        for rank, spans in enumerate(self.group.gather(ledger.spans(self.view.rel))):
-            if rank != self.group.rank:
-                ledger.adopt(spans, self.view.path)
-        self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
+        else:
+            for rank, spans in enumerate(self.group.gather(ledger.spans(self.view.rel))):
+                if rank != self.group.rank:
+                    ledger.adopt(spans, self.view.path)
+            self.group.step(lambda: ledger.check(pieces, share=(self.group.rank, self.group.size)))
+        self._agree_finite(finite, notes)
+
+    def _agree_finite(self, finite: Finiteness, notes: list[str]) -> None:
+        """Every process's scan joined (each saw its share of the bytes): the same note everywhere."""
+        if any(self.group.gather(finite.nonfinite) if self.group.size > 1 else [finite.nonfinite]):
+            notes.append(NONFINITE_NOTE)
 
     def stage(self, staged: GroupStaging) -> GroupStaging:
         """Create OUT's temp (every process agrees) and abandon it if the verb fails."""

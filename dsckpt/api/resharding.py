@@ -41,6 +41,7 @@ from .frame import destination, writing
 from ..parallel.outputs import GroupStaging, StorageGroups, storage_groups
 from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
+from ..plan.consolidate import build_plan, master_pieces
 from ..plan.moves import OutputFile, ReshardPlan
 from ..plan.reshard import build_reshard_plan
 from ..plan.segments import Piece, written_source
@@ -90,7 +91,7 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         out = dest.path
         with writing(group, checkpoint, tag, dest, trust) as frame:
             view = frame.view
-            ckpt, prepared = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
+            ckpt, prepared, masters = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
             plan = prepared.plan
             inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
             group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
@@ -113,7 +114,7 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
             everyone = groups.members(staged.leader) == list(range(group.size))  # one group holds every rank's files
             with write_errors(out):
                 with frame.checked_reads(_pieces(plan.files, prepared.pickled), options.check_crc,
-                                         progress=options.progress) as (context, crc_notes):
+                                         progress=options.progress, masters=masters) as (context, crc_notes):
                     group.step(lambda: write_files(plan, staged.tmp, files, copies, prepared.pickled, context)
                                if files or copies else None)
                 group.step(lambda: _finish(staged.tmp, plan, everyone) if staged.leads else None)
@@ -126,10 +127,12 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
 
 
 def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None,
-             trust: bool) -> tuple[Checkpoint, PreparedReshard]:
+             trust: bool) -> tuple[Checkpoint, PreparedReshard, list[Piece]]:
+    """The checkpoint, its reshard and the byte ranges of its fp32 masters (scanned for NaN/Inf as they are read)."""
     ckpt = view.open(trust)
     with view.real_names():
-        return ckpt, prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct)
+        prepared = prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct)
+        return ckpt, prepared, master_pieces(build_plan(ckpt))
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,15 @@ Two ways, one verdict (a ``CorruptFileError`` naming the file and the storage, b
   and share the storages out (``share``), so the checkpoint is checked once, not once per process, and mostly
   from CRCs the writes computed anyway.
 ``--skip-crc-check`` skips both (a note says so).
+
+``Finiteness`` rides on the same bytes: the ranges it watches (the fp32 masters' pieces) are scanned for NaN/Inf
+wherever the check or the write has them in user space, so a write of non-finite masters gets a note at no extra
+read.  Elements are 4-byte aligned in the file (torch zips align each storage to 64 bytes), and every range noted
+or read starts and ends on such a boundary.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,17 +40,57 @@ SKIPPED_NOTE = ("CRC-32 checks skipped (--skip-crc-check): a damaged byte in the
                 "output unnoticed")
 
 
+NONFINITE_NOTE = ("the fp32 masters hold non-finite values (NaN or Inf), and so does what was written: "
+                  "`dsckpt check-finite` names the tensors; `dsckpt list` shows the run's other tags")
+
+
+class Finiteness:
+    """Whether any watched fp32 range held a NaN or Inf among the bytes ``scan`` was shown; safe from threads."""
+
+    def __init__(self, watched: Iterable[object] = ()):
+        spans: dict[Path, list[tuple[int, int]]] = {}
+        for piece in watched:
+            if isinstance(piece, Segment) and piece.nbytes:
+                spans.setdefault(Path(piece.path), []).append((piece.offset, piece.nbytes))
+        self._spans = {path: sorted(s) for path, s in spans.items()}
+        self._starts = {path: [o for o, _ in s] for path, s in self._spans.items()}
+        self.nonfinite = False
+
+    def scan(self, path: Path, offset: int, data) -> None:
+        spans = self._spans.get(Path(path))
+        if not spans or self.nonfinite:
+            return
+        import numpy as np
+
+        end = offset + len(data)
+        i = max(0, bisect.bisect_right(self._starts[Path(path)], offset) - 1)
+        for start, n in spans[i:]:
+            if start >= end:
+                break
+            lo, hi = max(start, offset), min(start + n, end)
+            lo += -lo % 4
+            hi -= hi % 4
+            if hi > lo:
+                values = np.frombuffer(data, dtype=np.float32, count=(hi - lo) // 4, offset=lo - offset)
+                # a NaN or Inf makes the dot product one (one BLAS pass); an overflow of finite values is ruled out
+                with np.errstate(over="ignore", invalid="ignore"):
+                    square_sum = np.dot(values, values)
+                if not np.isfinite(square_sum) and not np.isfinite(values).all():
+                    self.nonfinite = True
+                    return
+
+
 def check_sources(pieces: Iterable[object], reads: Callable[[Path], bool] = lambda path: True,
-                  skip: bool = False) -> tuple[str, ...]:
+                  skip: bool = False, finite: Finiteness | None = None) -> tuple[str, ...]:
     """Check every storage the ``Segment``s among ``pieces`` overlap, in the files ``reads`` accepts (a distributed
-    run: those this process holds); notes to print (the skip's)."""
+    run: those this process holds); notes to print (the skip's).  ``finite``: shown every byte read."""
     if skip:
         return (SKIPPED_NOTE,)
     ranges: dict[Path, list[tuple[int, int]]] = {}
     for piece in pieces:
         if isinstance(piece, Segment) and reads(piece.path):
             ranges.setdefault(piece.path, []).append((piece.offset, piece.nbytes))
-    failures = _run(ranges, stop_at_first=True)
+    failures = _run(ranges, stop_at_first=True, finite=finite)
     if failures:
         raise failures[0]
     return ()
@@ -53,13 +99,15 @@ def check_sources(pieces: Iterable[object], reads: Callable[[Path], bool] = lamb
 class Ledger:
     """CRC-32s of source ranges as a write read them (see the module docstring); safe from several threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, finite: Finiteness | None = None) -> None:
         self._spans: dict[Path, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
+        self.finite = finite or Finiteness()  # shown what is noted here and what the check reads
 
     def add(self, path: Path, offset: int, data, crc: int | None = None) -> None:
         """``data`` read at ``offset`` of ``path`` (``crc``: its CRC-32, where the reader computed it already)."""
         crc = crc32(data) if crc is None else crc
+        self.finite.scan(path, offset, data)
         with self._lock:
             self._spans.setdefault(path if isinstance(path, Path) else Path(path), []).append((offset, len(data), crc))
 
@@ -81,7 +129,7 @@ class Ledger:
         for piece in pieces:
             if isinstance(piece, Segment):
                 ranges.setdefault(piece.path, []).append((piece.offset, piece.nbytes))
-        failures = _run(ranges, stop_at_first=True, noted=self._spans, share=share)
+        failures = _run(ranges, stop_at_first=True, noted=self._spans, share=share, finite=self.finite)
         if failures:
             raise failures[0]
 
@@ -106,8 +154,9 @@ def _whole(paths: Iterable[Path]) -> list[Segment]:
 
 def _run(ranges: dict[Path, list[tuple[int, int]]], stop_at_first: bool,
          noted: dict[Path, list[tuple[int, int, int]]] | None = None,
-         share: tuple[int, int] = (0, 1), progress: Callable[[int], None] | None = None) -> list[CorruptFileError]:
-    work = [(path, loc, key, (noted or {}).get(path, ())) for path, spans in sorted(ranges.items())
+         share: tuple[int, int] = (0, 1), progress: Callable[[int], None] | None = None,
+         finite: Finiteness | None = None) -> list[CorruptFileError]:
+    work = [(path, loc, key, (noted or {}).get(path, ()), finite) for path, spans in sorted(ranges.items())
             if is_torch_zip(path) for key, loc in _overlapping(path, spans)]
     work = _share(work, *share)
     failures: list[CorruptFileError] = []
@@ -132,8 +181,8 @@ def _share(work: list, k: int, n: int) -> list:
     return [item for item, owner in zip(work, dealt([item[1].nbytes for item in work], n)) if owner == k]
 
 
-def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:
-    """``crc`` extended over ``nbytes`` read at ``offset`` (a reused buffer)."""
+def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int, finite: Finiteness | None = None) -> int:
+    """``crc`` extended over ``nbytes`` read at ``offset`` (a reused buffer), each buffer shown to ``finite``."""
     buffer = bytearray(min(BUFFER, nbytes))
     storage.advise(path, [(offset, nbytes)])
     done = 0
@@ -141,6 +190,8 @@ def _read_crc(storage, path: Path, offset: int, nbytes: int, crc: int) -> int:
         n = min(len(buffer), nbytes - done)
         view = memoryview(buffer)[:n]
         storage.pread(path, n, offset + done, view)
+        if finite is not None:
+            finite.scan(path, offset + done, view)
         crc, done = crc32(view, crc), done + n
     return crc
 
@@ -154,7 +205,7 @@ def _overlapping(path: Path, spans: list[tuple[int, int]]) -> list[tuple[str, St
     return out
 
 
-def _check(path: Path, loc: StorageLocation, key: str, noted=()) -> None:
+def _check(path: Path, loc: StorageLocation, key: str, noted=(), finite: Finiteness | None = None) -> None:
     """The storage's CRC: noted ranges inside it joined in offset order, the rest read (a range overlapping one
     already counted is left for the read)."""
     end = loc.offset + loc.nbytes
@@ -164,10 +215,10 @@ def _check(path: Path, loc: StorageLocation, key: str, noted=()) -> None:
             if start < pos or not n:
                 continue
             if start > pos:
-                crc = _read_crc(storage, path, pos, start - pos, crc)
+                crc = _read_crc(storage, path, pos, start - pos, crc, finite)
             crc, pos = crc32_combine(crc, span_crc, n), start + n
         if pos < end:
-            crc = _read_crc(storage, path, pos, end - pos, crc)
+            crc = _read_crc(storage, path, pos, end - pos, crc, finite)
     if crc != loc.crc32:
         raise CorruptFileError(f"storage {key!r} fails its CRC-32 check (data damaged)",
                                hint="restore this file from a copy; --skip-crc-check reads it anyway", at=path)

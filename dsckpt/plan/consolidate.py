@@ -30,7 +30,7 @@ from ..zero.reader import Checkpoint
 from ..formats.torchzip import TorchFile
 from .groups import group_layouts, structure_errors
 from .names import prefixes, strip_prefix
-from .segments import FlatSpace, Piece, ref_segments
+from .segments import FlatSpace, Piece, read_pieces, ref_segments
 from .tensor_plan import Plan, TensorPlan
 
 # how a planner adds one tensor: (name, shape, stored dtype, kind, pieces, output dtype unless --dtype says)
@@ -85,6 +85,11 @@ def build_plan(ckpt: Checkpoint, dtype: str | None = None, *, exclude_frozen: bo
     plan = Plan(tuple(ordered), aliases, _metadata(ckpt, ordered, aliases))
     strip_prefixes = prefixes(strip_prefixes)
     return strip_prefix(plan, strip_prefixes) if strip_prefixes else plan
+
+
+def master_pieces(plan: Plan) -> list[Piece]:
+    """The byte ranges of the plan's fp32 trainable tensors (the masters): what a NaN/Inf scan watches."""
+    return [p for t in plan.tensors if t.kind == "param" and t.src_dtype == "F32" for p in read_pieces(t)]
 
 
 def _rank_spaces(ckpt: Checkpoint, state: str, group: int | None = None) -> list[FlatSpace]:
