@@ -228,6 +228,12 @@ def test_another_world_size_loads_into_nvme_and_cpu_offload_engines_exactly(tmp_
     _job(3, "load", tmp_path, tmp_path / "copy.json", "nvme", whole, NVME_FLOW_LOAD=str(tmp_path / "ws3"))  # same
     assert json.loads((tmp_path / "copy.json").read_text()) == {"different": [], "step": 3.0}
     assert not (tmp_path / "ws3" / "step3" / "offloaded_tensors").exists()  # (the moments in the rank files)
+    assert run_cli("convert", tmp_path / "ckpt", tmp_path / "dcp", "--to", "dcp").returncode == 0  # FSDP2's layout,
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "deepspeed", "-w", "3", "--stage", "3",
+                   "--model", "make_nvme_fixtures:build_nvme_model", cwd=FIXTURES)  # (its first block is frozen)
+    assert proc.returncode == 0, proc.stderr  # and back into DeepSpeed at 3 ranks, for an NVMe engine
+    _job(3, "load", tmp_path, tmp_path / "back.json", "nvme", whole, NVME_FLOW_LOAD=str(tmp_path / "back"))
+    assert json.loads((tmp_path / "back.json").read_text()) == {"different": [], "step": 3.0}
     cpu_run = tmp_path / "cpu"
     cpu_run.mkdir()
     _job(2, "train", cpu_run, cpu_run / "train.json", "cpu", 1000)
@@ -238,7 +244,8 @@ def test_another_world_size_loads_into_nvme_and_cpu_offload_engines_exactly(tmp_
 @needs_aio
 def test_hpz_with_the_optimizer_on_nvme_resumes_and_reshards_exactly(tmp_path):
     """hpZ (zero_hpz_partition_size 2) at 4 ranks with the optimizer on NVMe: consolidated bit for bit, resumed at 4
-    ranks with the uninterrupted run's losses, loaded at 2.  (With the parameters on NVMe too, DeepSpeed 0.19.8 fails
+    ranks with the uninterrupted run's losses, loaded at 2 in place, from `reshard -w 2`'s copy and from a round
+    trip through DCP (`convert --to dcp`, then `--to deepspeed -w 2`).  (With the parameters on NVMe too, DeepSpeed 0.19.8 fails
     in initialize: "Expected one of cpu, cuda, ... device type at start of device string: nvme".)"""
     whole = 10 ** 12
     _job(4, "train", tmp_path, tmp_path / "train.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2")
@@ -250,3 +257,12 @@ def test_hpz_with_the_optimizer_on_nvme_resumes_and_reshards_exactly(tmp_path):
     assert ours["different"] == [] and ours["losses"] == json.loads((tmp_path / "train.json").read_text())["losses"]
     _job(2, "load", tmp_path, tmp_path / "two.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2")
     assert json.loads((tmp_path / "two.json").read_text()) == {"different": [], "step": 3.0}
+    assert run_cli("reshard", tmp_path / "ckpt", tmp_path / "ws2", "-w", "2").returncode == 0  # a copy on disk,
+    assert run_cli("convert", tmp_path / "ckpt", tmp_path / "dcp", "--to", "dcp").returncode == 0  # and via DCP
+    proc = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "deepspeed", "-w", "2", "--stage", "3",
+                   "--model", "make_nvme_fixtures:build_nvme_model", cwd=FIXTURES)
+    assert proc.returncode == 0, proc.stderr
+    for copy in ("ws2", "back"):
+        _job(2, "load", tmp_path, tmp_path / f"{copy}.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2",
+             NVME_FLOW_LOAD=str(tmp_path / copy))
+        assert json.loads((tmp_path / f"{copy}.json").read_text()) == {"different": [], "step": 3.0}, copy
