@@ -22,10 +22,9 @@ from ..errors import ConfigError, StateDictMismatchError, UnsupportedCheckpointE
 from ..formats.positional import pwrite_all, read_range_into
 from ..formats.safetensors_file import INDEX_NAME, encode_header
 from ..io.context import WriteContext
-from .hf import CONFIG, find_companions, write_companions
+from .hf import CONFIG, HuggingFaceFormat, find_companions, write_companions
 from .peft import ADAPTER_CONFIG, adapter_config, adapter_plan
-from .registry import Format, Listing, Prepared, Request, Stored, for_input, register
-from .sharded import read_sharded, replaced_shards
+from .registry import Prepared, Request, Stored, for_input, register
 
 if TYPE_CHECKING:
     from ..plan.consolidate import Plan
@@ -151,11 +150,11 @@ def _base_name(module: str, leaf: str, weights: dict[str, Stored], base: Path) -
     return name
 
 
-class MergedFormat(Format):
+class MergedFormat(HuggingFaceFormat):
+    """The ``hf`` folder (read back, replaced files: the same), its weights the base's with the adapter merged."""
     name = "merged"
-    directory = True
-    selectable = False  # --hf --base, on a PEFT run
-    reties_aliases = True
+    takes_config = False  # the base's config.json
+    streams_tensors = False  # (the merged weights are a local file of the staging folder)
     computes = True
     summary = "a PEFT run merged into its base model: a folder from_pretrained loads"
 
@@ -165,7 +164,8 @@ class MergedFormat(Format):
         if config is None:
             raise ConfigError(f"--base merges a PEFT run's adapter; {root} holds no {ADAPTER_CONFIG}",
                               hint="for a full model, leave --base out", at=root)
-        assert request.base is not None
+        if request.base is None:
+            raise ConfigError("the merged export needs the base model: --base PATH", at=root)
         adapter = adapter_plan(plan, root)
         base, base_config = base_weights_file(request.base)
         merge = plan_merge(adapter, base, lora_settings(config), root)
@@ -186,16 +186,6 @@ class MergedFormat(Format):
             scratch.unlink(missing_ok=True)
         dtypes = {t.dtype for t in plan.tensors}
         return names + [INDEX_NAME] + write_companions(companions, folder, dtypes.pop() if len(dtypes) == 1 else "F32")
-
-    def read(self, path: Path) -> Listing:
-        return read_sharded(path)
-
-    def reads(self, path: Path) -> bool:
-        return False  # an HF folder reads as sharded
-
-    def replaced_files(self, out: Path) -> tuple[str, ...]:
-        return replaced_shards(out)
-
 
 def _merged_plan(adapter: Plan, merge: Merge, scratch: Path, context: WriteContext) -> Plan:
     """The output's plan in the base's order: unchanged tensors are ranges of the base files, the merged and
