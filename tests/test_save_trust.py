@@ -168,7 +168,7 @@ def test_a_rank_that_dies_mid_persist_fails_the_save_on_the_others_at_once(tmp_p
     assert not [p for p in out.iterdir() if p.name.startswith(".d.")]  # rank 0 removed the staged tag
 
 
-@pytest.mark.slow  # ZenFlow's CPU Adam is a JIT-built op: ~2 min on 2 cores the first time (make test-all)
+@pytest.mark.slow  # ZenFlow's CPU Adam is a JIT-built op (make test-all)
 @pytest.mark.runtime
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["in-step", "overlapped"])
 def test_a_zenflow_run_is_saved_as_of_the_call(overlap, tmp_path):

@@ -90,7 +90,8 @@ class Frame:
             yield self.context(progress=progress), [SKIPPED_NOTE]
             return
         pieces = list(pieces) + [p for r in replicas for p in read_pieces(r.source)]
-        finite, notes = Finiteness(masters), list[str]()
+        finite = Finiteness(masters)
+        notes: list[str] = []
         if not (self.view.direct or self.view.shared):
             self.group.step(lambda: check_sources(pieces, self.view.owns, finite=finite))
             self.group.step(lambda: check_replicas(replicas, self.view.owns))

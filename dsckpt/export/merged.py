@@ -187,6 +187,7 @@ class MergedFormat(HuggingFaceFormat):
         dtypes = {t.dtype for t in plan.tensors}
         return names + [INDEX_NAME] + write_companions(companions, folder, dtypes.pop() if len(dtypes) == 1 else "F32")
 
+
 def _merged_plan(adapter: Plan, merge: Merge, scratch: Path, context: WriteContext) -> Plan:
     """The output's plan in the base's order: unchanged tensors are ranges of the base files, the merged and
     replaced ones ranges of ``scratch``, written here one tensor at a time."""
@@ -208,17 +209,16 @@ def _merged_plan(adapter: Plan, merge: Merge, scratch: Path, context: WriteConte
         with Reader(context) as reader:
             for (name, _, _, _), offset in zip(entries, offsets):
                 stored = listing[name]
-                weight = torch.empty(stored.shape, dtype=torch_dtype(stored.dtype))
-                read_range_into(stored.path, stored.offset, stored.span_bytes,
-                                weight.view(-1).view(torch.uint8).numpy())
                 if name in merge.pairs:
+                    weight = torch.empty(stored.shape, dtype=torch_dtype(stored.dtype))
+                    read_range_into(stored.path, stored.offset, stored.span_bytes,
+                                    weight.view(-1).view(torch.uint8).numpy())
                     a, b = (torch_tensor(reader, adapter_tensors[n]) for n in merge.pairs[name])
                     delta = b @ a
                     weight.add_((delta.T if merge.fan_in_fan_out else delta) * merge.scaling)  # PEFT's merge
                 else:
-                    weight = torch_tensor(reader, adapter_tensors[merge.replaced[name]]).to(torch_dtype(
-                        listing[name].dtype))
-                pwrite_all(fd, weight.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), len(header) + offset)
+                    weight = torch_tensor(reader, adapter_tensors[merge.replaced[name]]).to(torch_dtype(stored.dtype))
+                pwrite_all(fd, weight.contiguous().view(-1).view(torch.uint8).numpy(), len(header) + offset)
     finally:
         os.close(fd)
     placed = {n: Segment(scratch, len(header) + off, nbytes) for (n, _, _, nbytes), off in zip(entries, offsets)}
