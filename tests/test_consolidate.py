@@ -536,6 +536,12 @@ def test_the_finiteness_scan_sees_nan_and_inf_in_its_ranges_only():
     finite.scan(path, 0, outside.numpy().tobytes())
     finite.scan(Path("/elsewhere"), 0, outside.numpy().tobytes())
     assert not finite.nonfinite
-    huge = Finiteness([Segment(path, 0, 4000)])
-    huge.scan(path, 0, torch.full((1000,), 1e30).numpy().tobytes())
-    assert not huge.nonfinite
+    for n in (1000, 40_000):  # checked in Python, and through numpy
+        huge = Finiteness([Segment(path, 0, 4 * n)])
+        huge.scan(path, 0, torch.full((n,), 1e30).numpy().tobytes())
+        assert not huge.nonfinite
+        many = torch.ones(n)
+        many[n - 3] = float("-inf")
+        seen = Finiteness([Segment(path, 0, 4 * n)])
+        seen.scan(path, 0, many.numpy().tobytes())
+        assert seen.nonfinite, n

@@ -22,6 +22,8 @@ or read starts and ends on such a boundary.
 from __future__ import annotations
 
 import bisect
+import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,36 +50,45 @@ class Finiteness:
     """Whether any watched fp32 range held a NaN or Inf among the bytes ``scan`` was shown; safe from threads."""
 
     def __init__(self, watched: Iterable[object] = ()):
-        spans: dict[Path, list[tuple[int, int]]] = {}
+        spans: dict[str, list[tuple[int, int]]] = {}
         for piece in watched:
             if isinstance(piece, Segment) and piece.nbytes:
-                spans.setdefault(Path(piece.path), []).append((piece.offset, piece.nbytes))
-        self._spans = {path: sorted(s) for path, s in spans.items()}
+                spans.setdefault(os.fspath(piece.path), []).append((piece.offset, piece.nbytes))
+        self._spans = {path: sorted(s) for path, s in spans.items()}  # (by the path's string: no Path per buffer)
         self._starts = {path: [o for o, _ in s] for path, s in self._spans.items()}
         self.nonfinite = False
 
-    def scan(self, path: Path, offset: int, data) -> None:
-        spans = self._spans.get(Path(path))
+    def scan(self, path: Path | str, offset: int, data) -> None:
+        key = os.fspath(path)
+        spans = self._spans.get(key)
         if not spans or self.nonfinite:
             return
-        import numpy as np
-
         end = offset + len(data)
-        i = max(0, bisect.bisect_right(self._starts[Path(path)], offset) - 1)
+        i = max(0, bisect.bisect_right(self._starts[key], offset) - 1)
         for start, n in spans[i:]:
             if start >= end:
                 break
             lo, hi = max(start, offset), min(start + n, end)
             lo += -lo % 4
             hi -= hi % 4
-            if hi > lo:
-                values = np.frombuffer(data, dtype=np.float32, count=(hi - lo) // 4, offset=lo - offset)
-                # a NaN or Inf makes the dot product one (one BLAS pass); an overflow of finite values is ruled out
-                with np.errstate(over="ignore", invalid="ignore"):
-                    square_sum = np.dot(values, values)
-                if not np.isfinite(square_sum) and not np.isfinite(values).all():
-                    self.nonfinite = True
-                    return
+            if hi > lo and not _finite(data, lo - offset, (hi - lo) // 4):
+                self.nonfinite = True
+                return
+
+
+SMALL_SCAN = 1 << 14  # elements checked in Python: a small checkpoint's command does not import numpy for them
+
+
+def _finite(data, start: int, count: int) -> bool:
+    """Whether ``count`` fp32 values at byte ``start`` of ``data`` are all finite."""
+    if count < SMALL_SCAN:
+        return all(map(math.isfinite, memoryview(data).cast("B")[start:start + 4 * count].cast("f")))
+    import numpy as np
+
+    values = np.frombuffer(data, dtype=np.float32, count=count, offset=start)
+    with np.errstate(over="ignore", invalid="ignore"):  # a NaN or Inf makes the dot product one (one BLAS pass)
+        square_sum = np.dot(values, values)
+    return bool(np.isfinite(square_sum) or np.isfinite(values).all())  # (an overflow of finite values ruled out)
 
 
 def check_sources(pieces: Iterable[object], reads: Callable[[Path], bool] = lambda path: True,
