@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,12 +105,53 @@ def test_inspect_du_verify_list_and_prune_count_the_swap_files(tmp_path):
     assert not (root / "step2").exists() and (root / OFFLOADED).is_dir()
 
 
+def test_reshard_writes_the_swap_files_an_nvme_engine_reads_and_refuses_what_it_cannot_name(tmp_path):
+    """--offload nvme: each sub-group the engine at M ranks swaps as DeepSpeed lays it out (named after the source's
+    swap files, the partition's bytes, zeros to the aio alignment), its rank-file entries empty; every copy's rank
+    files record their storages on "cpu" (torch.load knows no "nvme").  A sub-group cut anew at M, or kept in memory
+    at N, has no name the checkpoint records: refused, nothing written."""
+    from dsckpt.formats.pickle_tree import tensor_refs
+    from dsckpt.formats.torchzip import TorchFile
+    from dsckpt.plan import offload
+    from dsckpt.plan.reshard import build_reshard_plan
+
+    name = FIXTURES / "nvme_z3_ws2_fp32"
+    out = tmp_path / "ws2"
+    assert run_cli("reshard", name, out, "-w", "2", "--offload", "nvme").returncode == 0
+    source, copy = dsckpt.open_checkpoint(name), dsckpt.open_checkpoint(out)
+    for held, written in zip(source.optimizer_states, copy.optimizer_states):
+        for was, now in zip(held.groups, written.groups):
+            assert type(now.fp32.file) is type(was.fp32.file)
+            if type(now.fp32.file).__name__ != "SwapFile":
+                continue
+            for kind in (None, "exp_avg", "exp_avg_sq"):
+                path = now.fp32.file.path if kind is None else now.moments[kind].file.path
+                data, was_path = path.read_bytes(), (was.fp32.file if kind is None else was.moments[kind].file).path
+                assert path.name == was_path.name and len(data) == was_path.stat().st_size
+                size = now.fp32.numel * 4
+                assert data[:size] == was_path.read_bytes()[:size] and not data[size:].strip(b"\0")
+    got, ref = dict(load_state_dict(out)), reference(name.name)
+    assert [k for k in ref if "::" not in k and k in got and not torch.equal(ref[k], got[k])] == []
+    assert run_cli("reshard", name, tmp_path / "plain", "-w", "3").returncode == 0
+    for rank_file in [*(out / "step3").glob("*.pt"), *(tmp_path / "plain" / "step3").glob("*.pt")]:
+        assert {ref.storage.location for ref in tensor_refs(TorchFile(rank_file).obj)} <= {"cpu"}, rank_file
+    for args, says in ((("-w", "3"), "this one is cut differently at 3 ranks"),
+                       (("-w", "1"), "this one is cut differently at 1 rank"),
+                       (("-w", "2", "--stage", "2"), "at ZeRO-3 only")):
+        proc = run_cli("reshard", name, tmp_path / "refused", *args, "--offload", "nvme")
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "refused").exists()
+    with pytest.raises(dsckpt.errors.UnsupportedCheckpointError, match="this one was kept in memory at 2"):
+        offload.for_nvme(build_reshard_plan(source, 2), source, threshold=36 * 4)  # (the last sub-group's size)
+
+
 @pytest.mark.runtime
 def test_two_processes_read_the_swap_files_as_one_does(tmp_path):
     """consolidate and reshard --nproc 2: each process's view holds the swap files two folders below the tag."""
     name = FIXTURES / "nvme_z3_ws2_fp32"
-    for args in (("consolidate", name, "{out}.safetensors", "--no-client-state"), ("reshard", name, "{out}", "-w", "3")):
-        outs = {n: str(tmp_path / f"{args[0]}-{n}") for n in (1, 2)}
+    for args in (("consolidate", name, "{out}.safetensors", "--no-client-state"), ("reshard", name, "{out}", "-w", "3"),
+                 ("reshard", name, "{out}", "-w", "2", "--offload", "nvme")):
+        outs = {n: str(tmp_path / f"{args[0]}-{len(args)}-{n}") for n in (1, 2)}
         for n, out in outs.items():
             proc = run_cli(*(a.format(out=out) if isinstance(a, str) else a for a in args), "--no-fsync",
                            *(["--nproc", "2"] if n == 2 else []))
@@ -118,6 +160,9 @@ def test_two_processes_read_the_swap_files_as_one_does(tmp_path):
             assert open(f"{outs[1]}.safetensors", "rb").read() == open(f"{outs[2]}.safetensors", "rb").read()
         else:
             assert run_cli("diff", outs[1], outs[2], "--optimizer").returncode == 0
+            swapped = [sorted(p.relative_to(out) for p in Path(out).rglob("*.swp")) for out in outs.values()]
+            assert swapped[0] == swapped[1] and all((Path(outs[1]) / p).read_bytes() == (Path(outs[2]) / p)
+                                                    .read_bytes() for p in swapped[0])
 
 
 def _damaged(tmp_path, edit):
@@ -228,6 +273,13 @@ def test_another_world_size_loads_into_nvme_and_cpu_offload_engines_exactly(tmp_
     _job(3, "load", tmp_path, tmp_path / "copy.json", "nvme", whole, NVME_FLOW_LOAD=str(tmp_path / "ws3"))  # same
     assert json.loads((tmp_path / "copy.json").read_text()) == {"different": [], "step": 3.0}
     assert not (tmp_path / "ws3" / "step3" / "offloaded_tensors").exists()  # (the moments in the rank files)
+    swapped = tmp_path / "ws3-nvme"  # and swap files for the engine at 3 ranks, which DeepSpeed's own load copies:
+    assert run_cli("reshard", tmp_path / "ckpt", swapped, "-w", "3", "--offload", "nvme").returncode == 0
+    assert len(list((swapped / OFFLOADED).rglob("*.tensor.swp"))) == 9
+    _job(3, "resume-stock", tmp_path, tmp_path / "stock.json", "nvme", whole, NVME_FLOW_LOAD=str(swapped))
+    assert json.loads((tmp_path / "stock.json").read_text())["different"] == ["::step"]  # (its own defect, above)
+    _job(3, "load", tmp_path, tmp_path / "swapped.json", "nvme", whole, NVME_FLOW_LOAD=str(swapped))
+    assert json.loads((tmp_path / "swapped.json").read_text()) == {"different": [], "step": 3.0}
     assert run_cli("convert", tmp_path / "ckpt", tmp_path / "dcp", "--to", "dcp").returncode == 0  # FSDP2's layout,
     proc = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "deepspeed", "-w", "3", "--stage", "3",
                    "--model", "make_nvme_fixtures:build_nvme_model", cwd=FIXTURES)  # (its first block is frozen)

@@ -116,6 +116,12 @@ def test_a_zero_infinity_checkpoint_in_a_bucket_reads_as_the_folder_does(s3, tmp
     assert nvme["bytes"] == json.loads(ok("inspect", local, "--json").stdout)["nvme"]["bytes"] > 0
     report = json.loads(ok("verify", url, "--json").stdout)
     assert report["ok"] and len(report["tags"][0]["swap_files"]) == 24
+    ok("reshard", url, tmp_path / "n_remote", "-w", "2", "--offload", "nvme")  # swap files for an NVMe engine,
+    ok("reshard", local, tmp_path / "n_local", "-w", "2", "--offload", "nvme")
+    same_tree(tmp_path / "n_remote", tmp_path / "n_local")
+    proc = run_cli("reshard", local, f"s3://{BUCKET}/nvme-copy", "-w", "2", "--offload", "nvme")  # on its local disk
+    assert proc.returncode == 2 and "to a local folder" in proc.stderr and "Traceback" not in proc.stderr
+    assert run_cli("list", f"s3://{BUCKET}/nvme-copy").returncode != 0
 
 
 @pytest.mark.runtime

@@ -20,6 +20,7 @@ files are written on the host of the process that will run it, ``Placement``):
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -33,7 +34,7 @@ from ..formats.pickle_writer import StorageOut, dumps
 from ..io.context import WriteContext
 from ..io.output import check_output, write_errors
 from ..io.read import Reader
-from ..io.torch_writer import write_pickled
+from ..io.torch_writer import write_pickled, write_raw
 from ..parallel.group import ONE_PROCESS, Group
 from ..progress import Phase, begin
 from .options import DEFAULTS, WriteOptions
@@ -43,6 +44,7 @@ from ..parallel.transfer import fetch, ranges_held_elsewhere
 from ..parallel.view import View
 from ..plan.consolidate import build_plan, master_pieces
 from ..plan.moves import OutputFile, ReshardPlan
+from ..plan.offload import TargetOffload, for_nvme, is_swap_file, require_stage3, swap_rank
 from ..plan.reshard import build_reshard_plan
 from ..plan.segments import Piece, written_source
 from ..zero import layout as L
@@ -75,10 +77,12 @@ class ReshardResult:
 
 def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int, *,
             tag: str | None = None, stage: int | None = None, ep_size: int | None = None, gather: bool = False,
-            options: WriteOptions = DEFAULTS) -> ReshardResult:
+            offload: TargetOffload | str = TargetOffload.CPU, options: WriteOptions = DEFAULTS) -> ReshardResult:
     """Write ``checkpoint`` (one tag) as a DeepSpeed checkpoint at ``world_size`` (and ZeRO ``stage``, default
     its own: ``plan.restage``) into ``out_dir``; ``ep_size``: a mixture-of-experts run's new expert-parallel size
-    (``plan.experts``).
+    (``plan.experts``).  ``offload``: the optimizer placement of the engine that will load it - ``"nvme"`` writes the
+    sub-groups it swaps as ``offloaded_tensors/rankNN/`` swap files (``plan.offload``), ``"cpu"`` (also for an engine
+    without offload) keeps every partition in the rank files.
 
     ``options`` (``WriteOptions``): ``trust`` copies pickled objects of any class as recorded and follows links
     out of the checkpoint (whoever loads OUT_DIR with DeepSpeed then runs that pickle code); ``group``: the
@@ -87,11 +91,15 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     ``progress``: a bucket's ``FETCH``, then the ``WRITE`` of the tensor bytes.
     """
     group, force, trust = options.group or ONE_PROCESS, options.force, options.trust
+    offload = TargetOffload(offload)
     with destination(group, out_dir, force) as dest:
+        if offload is TargetOffload.NVME and dest.url is not None:
+            raise UnsupportedCheckpointError("--offload nvme writes the swap files an engine reads from its local "
+                                             "disk; write OUT_DIR to a local folder", at=dest.url)
         out = dest.path
         with writing(group, checkpoint, tag, dest, trust) as frame:
             view = frame.view
-            ckpt, prepared, masters = group.step(lambda: _prepare(view, world_size, stage, ep_size, trust))
+            ckpt, prepared, masters = group.step(lambda: _prepare(view, world_size, stage, ep_size, offload, trust))
             plan = prepared.plan
             inputs = [view.real_path(f.path) for f in ckpt.layout.all_files]
             group.step(lambda: check_output(out, inputs, force, directory=True, tree=view.real_path(ckpt.layout.root)))
@@ -126,12 +134,13 @@ def reshard(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     return dest.named(result)
 
 
-def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None,
+def _prepare(view: View, world_size: int, stage: int | None, ep_size: int | None, offload: TargetOffload,
              trust: bool) -> tuple[Checkpoint, PreparedReshard, list[Piece]]:
     """The checkpoint, its reshard and the byte ranges of its fp32 masters (scanned for NaN/Inf as they are read)."""
     ckpt = view.open(trust)
     with view.real_names():
-        prepared = prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct)
+        prepared = prepare_reshard(ckpt, world_size, stage, ep_size, trust, links_checked=not view.direct,
+                                   offload=offload)
         return ckpt, prepared, master_pieces(build_plan(ckpt))
 
 
@@ -157,6 +166,9 @@ class Placement:
 def target_rank(name: str) -> int | None:
     """The target rank a written file belongs to (a rank file or per-rank companion), None when every rank
     reads it."""
+    swapped = swap_rank(name)
+    if swapped is not None:
+        return swapped
     match = L.RANK_FILE_RE.match(Path(name).name)
     if match:
         return int(match.group("dp")) if match.group("dp") is not None else None
@@ -185,10 +197,14 @@ class PreparedReshard:
 
 
 def prepare_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, ep_size: int | None, trust: bool,
-                    links_checked: bool = False) -> PreparedReshard:
+                    links_checked: bool = False, offload: TargetOffload = TargetOffload.CPU) -> PreparedReshard:
     """Everything decided before a byte is written (``links_checked``: the caller has refused links out of the
     checkpoint already, as the distributed run does on each host's own files)."""
+    if offload is TargetOffload.NVME:
+        require_stage3(stage or ckpt.zero_stage, ckpt)
     plan = build_reshard_plan(ckpt, world_size, stage, ep_size)
+    if offload is TargetOffload.NVME:
+        plan = for_nvme(plan, ckpt)
     plan, notes = carry_only_allowed(plan, trust)
     companions, companion_notes = plan_companions(ckpt.layout.root, ckpt.layout.tags, plan.source_world_size,
                                                   world_size, trust, follow_links=links_checked)
@@ -212,7 +228,9 @@ def carry_only_allowed(plan: ReshardPlan, trust: bool = False) -> tuple[ReshardP
 
 
 def _pickle(f: OutputFile, trust: bool) -> Pickled:
-    """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's."""
+    """``dumps(f.tree)``, a value the pickle format cannot hold named as the file's; a swap file's one storage."""
+    if is_swap_file(f.name):
+        return b"", [StorageOut("0", f.tree.dtype, math.prod(f.tree.shape), f.tree)]
     try:
         return dumps(f.tree, allow_foreign=trust)
     except ValueError as exc:
@@ -229,7 +247,11 @@ def write_files(plan: ReshardPlan, root: Path, files: Sequence[OutputFile], comp
 
     def write(f: OutputFile) -> None:
         with Reader(context) as reader:
-            write_pickled(tag_dir / f.name, pickled[f.name], reader, context)
+            if is_swap_file(f.name):
+                (tag_dir / f.name).parent.mkdir(parents=True, exist_ok=True)
+                write_raw(tag_dir / f.name, pickled[f.name][1][0], reader, context)
+            else:
+                write_pickled(tag_dir / f.name, pickled[f.name], reader, context)
     biggest_first = sorted(files, key=lambda f: -sum(s.nbytes for s in pickled[f.name][1]))
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
         for done in [pool.submit(write, f) for f in biggest_first]:

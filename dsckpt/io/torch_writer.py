@@ -124,6 +124,24 @@ def write_pickled(path: Path | BinaryIO, pickled: tuple[bytes, list[StorageOut]]
         return _write_zip(sink, folder, pickled, source, context)
 
 
+def write_raw(path: Path, storage: StorageOut, source: StorageBytes, context: WriteContext | None = None) -> None:
+    """One storage's bytes alone in a local file (a ZeRO-Infinity swap file), copied straight in where it can be."""
+    progress = context.progress if context is not None else None
+    with open(path, "wb") as fp:
+        started = context.started(path, fp.fileno()) if context is not None else writeback.skip
+        copied = source.copy_storage(storage, fp.fileno(), 0, started, progress) if storage.nbytes else (0, 0)
+        if copied is None:
+            written = 0
+            for chunk, _ in source.storage_chunks(storage, None):
+                written += write_all(fp, chunk)
+                started(written - len(chunk), len(chunk))
+                if progress:
+                    progress(len(chunk))
+            copied = (written, 0)
+    if copied[0] != storage.nbytes:
+        raise ValueError(f"{path}: {copied[0]} bytes written, {storage.nbytes} expected")
+
+
 def _write_zip(path: Path | BinaryIO | ZipSink, folder: str, pickled: tuple[bytes, list[StorageOut]],
                source: StorageBytes, context: WriteContext | None) -> list[StorageOut]:
     progress = context.progress if context is not None else None

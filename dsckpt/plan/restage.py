@@ -190,8 +190,9 @@ def _from_stage3(ckpt: Checkpoint, world_size: int, stage: int) -> ReshardPlan:
     optimizer_groups = ckpt.optim_files[0].obj[L.OPTIMIZER_STATE_DICT][L.OPTIMIZER_STATE_DICT]["param_groups"]
     sub_groups = stage3_moves(ckpt, ckpt.world_size)
     if len(sub_groups) != len(optimizer_groups):
+        groups = f"{len(optimizer_groups)} param group" + "s" * (len(optimizer_groups) != 1)
         raise UnsupportedCheckpointError(
-            f"{len(sub_groups)} ZeRO-3 sub-groups for {len(optimizer_groups)} param groups "
+            f"{len(sub_groups)} ZeRO-3 sub-groups for {groups} "
             "(a small sub_group_size); stage 1/2 keeps one flat group per param group - not supported yet", at=ckpt.layout.tag_dir)
     moves = [GroupMove(m.names, m.source, stage12_group([math.prod(ckpt.trainable[n]) for n in m.names], world_size))
              for m in sub_groups]

@@ -71,7 +71,8 @@ class SwapFile:
         return StorageLocation(0, self.size, 0)
 
     def ref(self, numel: int) -> TensorRef:
-        storage = StorageRef(key=self.path.name, dtype="F32", itemsize=FP32, numel=numel, location="nvme")
+        # "cpu": what a copy's rank file records for it (torch.load knows no "nvme" device)
+        storage = StorageRef(key=self.path.name, dtype="F32", itemsize=FP32, numel=numel, location="cpu")
         self.locate(storage)
         return TensorRef(self, storage, 0, (numel,), (1,))
 
