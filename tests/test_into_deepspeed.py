@@ -220,14 +220,34 @@ def test_a_metadata_pickle_runs_no_code(tmp_path):
     assert not marker.exists()
 
 
-def test_torchtitan_groups_need_their_order(converted, tmp_path):
-    """Left refused on purpose (#69.5): torchtitan records no group order, and the model's order is not the job's -
-    the fixture's job passes its decay group first while the model's first parameter (``gate``) is in the other; a
-    guessed order fails DeepSpeed's load, or with groups of equal sizes swaps their moments silently."""
-    err = _refused(tmp_path, converted / "titan", "--model", "odd_model:build")
-    assert "--group-order" in err
+def test_torchtitan_groups_are_taken_in_model_order_and_a_job_listing_them_otherwise_fails_loudly(converted, tmp_path):
+    """#69.5: torchtitan records no group order; without --group-order the groups come in model order (each one's
+    first parameter's place), said in a note.  The fixture's job lists its decay group first while the model's
+    first parameter (``gate``) is in the other: stock DeepSpeed's load of that copy fails on the partition sizes,
+    never loading one group's state into the other.  Groups of equal partition sizes are refused instead."""
+    out = tmp_path / "model_order"
+    proc = run_cli("convert", converted / "titan", out, "--to", "deepspeed", "-w", 3, "--stage", 3,
+                   "--model", "odd_model:build", "--no-fsync", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = json.loads(proc.stdout)["notes"]
+    assert any("2 param groups by their settings, taken in model order (gate, embed.weight first)" in n for n in notes)
+    with pytest.raises(AssertionError, match="size"):
+        run_job("into_deepspeed.py", 3, "deepspeed", tmp_path, "model_order:3", timeout=200)
     err = _refused(tmp_path, converted / "titan", "--model", "odd_model:build", "--group-order", "up.weight,scale")
     assert "scale" in err
+
+
+def test_torchtitan_groups_of_equal_partition_sizes_need_their_order():
+    """A guessed order DeepSpeed's load could not catch (every rank's partitions the same size) is refused."""
+    from dsckpt.errors import ConfigError
+    from dsckpt.plan.into_deepspeed import DeepSpeedLayout, _require_telling_sizes
+    from dsckpt.zero.partitioning import stage3_group, stage12_group
+
+    for stage, layout in ((3, stage3_group), (2, stage12_group)):
+        target = DeepSpeedLayout(world_size=3, stage=stage, dtype="F32", tag="global_step1")
+        _require_telling_sizes([layout([10, 4], 3), layout([30], 3)], target, Path("titan"))  # told apart
+        with pytest.raises(ConfigError, match="the other way round"):
+            _require_telling_sizes([layout([6, 6], 3), layout([12], 3)], target, Path("titan"))
 
 
 def test_floating_entries_no_optimizer_holds_need_the_model(converted, tmp_path):

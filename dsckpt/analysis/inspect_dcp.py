@@ -62,7 +62,8 @@ def summarize_dcp(folder: Path) -> dict[str, Any]:
                      "--model MODULE:FACTORY to tell frozen parameters, buffers and tied names apart")
     if layout != FSDP2 and len(groups) > 1:
         notes.append(f"{len(groups)} param groups by their settings, their order not recorded: `convert --to "
-                     "deepspeed` needs --group-order NAME,... (one parameter of each, in the DeepSpeed job's order)")
+                     "deepspeed` takes them in model order; --group-order NAME,... (one parameter of each, in the "
+                     "DeepSpeed job's order) sets another")
     return {"schema": JSON_SCHEMA, "input": str(folder), "format": f"dcp ({layout})", "step": step,
             "world_size": len(ranks) or None, "entries": len(model),
             "parameters": sum(_numel(index.tensors[model[n]].shape) for n in model),

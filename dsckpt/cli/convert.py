@@ -48,7 +48,7 @@ def _targets():
                    "TrainingArguments' defaults).")
 @click.option("--group-order", default=None, metavar="NAME,NAME,...",
               help="deepspeed, torchtitan layout with several settings: one parameter of each param group, in the "
-                   "order the DeepSpeed job's optimizer takes the groups.")
+                   "order the DeepSpeed job's optimizer takes the groups (default: model order, said in a note).")
 @click.option("--weights-only", is_flag=True, help="dcp: the model state only, no optimizer state.")
 @click.option("--tag", default=None, shell_complete=tags_of("checkpoint"),
               help="Tag to convert (default: what `latest` names).")
@@ -85,7 +85,7 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
       OUT_DIR a DeepSpeed checkpoint (tag folder + latest) that stock engine.load_checkpoint(OUT_DIR)
       restores at --world-size ranks and --stage: every fp32 master, Adam moment, step and group
       setting as saved.  The job's optimizer lists the same param groups (FSDP2: as saved; torchtitan:
-      --group-order).  --tag names the tag written (default global_step<step>).  No scheduler state
+      in model order, or --group-order).  --tag names the tag written (default global_step<step>).  No scheduler state
       is written (load_lr_scheduler_states=False when the engine has one).  Needs torch for --model.
     """
     if to == INTO_DEEPSPEED:

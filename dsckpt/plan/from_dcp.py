@@ -130,6 +130,10 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
                 by_settings.setdefault(repr(sorted(settings.items())), (settings, []))[1].append(fqn)
         groups = _ordered([ParamGroup(settings, tuple(names)) for settings, names in by_settings.values()],
                           group_order, where)
+        if group_order is None and len(groups) > 1:
+            notes.append(f"the parameters fall into {len(groups)} param groups by their settings, taken in model "
+                         f"order ({', '.join(g.params[0] for g in groups)} first): the order the DeepSpeed job's "
+                         "optimizer must list them in (--group-order NAME,... sets another)")
     if layout == FSDP2 and group_order is not None:
         raise ConfigError("FSDP2's DCP lists its param groups in order; --group-order is for torchtitan's "
                           "layout, which keeps settings per parameter", at=where)
@@ -173,19 +177,15 @@ def build_dcp_state(index: DcpIndex, contents: DcpContents, model: ModelNames | 
         notes.append(f"left out {len(set(other) - kept)} entries that are neither model nor optimizer state "
                      f"(first: {sorted(set(other) - kept)[0]!r})")
     reached = training_step(index, contents, other, steps)
-    return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups)), reached,
-                    tuple(notes))
+    guessed = layout != FSDP2 and group_order is None and len(groups) > 1
+    return DcpState(layout, TrainingState(Plan(tuple(tensors), aliases), tuple(params), tuple(groups), guessed),
+                    reached, tuple(notes))
 
 
 def _ordered(groups: list[ParamGroup], order: tuple[str, ...] | None, where: Path) -> list[ParamGroup]:
-    """torchtitan's groups (parameters of equal settings) in the order ``order`` names them by one parameter each."""
+    """torchtitan's groups (parameters of equal settings) in the order ``order`` names them by one parameter each;
+    without one, in model order (each group's first parameter's place)."""
     if order is None:
-        if len(groups) > 1:
-            described = "; ".join(f"{g.params[0]} and {len(g.params) - 1} more" for g in groups)
-            raise ConfigError(f"the parameters fall into {len(groups)} param groups by their settings "
-                              f"({described}); their order in the DeepSpeed job's optimizer is not recorded",
-                              hint="--group-order NAME,NAME,...: one parameter of each group, in the order the "
-                                   "DeepSpeed job passes the groups to its optimizer", at=where)
         return groups
     picked = []
     for name in order:

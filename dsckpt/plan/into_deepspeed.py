@@ -82,6 +82,8 @@ def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: 
             raise UnsupportedCheckpointError(f"param group {g} would hold {layout.partition_numel:,} elements "
                                              f"per rank, more than one ZeRO-3 sub-group; not supported yet", at=source)
         layouts.append(layout)
+    if state.order_guessed:
+        _require_telling_sizes(layouts, target, source)
     moves = tuple(GroupMove(g.params, layout, layout, i) for i, (g, layout) in enumerate(zip(state.groups, layouts)))
     files = [_optim_file(state, target, moves, r, source) for r in range(target.world_size)]
     if target.stage == 3:
@@ -89,6 +91,22 @@ def build_deepspeed_plan(state: TrainingState, target: DeepSpeedLayout, source: 
     else:
         files = [_model_file(state, target, None, source)] + files
     return ReshardPlan(target.stage, 1, target.world_size, target.tag, moves, tuple(files))
+
+
+def _require_telling_sizes(layouts: list[GroupLayout], target: DeepSpeedLayout, source: Path) -> None:
+    """Groups in a guessed order: a job listing them otherwise must fail its load on the partition sizes, which it
+    does unless two groups' partitions are the same size on every rank."""
+    seen: dict[tuple[int, int], int] = {}
+    for g, layout in enumerate(layouts):
+        last = 0 if target.stage == 3 else stage12_trimmed(layout, target.world_size - 1)
+        other = seen.setdefault((layout.partition_numel, last), g)
+        if other != g:
+            raise ConfigError(f"param groups {other} and {g} (by their settings; their order in the DeepSpeed job's "
+                              f"optimizer is not recorded) hold {layout.partition_numel:,} elements per rank each at "
+                              f"{target.world_size} ranks: a job listing them the other way round would load each "
+                              "one's masters and moments into the other without an error",
+                              hint="--group-order NAME,NAME,...: one parameter of each group, in the order the "
+                                   "DeepSpeed job passes the groups to its optimizer", at=source)
 
 
 def _partition(layout: GroupLayout, rank: int, tensors: list[TensorPlan], length: int, where: str) -> TensorSource:

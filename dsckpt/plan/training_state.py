@@ -45,6 +45,7 @@ class TrainingState:
     model: Plan  # every tensor of the model state dict (tied aliases in model.aliases)
     params: tuple[ParamState, ...]  # trainable parameters, flat-group order
     groups: tuple[ParamGroup, ...]  # the torch optimizer's param groups, in its order
+    order_guessed: bool = False  # ``groups``' order is the model's, no record of the job's (torchtitan's layout)
 
 
 def require_convertible(ckpt: Checkpoint, weights_only: bool = False) -> None:
