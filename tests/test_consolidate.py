@@ -545,3 +545,25 @@ def test_the_finiteness_scan_sees_nan_and_inf_in_its_ranges_only():
         seen = Finiteness([Segment(path, 0, 4 * n)])
         seen.scan(path, 0, many.numpy().tobytes())
         assert seen.nonfinite, n
+
+
+def test_the_copies_show_the_scan_every_byte_they_move(tmp_path):
+    """The ways ``copy_range`` moves bytes through user space (pread and pwrite for a small range, mapped slices out
+    of page step) show the scan every byte: a NaN is seen wherever it lies; finite bytes leave no note.  (A range
+    copied kernel to kernel is shown to it by the ledger's check, which reads it.)"""
+    from dsckpt.io.filecopy import MAPPED_SLICE, copy_range
+    from dsckpt.io.integrity import Finiteness, Ledger
+    from dsckpt.plan.segments import Segment
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for n in (1000, 3 * MAPPED_SLICE // 4 + 101):  # pread; mapped, over its slices and not a whole number of them
+        for where in (None, 0, MAPPED_SLICE // 4 - 1, MAPPED_SLICE // 4, n - 1):
+            values = torch.ones(n)
+            if where is not None:
+                values[min(where, n - 1)] = float("nan")
+            src.write_bytes(b"\0" * 64 + values.numpy().tobytes())
+            ledger = Ledger(Finiteness([Segment(src, 64, 4 * n)]))
+            with open(src, "rb") as s, open(dst, "wb") as d:
+                copy_range(s.fileno(), d.fileno(), 4 * n, 64, 100, src, ledger=ledger)
+            assert dst.read_bytes()[100:] == src.read_bytes()[64:]
+            assert ledger.finite.nonfinite == (where is not None), (n, where)

@@ -129,7 +129,6 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
     A page beyond a file truncated meanwhile fails the ``pwrite`` with EFAULT (an OSError), not the process with
     SIGBUS; a slice is checksummed only after its ``pwrite`` went through whole (a file changed while it is read is
     outside the threat model, docs/security.md)."""
-    with_crc = ledger is not None
     while nbytes:
         n = min(MAP_WINDOW, nbytes)
         start = src_off % mmap.PAGESIZE
@@ -139,10 +138,11 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
         except (OSError, ValueError):  # (ValueError: the range runs past the end of the file)
             break
         with window, memoryview(window) as view:
-            crc = _write_view(dst_fd, view, start, n, dst_off, with_crc)
+            scan = (lambda at, data: ledger.finite.scan(src_path, src_off + at, data)) if ledger is not None else None
+            crc = _write_view(dst_fd, view, start, n, dst_off, scan)
             if crc is not None and ledger is not None:
                 with view[start:start + n] as copied:
-                    ledger.add(src_path, src_off, copied, crc)
+                    ledger.add(src_path, src_off, copied, crc, scanned=True)
         if crc is None:
             raise CorruptFileError("shrank while being copied (truncated by another process?)", at=src_path)
         started(dst_off, n)
@@ -150,11 +150,12 @@ def _copy_mapped(src_fd: int, dst_fd: int, nbytes: int, src_off: int, dst_off: i
     return nbytes, src_off, dst_off
 
 
-def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int, with_crc: bool) -> int | None:
-    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``MAPPED_SLICE`` calls, with ``with_crc`` each slice
-    checksummed just after it was written; the CRC-32 of the whole (0 without), None when the mapped file shrank
-    under it (EFAULT).  Each slice is released before the mapping closes (an exception's frames would otherwise
-    keep it exported)."""
+def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int,
+                scan: Callable[[int, memoryview], None] | None) -> int | None:
+    """``view[start:start + n]`` to ``fd`` at ``offset`` in ``MAPPED_SLICE`` calls, with ``scan`` each slice
+    checksummed and shown to it (its offset in the range) just after it was written, while in the core's cache; the
+    CRC-32 of the whole (0 without), None when the mapped file shrank under it (EFAULT).  Each slice is released
+    before the mapping closes (an exception's frames would otherwise keep it exported)."""
     done, crc = 0, 0
     while done < n:
         with view[start + done:start + min(n, done + MAPPED_SLICE)] as piece:
@@ -164,8 +165,9 @@ def _write_view(fd: int, view: memoryview, start: int, n: int, offset: int, with
                 if exc.errno == errno.EFAULT:
                     return None
                 raise
-            if with_crc:
+            if scan is not None:
                 with piece[:written] as copied:
                     crc = crc32(copied, crc)
+                    scan(done, copied)
             done += written
     return crc

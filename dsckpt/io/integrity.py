@@ -115,10 +115,12 @@ class Ledger:
         self._lock = threading.Lock()
         self.finite = finite or Finiteness()  # shown what is noted here and what the check reads
 
-    def add(self, path: Path, offset: int, data, crc: int | None = None) -> None:
-        """``data`` read at ``offset`` of ``path`` (``crc``: its CRC-32, where the reader computed it already)."""
+    def add(self, path: Path, offset: int, data, crc: int | None = None, scanned: bool = False) -> None:
+        """``data`` read at ``offset`` of ``path`` (``crc``: its CRC-32, where the reader computed it already;
+        ``scanned``: ``finite`` was shown it already)."""
         crc = crc32(data) if crc is None else crc
-        self.finite.scan(path, offset, data)
+        if not scanned:
+            self.finite.scan(path, offset, data)
         with self._lock:
             self._spans.setdefault(path if isinstance(path, Path) else Path(path), []).append((offset, len(data), crc))
 
