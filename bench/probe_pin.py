@@ -1,7 +1,7 @@
 """Probe (issue 68.8): what slows the training steps while the pinned buffers are reserved on a thread of their own.
 A launch-bound GPU loop (many small kernels and some bf16 matmuls, as a ZeRO-3 step) runs in the main thread while
 another thread prepares 8 GiB of host memory: registered in one call, in 256 MiB pieces, only faulted in, or
-faulted in then registered.  Prints the loop's time against the loop alone, alternated."""
+faulted in then registered, or allocated pinned by torch (cudaHostAlloc).  Prints the loop's time against the loop alone, alternated."""
 import ctypes, threading, time, torch
 
 GIB = 8
@@ -23,8 +23,12 @@ def loop(n=60):
 
 
 def prepare(how, done):
-    buf = torch.UntypedStorage(GIB << 30)
     t0 = time.perf_counter()
+    if how == "hostalloc":
+        buf = torch.empty(GIB << 30, dtype=torch.uint8, pin_memory=True).untyped_storage()
+        done.append(time.perf_counter() - t0)
+        return buf
+    buf = torch.UntypedStorage(GIB << 30)
     if how in ("touch", "touch+one"):
         torch.empty(0, dtype=torch.uint8).set_(buf).zero_()
     if how in ("one", "touch+one"):
@@ -46,7 +50,7 @@ def loop_n():
 
 alone = [loop_n()]
 for rnd in range(1):
-    for how in ("one", "pieces", "touch", "touch+one"):
+    for how in ("one", "pieces", "touch", "touch+one", "hostalloc"):
         done, holder = [], []
         t = threading.Thread(target=lambda: holder.append(prepare(how, done)))
         t.start(); took = loop_n(); t.join()
