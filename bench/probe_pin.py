@@ -1,8 +1,11 @@
 """Probe (issue 68.8): what slows the training steps while the pinned buffers are reserved on a thread of their own.
 A launch-bound GPU loop (many small kernels and some bf16 matmuls, as a ZeRO-3 step) runs in the main thread while
 another thread prepares 8 GiB of host memory: registered in one call, in 256 MiB pieces, only faulted in, or
-faulted in then registered, or allocated pinned by torch (cudaHostAlloc).  Prints the loop's time against the loop alone, alternated."""
-import ctypes, threading, time, torch
+faulted in then registered, allocated pinned by torch (cudaHostAlloc), or private huge pages populated by
+madvise then registered (thp+one).  PROBE=one,touch+one picks.  Prints the loop's time against the loop alone, alternated."""
+import ctypes, mmap, os, threading, time, torch
+
+libc = ctypes.CDLL(None, use_errno=True)
 
 GIB = 8
 PIECE = 256 << 20
@@ -28,6 +31,15 @@ def prepare(how, done):
         buf = torch.empty(GIB << 30, dtype=torch.uint8, pin_memory=True).untyped_storage()
         done.append(time.perf_counter() - t0)
         return buf
+    if how.startswith("thp"):  # private anonymous pages, huge where the kernel gives them, populated by madvise
+        region = mmap.mmap(-1, GIB << 30, flags=mmap.MAP_PRIVATE)
+        buf = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+        libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.nbytes()), 14)  # MADV_HUGEPAGE
+        if libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.nbytes()), 23):  # MADV_POPULATE_WRITE
+            torch.empty(0, dtype=torch.uint8).set_(buf).zero_()
+        assert int(cudart.cudaHostRegister(buf.data_ptr(), buf.nbytes(), 1)) == 0
+        done.append(time.perf_counter() - t0)
+        return buf
     buf = torch.UntypedStorage(GIB << 30)
     if how in ("touch", "touch+one"):
         torch.empty(0, dtype=torch.uint8).set_(buf).zero_()
@@ -50,12 +62,12 @@ def loop_n():
 
 alone = [loop_n()]
 for rnd in range(1):
-    for how in ("one", "pieces", "touch", "touch+one", "hostalloc"):
+    for how in os.environ.get("PROBE", "one,pieces,touch,touch+one,hostalloc,thp+one").split(","):
         done, holder = [], []
         t = threading.Thread(target=lambda: holder.append(prepare(how, done)))
         t.start(); took = loop_n(); t.join()
         buf = holder[0]
-        if how in ("one", "touch+one"):
+        if how in ("one", "touch+one", "thp+one"):
             cudart.cudaHostUnregister(buf.data_ptr())
         if how == "pieces":
             for off in range(0, buf.nbytes(), PIECE):

@@ -127,7 +127,8 @@ def _source_names(ckpt: Checkpoint) -> dict[tuple[str, ...], str]:
 
 def _padded(value: Any, numel: int, config: dict[str, Any]) -> NewTensor:
     if value.dtype != "F32":
-        raise UnsupportedCheckpointError(f"--offload nvme: DeepSpeed swaps fp32 optimizer state; this holds {value.dtype}")
+        raise UnsupportedCheckpointError(f"--offload nvme: DeepSpeed swaps fp32 optimizer state; this holds "
+                                         f"{value.dtype}")
     padded = padded_bytes(numel, config) // 4
     pieces = tuple(value.source.pieces) + ((Zeros((padded - numel) * 4),) if padded > numel else ())
     return NewTensor("F32", (padded,), TensorSource("F32", "F32", pieces))
