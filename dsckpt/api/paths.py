@@ -94,10 +94,9 @@ def weights_in(path: Path) -> Path | None:
     if kind.kind == "weights":
         return path
     if kind.kind == "unknown" and path.is_dir() and not (path / LATEST_FILE).exists():
-        from ..export.registry import for_input
+        from ..export.registry import weights_file_in
 
-        inside = sorted(c for c in path.iterdir() if c.is_file() and for_input(c) is not None)
-        return inside[0] if inside else None
+        return weights_file_in(path)
     return None
 
 

@@ -24,7 +24,7 @@ from ..formats.safetensors_file import INDEX_NAME, encode_header
 from ..io.context import WriteContext
 from .hf import CONFIG, HuggingFaceFormat, find_companions, write_companions
 from .peft import ADAPTER_CONFIG, adapter_config, adapter_plan
-from .registry import Prepared, Request, Stored, for_input, register
+from .registry import Prepared, Request, Stored, for_input, register, weights_file_in
 
 if TYPE_CHECKING:
     from ..plan.consolidate import Plan
@@ -76,8 +76,7 @@ def base_weights_file(base: Path) -> tuple[Path, Path]:
     index or weights file."""
     if not base.exists():
         raise ConfigError("--base: no such file or folder", at=base)
-    inside = sorted(c for c in base.iterdir() if c.is_file() and for_input(c)) if base.is_dir() else []
-    weights = base if for_input(base) else inside[0] if inside else None  # (save_pretrained's one file, no index)
+    weights = base if for_input(base) else weights_file_in(base) if base.is_dir() else None
     if weights is None:
         raise ConfigError("--base holds no weights a format reads (.safetensors, a sharded folder, .bin/.pt)",
                           hint="pass the folder the base model was saved to (save_pretrained)", at=base)

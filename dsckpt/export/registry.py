@@ -280,3 +280,9 @@ def for_input(path: Path) -> Format | None:
     A DeepSpeed checkpoint is told apart first by ``api.paths.classify``: call that for a user's path.
     """
     return next((f for f in output_formats().values() if f.reads(Path(path))), None)
+
+
+def weights_file_in(folder: Path) -> Path | None:
+    """The first file in ``folder`` a format reads: a ``save_pretrained`` folder's weights when it has no index."""
+    inside = sorted(c for c in folder.iterdir() if c.is_file() and for_input(c) is not None)
+    return inside[0] if inside else None
