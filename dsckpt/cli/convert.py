@@ -85,8 +85,9 @@ def convert(checkpoint: str, out_dir: str, to: str, world_size, stage, dtype, mo
       OUT_DIR a DeepSpeed checkpoint (tag folder + latest) that stock engine.load_checkpoint(OUT_DIR)
       restores at --world-size ranks and --stage: every fp32 master, Adam moment, step and group
       setting as saved.  The job's optimizer lists the same param groups (FSDP2: as saved; torchtitan:
-      in model order, or --group-order).  --tag names the tag written (default global_step<step>).  No scheduler state
-      is written (load_lr_scheduler_states=False when the engine has one).  Needs torch for --model.
+      in model order, or --group-order).  --tag names the tag written (default global_step<step>).  No
+      scheduler state is written (load_lr_scheduler_states=False when the engine has one).  Needs torch
+      for --model.
     """
     if to == INTO_DEEPSPEED:
         return _into_deepspeed(checkpoint, out_dir, world_size, stage, dtype, model_spec, group_settings, group_mode,

@@ -65,7 +65,8 @@ def reshard(checkpoint: str, out_dir: str, world_size: int, stage, ep_size, tag,
     bar_off = quiet or as_json or not sys.stderr.isatty() or (group is not None and group.rank != 0)
     with ByteBar("reshard", bar_off) as bar:
         result = run(checkpoint, out_dir, world_size, tag=tag, stage=stage, ep_size=ep_size, gather=gather,
-                     offload=TargetOffload(offload), options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
+                     offload=TargetOffload(offload),
+                     options=write_options(force, no_fsync, trust_checkpoint, skip_crc_check, group, bar))
     def line(r) -> str:
         moved = f"ZeRO-{r.source_zero_stage} -> ZeRO-{r.zero_stage}" \
             if r.source_zero_stage != r.zero_stage else f"ZeRO-{r.zero_stage}"
