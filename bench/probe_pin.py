@@ -2,7 +2,8 @@
 A launch-bound GPU loop (many small kernels and some bf16 matmuls, as a ZeRO-3 step) runs in the main thread while
 another thread prepares 8 GiB of host memory: registered in one call, in 256 MiB pieces, only faulted in, or
 faulted in then registered, allocated pinned by torch (cudaHostAlloc), or private huge pages populated by
-madvise then registered (thp+one).  PROBE=one,touch+one picks.  Prints the loop's time against the loop alone, alternated."""
+madvise then registered (thp+one), or that as 1024 buffers of 8 MiB (many: ZeRO-2 reserves one per
+parameter).  PROBE=one,touch+one picks.  Prints the loop's time against the loop alone, alternated."""
 import ctypes, mmap, os, threading, time, torch
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -31,6 +32,17 @@ def prepare(how, done):
         buf = torch.empty(GIB << 30, dtype=torch.uint8, pin_memory=True).untyped_storage()
         done.append(time.perf_counter() - t0)
         return buf
+    if how == "many":  # the same bytes as 1024 buffers of 8 MiB, each backed and registered (ZeRO-2's parameters)
+        bufs = []
+        for _ in range((GIB << 30) // (8 << 20)):
+            region = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
+            buf = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+            if libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.nbytes()), 23):
+                torch.empty(0, dtype=torch.uint8).set_(buf).zero_()
+            assert int(cudart.cudaHostRegister(buf.data_ptr(), buf.nbytes(), 1)) == 0
+            bufs.append(buf)
+        done.append(time.perf_counter() - t0)
+        return bufs
     if how.startswith("thp"):  # private anonymous pages, huge where the kernel gives them, populated by madvise
         region = mmap.mmap(-1, GIB << 30, flags=mmap.MAP_PRIVATE)
         buf = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
@@ -69,6 +81,9 @@ for rnd in range(1):
         buf = holder[0]
         if how in ("one", "touch+one", "thp+one"):
             cudart.cudaHostUnregister(buf.data_ptr())
+        if how == "many":
+            for piece in buf:
+                cudart.cudaHostUnregister(piece.data_ptr())
         if how == "pieces":
             for off in range(0, buf.nbytes(), PIECE):
                 cudart.cudaHostUnregister(buf.data_ptr() + off)
