@@ -297,7 +297,8 @@ def test_another_world_size_loads_into_nvme_and_cpu_offload_engines_exactly(tmp_
 def test_hpz_with_the_optimizer_on_nvme_resumes_and_reshards_exactly(tmp_path):
     """hpZ (zero_hpz_partition_size 2) at 4 ranks with the optimizer on NVMe: consolidated bit for bit, resumed at 4
     ranks with the uninterrupted run's losses, loaded at 2 in place, from `reshard -w 2`'s copy and from a round
-    trip through DCP (`convert --to dcp`, then `--to deepspeed -w 2`).  (With the parameters on NVMe too, DeepSpeed 0.19.8 fails
+    trip through DCP (`convert --to dcp`, then `--to deepspeed -w 2`); `reshard -w 2 --offload nvme`'s copy by
+    DeepSpeed's own load, every master and moment.  (With the parameters on NVMe too, DeepSpeed 0.19.8 fails
     in initialize: "Expected one of cpu, cuda, ... device type at start of device string: nvme".)"""
     whole = 10 ** 12
     _job(4, "train", tmp_path, tmp_path / "train.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2")
@@ -318,3 +319,8 @@ def test_hpz_with_the_optimizer_on_nvme_resumes_and_reshards_exactly(tmp_path):
         _job(2, "load", tmp_path, tmp_path / f"{copy}.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2",
              NVME_FLOW_LOAD=str(tmp_path / copy))
         assert json.loads((tmp_path / f"{copy}.json").read_text()) == {"different": [], "step": 3.0}, copy
+    swapped = tmp_path / "ws2-nvme"  # swap files for DeepSpeed's own load at 2 ranks (its step restarts, as above)
+    assert run_cli("reshard", tmp_path / "ckpt", swapped, "-w", "2", "--offload", "nvme").returncode == 0
+    _job(2, "resume-stock", tmp_path, tmp_path / "stock.json", "nvme-optimizer", whole, NVME_FLOW_HPZ="2",
+         NVME_FLOW_LOAD=str(swapped))
+    assert json.loads((tmp_path / "stock.json").read_text())["different"] == ["::step"]
