@@ -123,6 +123,39 @@ def test_background_save_from_gpu_equals_stock_save(tmp_path):
     assert ours.keys() == load_state_dict(tmp_path / "ref", tag="t").keys()
 
 
+def test_a_pinned_buffers_pages_are_backed_and_kept_out_of_forked_children():
+    """What the pool does to a buffer before the driver pins it (it needs no GPU): every page backed (registering
+    unbacked ones stalls the GPU's launches), and the mapping left out of a fork's child - a DataLoader worker
+    forked from the training process would otherwise get a copy of every pinned private page."""
+    import mmap
+
+    from dsckpt.checkpoint_engine.snapshot import populate
+
+    region = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE)
+    buffer = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+    address = buffer.data_ptr()
+
+    def resident_kib() -> int:  # (the mapping's Rss in /proc/self/smaps)
+        with open("/proc/self/smaps") as smaps:
+            lines = iter(smaps)
+            for line in lines:
+                if "-" in line.split()[0] and int(line.split("-")[0], 16) == address:
+                    return next(int(rss.split()[1]) for rss in lines if rss.startswith("Rss:"))
+        return -1
+    assert resident_kib() == 0
+    assert populate(buffer)
+    assert resident_kib() == 4 << 10
+    child = os.fork()
+    if child == 0:  # (the child: is the range mapped here?)
+        with open("/proc/self/maps") as maps:
+            mapped = any(int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)
+                         for line in maps)
+        os._exit(3 if mapped else 0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.frombuffer(region, dtype=torch.uint8).sum() == 0  # (backed with zeros, still the parent's)
+
+
 @pytest.mark.gpu
 def test_pinned_buffers_are_pinned_at_their_size():
     """A large pinned buffer is pinned in place at its own size (torch's pinned allocator rounds each allocation up

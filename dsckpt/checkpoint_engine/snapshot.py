@@ -90,8 +90,8 @@ class HostPool:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # pages of its own: no registered range shares one
         buffer = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()  # (the storage keeps the region)
-        populate(buffer)  # the driver registering pages not yet backed stalls the GPU's launches (log 46)
-        if not pin_in_place(buffer):
+        # backed first: the driver registering pages not yet backed stalls the GPU's launches (log 46)
+        if not (populate(buffer) and pin_in_place(buffer)):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()  # (torch's, then)
         with self.lock:
             self.pinned.append(buffer)
@@ -115,17 +115,22 @@ def _unpin_all(buffers: list[torch.UntypedStorage]) -> None:
     buffers.clear()
 
 
-MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # Linux's madvise advice (the second from 5.14)
+MADV_DONTFORK, MADV_HUGEPAGE, MADV_POPULATE_WRITE = 10, 14, 23  # Linux's madvise advice (the last from 5.14)
 
 
-def populate(buffer: torch.UntypedStorage) -> None:
-    """Back a mapped buffer's pages, huge where the kernel gives them, without holding the GIL (ctypes and torch let
-    it go): by the kernel in one call, or by writing zeros where it cannot."""
+def populate(buffer: torch.UntypedStorage) -> bool:
+    """Back a privately mapped buffer's pages, huge where the kernel gives them, without holding the GIL (ctypes and
+    torch let it go): by the kernel in one call, or by writing zeros where it cannot.  The pages stay out of forked
+    children (a DataLoader's workers): a fork copies private pages that are pinned into the child.  False where
+    the kernel refuses that."""
     libc = ctypes.CDLL(None, use_errno=True)
     address, length = ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.nbytes())
+    if libc.madvise(address, length, MADV_DONTFORK) != 0:
+        return False
     libc.madvise(address, length, MADV_HUGEPAGE)  # (advice: refused where huge pages are off)
     if libc.madvise(address, length, MADV_POPULATE_WRITE) != 0:
         torch.empty(0, dtype=torch.uint8).set_(buffer).zero_()
+    return True
 
 
 def pin_in_place(buffer: torch.UntypedStorage) -> bool:
