@@ -734,7 +734,9 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     tag, the bucket reads as any checkpoint (verify, consolidate); a save into a bucket that does not exist fails at
     ``wait()`` with the URL named and leaves nothing; DeepSpeed's load of a URL is refused in words.  Then kill -9 of
     every rank while a tag's upload is in flight (rank 0's objects up, rank 1's not): `latest` stays on the previous
-    tag, which reads whole; the half-uploaded tag is refused as one, not taken for a checkpoint."""
+    tag, which reads whole; the half-uploaded tag is refused as one, not taken for a checkpoint.  A reused tag whose
+    copies into place are cut between two objects is marked (readers refuse it) and completed by the next save; a
+    new process's first save removes what the killed one staged."""
     from dsckpt.runtime.launch import run_ranks
 
     url = f"s3://{BUCKET}/engine-{tmp_path.name}"
@@ -751,7 +753,7 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     assert all(code != 0 for code in codes)
     doc = json.loads((tmp_path / "report.json").read_text())
     prefix = url[len("s3://"):]
-    assert s3.cat_file(f"{prefix}/latest").decode() == "t2"
+    assert s3.cat_file(f"{prefix}/latest").decode() == "t5"
     hidden = sorted(p.rsplit("/", 1)[-1] for p in s3.find(prefix) if "/.t4.dsckpt-tmp-" in p)
     assert hidden == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     assert not s3.exists(f"{prefix}/t4")  # a killed upload leaves no visible half tag (#68.2)
@@ -769,7 +771,23 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     reused = doc["reused"]  # #68.3: a reused tag whose upload fails on one rank keeps every object of the old one
     assert reused["untouched"] and reused["hidden_left"] == [], reused
     assert "No space left on device" in reused["failure"] and "still names 't2'" in reused["failure"], reused
-    ok("verify", url)
+    cut = doc["cut"]  # #68.3: a publish into a reused tag cut between two objects is marked, then rolled forward
+    assert "its copies into the tag were cut" in cut["failure"] and "Input/output error" in cut["failure"], cut
+    assert cut["verify"]["code"] == 1 and "publish into the bucket was cut" in cut["verify"]["text"], cut
+    again = sorted(p.name for p in (tmp_path / "again" / "t2").iterdir())
+    assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/t2")) == again and len(again) == 4
+    for name in again:  # every object is the cut save's (the one the local twin holds), none the older save's
+        assert s3.cat_file(f"{prefix}/t2/{name}") == (tmp_path / "again" / "t2" / name).read_bytes(), name
+    assert not [p for p in s3.find(prefix) if "/.t2.dsckpt-tmp-" in p]
+    ok("verify", url, "--all-tags")
+    from dsckpt.checkpoint_engine.commit import Targets, new_owner, staging_name
+
+    target = Targets().for_path(url)  # a new process's first save into URL: what a killed one left is removed
+    target.prepare("t6", staging_name("t6", new_owner()))
+    assert not [p for p in s3.find(prefix) if "/.t4.dsckpt-tmp-" in p]
+    assert sorted({p[len(prefix) + 1:].split("/")[0] for p in s3.find(prefix)}) == \
+        ["latest", "t1", "t2", "t5", "zero_to_fp32.py", "zero_to_torch.py"]
+    target.close()
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     ok("consolidate", url, a, "--tag", "t1")
     ok("consolidate", tmp_path / "local", b)

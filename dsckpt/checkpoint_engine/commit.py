@@ -8,31 +8,38 @@ The one commit protocol of every save dsckpt makes (the background engine's and 
    rank 0's pid and a token, the same name on every rank), each file flushed (``write_temp``);
 3. ``persist``: every rank, its files written: nothing more for a folder; a bucket's rank uploads its files as
    hidden objects under the staging name;
-4. once every rank's files are durable (the ranks agree), ``publish`` on every rank: rank 0 renames the folder to
-   ``<tag>`` (flushed first; a tag saved again is swapped in whole, ``LocalStorage.swap_in``, so no reader ever sees
-   it mixed or missing) - in a bucket each rank has the store copy its objects to the tag's names, then removes the
-   hidden ones; after an agreement ``publish_node_local``: a rank whose staging folder is still there (storage rank
-   0 does not see) renames its own;
-5. after another agreement rank 0 replaces ``latest`` (``publish_latest``).
+4. once every rank's files are durable (the ranks agree), ``open_publish`` on every rank: in a bucket rank 0 writes
+   the marker ``<tag>/dsckpt-publishing.json`` naming the staging (readers treat a tag holding it as incomplete);
+5. after an agreement ``publish`` on every rank: rank 0 renames the folder to ``<tag>`` (flushed first; a tag saved
+   again is swapped in whole, ``LocalStorage.swap_in``, so no reader ever sees it mixed or missing) - in a bucket
+   each rank has the store copy its objects to the tag's names, then removes the hidden ones;
+6. after an agreement ``close_publish`` on every rank: a rank whose staging folder is still there (storage rank 0
+   does not see) renames its own; in a bucket rank 0 removes the marker;
+7. after another agreement rank 0 replaces ``latest`` (``publish_latest``).
 A failure before 4: every rank ``discard``s its files and rank 0 the folder; ``latest`` and every tag are as they
-were (in a bucket too: nothing of a reused tag is touched before every rank's objects are whole).
+were (in a bucket too: nothing of a reused tag is touched before every rank's objects are whole).  A bucket's publish
+cut after 4 (a bucket has no rename: the copies into a reused tag can be cut between two objects) keeps its staged
+objects and marker: rank 0's next ``prepare`` in any process finishes the copies from them (roll forward), since
+every object under the staging name was whole before the first copy and each is removed only once copied.
 ``Targets.for_path(save_dir)`` chooses the target once from the path the trainer passed: ``LocalTarget`` for a
 folder, ``BucketTarget`` for ``s3://``, ``gs://``, ``az://`` (DeepSpeed saves into a local scratch folder).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from ..errors import DsckptError
 from ..formats.backends import storage_for
 from ..formats.bucket import BucketStorage
 from ..formats.storage import TEMP_MARK
 from ..io.output import LOCAL, dead_temps, fsync_path, remove_path
 from ..io.writeback import following
-from ..zero.layout import LATEST_FILE
+from ..zero.layout import LATEST_FILE, PUBLISHING
 
 def staging_name(tag: str, owner: str) -> str:
     """The hidden sibling a tag is written into (``owner``: ``<pid>-<token>`` of rank 0)."""
@@ -81,9 +88,9 @@ def publish_tag(save_dir: Path, staging: Path, tag: str) -> None:
 
 class SaveTarget(Protocol):
     """Where a tag goes.  Calls: ``prepare`` (rank 0, in the save call, before the ranks write); then by the writer
-    thread of each rank ``persist`` (its files written), and after the agreement ``publish`` (every rank),
-    ``publish_node_local`` (every rank but 0, after another agreement), ``publish_latest`` (rank 0); or ``discard``
-    on every rank when any failed."""
+    thread of each rank ``persist`` (its files written), and each after an agreement: ``open_publish``,
+    ``publish``, ``close_publish`` (every rank), ``publish_latest`` (rank 0); or ``discard`` on every rank when any
+    failed."""
     name: str  # what the trainer passed: messages name it
     local: str  # the folder DeepSpeed saves into
 
@@ -91,13 +98,16 @@ class SaveTarget(Protocol):
 
     def persist(self, staging: str, files: list[str]) -> None: ...
 
+    def open_publish(self, tag: str, staging: str, leader: bool) -> None: ...
+
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None: ...
 
-    def publish_node_local(self, tag: str, staging: str) -> None: ...
+    def close_publish(self, tag: str, staging: str, leader: bool) -> None: ...
 
     def publish_latest(self, tag: str) -> None: ...
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> None: ...
+    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
+        """Remove what the failed save staged; what of it stays visible (None: nothing)."""
 
     def latest(self) -> str | None:
         """The tag `latest` names now (None: there is none)."""
@@ -117,22 +127,26 @@ class LocalTarget:
     def persist(self, staging: str, files: list[str]) -> None:
         pass  # (each file flushed as written)
 
+    def open_publish(self, tag: str, staging: str, leader: bool) -> None:
+        pass  # (one rename publishes: nothing to mark)
+
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
         if leader:
             publish_tag(Path(self.local), Path(self.local) / staging, tag)
 
-    def publish_node_local(self, tag: str, staging: str) -> None:
+    def close_publish(self, tag: str, staging: str, leader: bool) -> None:
         folder = Path(self.local) / staging
-        if folder.is_dir():  # (still there only on storage rank 0 does not see)
+        if not leader and folder.is_dir():  # (still there only on storage rank 0 does not see)
             publish_tag(Path(self.local), folder, tag)
 
     def publish_latest(self, tag: str) -> None:
         publish_latest(Path(self.local), tag)
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> None:
+    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
         remove_files(files)
         if leader:
             remove_path(Path(self.local) / staging)
+        return None
 
     def latest(self) -> str | None:
         path = Path(self.local) / LATEST_FILE
@@ -152,9 +166,41 @@ class BucketTarget:
         self.local = str(self.scratch / self.bucket.root.rsplit("/", 1)[-1])
         os.makedirs(self.local, exist_ok=True)
         self.uploaded: list[str] = []
+        self.opened: str | None = None  # the staging whose publish began (its marker is in the tag)
+        self.cut: set[str] = set()  # this process's publishes that were cut: rolled forward by the next prepare
+        self.recover = True  # the first prepare looks for what other processes left
 
     def prepare(self, tag: str, staging: str) -> None:
         remove_path(Path(self.local) / staging)
+        if self.recover or self.cut:
+            try:
+                self.roll_forward()
+                self.recover = False
+            except DsckptError:  # (no bucket, no access: this save's upload fails too and says so at wait())
+                pass
+
+    def roll_forward(self) -> None:
+        """Publishes that were cut, finished from their staged objects; the staged objects of saves cut before
+        their publish began (a killed process's) removed.  This process's saves in flight are left alone."""
+        names = self.bucket.find()
+        cut = set(self.cut)
+        for marker in [n for n in names if n.count("/") == 1 and n.endswith(f"/{PUBLISHING}")]:
+            tag = marker.split("/")[0]
+            staging = json.loads(self.bucket.read(marker, 0, self.bucket.size(marker)))["staging"]
+            if self._mine(staging) and staging not in cut:
+                continue  # (being published now, by this process's writer)
+            for rel in self.bucket.find(staging):
+                self.bucket.copy(f"{staging}/{rel}", f"{tag}/{rel}")
+                self.bucket.remove(f"{staging}/{rel}")
+            self.bucket.remove(marker)
+            self.cut.discard(staging)
+        for staging in {n.split("/")[0] for n in names if n.startswith(".") and TEMP_MARK in n.split("/")[0]}:
+            if not self._mine(staging):
+                self.bucket.remove(staging)
+
+    @staticmethod
+    def _mine(staging: str) -> bool:
+        return staging.rsplit(TEMP_MARK, 1)[1].startswith(f"{os.getpid()}-")
 
     def _name(self, path: str, staging: str, under: str) -> str:
         return f"{under}/{Path(os.path.relpath(path, os.path.join(self.local, staging))).as_posix()}"
@@ -166,6 +212,11 @@ class BucketTarget:
             self.bucket.replace(Path(path), name)
             self.uploaded.append(name)
         remove_files(files)
+
+    def open_publish(self, tag: str, staging: str, leader: bool) -> None:
+        if leader:
+            self.bucket.write(f"{tag}/{PUBLISHING}", json.dumps({"staging": staging}).encode())
+        self.opened = staging
 
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
         for name in self.uploaded:
@@ -180,18 +231,26 @@ class BucketTarget:
                     self.bucket.replace(Path(entry.path), entry.name)
                     os.remove(entry.path)
 
-    def publish_node_local(self, tag: str, staging: str) -> None:
-        pass
+    def close_publish(self, tag: str, staging: str, leader: bool) -> None:
+        if leader:
+            self.bucket.remove(f"{tag}/{PUBLISHING}")
+        self.opened = None
 
     def publish_latest(self, tag: str) -> None:
         self.bucket.write(LATEST_FILE, tag.encode())
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> None:
+    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
         remove_files(files)
         shutil.rmtree(os.path.join(self.local, staging), ignore_errors=True)
+        self.uploaded = []
+        if self.opened == staging:  # copies may have begun: the staged objects finish them (roll_forward)
+            self.cut.add(staging)
+            self.opened = None
+            return (f"its copies into the tag were cut, which is marked incomplete ({PUBLISHING}) until the next save "
+                    f"into {self.name} completes it from the staged objects")
         with contextlib.suppress(Exception):  # best effort: the failure that brought us here is the one to report
             self.bucket.remove(staging)  # (every rank's hidden objects of the tag; the tag itself is untouched)
-        self.uploaded = []
+        return None
 
     def latest(self) -> str | None:
         try:

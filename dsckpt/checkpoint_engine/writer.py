@@ -182,9 +182,10 @@ class Writer:
         try:
             error = self._persisted(tag, error)
             self.group.agree(None if error is None else cause(error))  # every rank's files durable
+            phase(lambda r: True, lambda: target.open_publish(tag.tag, tag.staging, leader=rank == 0))
             phase(lambda r: True, lambda: target.publish(tag.tag, tag.staging, tag.temps, leader=rank == 0))
             published = True
-            phase(lambda r: r != 0, lambda: target.publish_node_local(tag.tag, tag.staging))
+            phase(lambda r: True, lambda: target.close_publish(tag.tag, tag.staging, leader=rank == 0))
             if tag.save_latest:
                 phase(lambda r: r == 0, lambda: target.publish_latest(tag.tag))
         except DsckptError as exc:  # (a peer gone or silent past the timeout too: parallel.transport)
@@ -204,15 +205,17 @@ class Writer:
 
     def _failed(self, tag: QueuedTag, error: DsckptError, published: bool) -> None:
         """Staged files removed; the failure, saying what is on disk now, left for the training thread."""
-        target = tag.target
+        target, cut = tag.target, None
         try:
-            target.discard(tag.staging, tag.temps, leader=self.group.rank == 0)
+            cut = target.discard(tag.staging, tag.temps, leader=self.group.rank == 0)
         except (OSError, DsckptError):
             pass  # what is left is said below
         latest = target.latest()
         now = f"`latest` still names {latest!r}" if latest else "no `latest` was written"
         if published:
             state = f"the tag folder is complete but {now}"
+        elif cut:
+            state = f"{cut}; {now}"
         else:
             state = f"nothing of it was published, {now}"
         staging = os.path.join(target.local, tag.staging)

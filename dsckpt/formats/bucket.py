@@ -102,6 +102,13 @@ class BucketStorage:
                 out.append(Entry(Path(prefix) / rel, int(info["size"])))
         return out
 
+    def find(self, prefix: Name = "") -> builtins.list[str]:
+        """The names of every object below ``prefix``, at any depth, hidden ones too (relative to ``prefix``)."""
+        start = self.key(prefix) + "/"
+        self.fs.invalidate_cache(self.key(prefix))  # (another process may have written since a listing was cached)
+        found = self._call(prefix, "listing", lambda: self.fs.find(self.key(prefix)))
+        return [name[len(start):] for name in found if name.startswith(start)]
+
     def starting_with(self, start: str) -> dict[str, int]:
         """Name -> size of the objects directly under the prefix whose names start with ``start``."""
         found = self._call("", "listing", lambda: self.fs.glob(f"{self.root}/{start}*", detail=True))

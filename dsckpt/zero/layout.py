@@ -22,6 +22,7 @@ from ..errors import (AmbiguousRankError, CheckpointNotFoundError, DsckptError, 
 
 # --- file names -----------------------------------------------------------------------------
 LATEST_FILE = "latest"  # text: the tag of the newest checkpoint
+PUBLISHING = "dsckpt-publishing.json"  # in a bucket's tag while its objects are copied into place (a cut one keeps it)
 from .grid import MODEL_STATES_SUFFIX, OPTIM_STATES_SUFFIX  # noqa: E402  (names are built in grid.rank_file_name)
 # mp_rank_XX_model_states.pt (stage 0-2) | zero_pp_rank_R_mp_rank_XX_model_states.pt (stage 3)
 # [bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt; layer_* files belong to pipeline parallelism.
@@ -177,6 +178,11 @@ def _scan_tag_dir(tag_dir: Path, problems: list[DsckptError]
             pipeline.append(Path(entry.path))
         elif is_expert_file(entry.name):
             experts.append(Path(entry.path))
+        elif entry.name == PUBLISHING:
+            problems.append(InconsistentCheckpointError(
+                "its publish into the bucket was cut while its objects were copied into place: it may hold files of "
+                "two saves", hint="the next save into this folder completes it from the staged objects; until then "
+                                  "read an older tag (--tag)", at=entry.path))
     key = lambda f: (f.mp_rank, -1 if f.dp_rank is None else f.dp_rank)
     return sorted(model, key=key), sorted(optim, key=key), pipeline, experts
 

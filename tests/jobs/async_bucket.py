@@ -2,7 +2,9 @@
 
 ARGS: STAGE URL OUT REPORT.  Tag t1 is saved into URL and, at the same moment (no step between), into OUT/local;
 then a step and t2 into URL; then t3 into a bucket that does not exist (a failure reported at wait(), `latest` kept);
-then a load of URL through the engine is refused with a typed error.  Rank 0 writes REPORT.  Last, a step and t4
+then a load of URL through the engine is refused with a typed error; then t2 saved again (and at the same moment into
+OUT/again) with rank 1's second copy into the tag failing: the tag is marked, and the next save (t5) completes it
+from the staged objects.  Rank 0 writes REPORT.  Last, a step and t4
 into URL, whose upload rank 1 stalls while rank 0's objects go up: every rank kills itself (SIGKILL) mid-persist,
 leaving OUT/killed.<rank>: rank 0's objects are up, hidden under t4's staging name, and nothing named t4 is.
 """
@@ -45,8 +47,9 @@ def main(stage: str, url: str, out: str, report: str) -> None:
         refused = None
     except ConfigError as exc:
         refused = f"{exc} (hint: {exc.hint})"
+    cut = publish_cut(trainer, url, out)
     if rank() == 0:
-        Path(report).write_text(json.dumps({"failure": failure, "refused": refused, "reused": reused,
+        Path(report).write_text(json.dumps({"failure": failure, "refused": refused, "reused": reused, "cut": cut,
                                             "records": [[r.tag, r.ok, r.nbytes] for r in saver.records]}))
     killed_mid_upload(trainer, url, out)
 
@@ -80,6 +83,46 @@ def reused_tag_fails(trainer: Trainer, url: str) -> dict:
     after = {p: fs.cat_file(p) for p in fs.find(f"{prefix}/t2")}
     return {"failure": failure, "untouched": before == after and len(before) == 4,
             "hidden_left": [p for p in fs.find(prefix) if "/.t2.dsckpt-tmp-" in p]}
+
+
+def publish_cut(trainer: Trainer, url: str, out: str) -> dict:
+    """#68.3 on a bucket: t2 saved again, rank 1's copies into the tag cut after the first (the store failing);
+    what a reader then sees, and t2 after the next save (t5) rolled the publish forward."""
+    import subprocess
+    import torch.distributed as dist
+
+    from dsckpt.formats.bucket import BucketStorage
+
+    copy, done = BucketStorage.copy, []
+    if rank() == 1:
+        def failing(self, source, final) -> None:
+            if str(final).startswith("t2/") and done:
+                raise OSError(5, "Input/output error", str(final))
+            copy(self, source, final)
+            done.append(final)
+        BucketStorage.copy = failing
+    trainer.step()
+    state = trainer.client_state()
+    trainer.engine.save_checkpoint(str(Path(out) / "again"), tag="t2", client_state=state)
+    trainer.engine.save_checkpoint(url, tag="t2", client_state=state)
+    saver = dsckpt.enable_async_save(trainer.engine)
+    try:
+        saver.wait()
+        failure = None
+    except BackgroundSaveError as exc:
+        failure = str(exc)
+    BucketStorage.copy = copy
+    dist.barrier()
+    seen = None
+    if rank() == 0:
+        verify = subprocess.run([sys.executable, "-m", "dsckpt", "verify", url, "--tag", "t2"], capture_output=True,
+                                text=True)
+        seen = {"code": verify.returncode, "text": verify.stdout + verify.stderr}
+    dist.barrier()
+    trainer.step()
+    trainer.engine.save_checkpoint(url, tag="t5", client_state=trainer.client_state())
+    saver.wait()
+    return {"failure": failure, "verify": seen}
 
 
 def killed_mid_upload(trainer: Trainer, url: str, out: str) -> None:
