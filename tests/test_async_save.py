@@ -197,10 +197,37 @@ def test_the_first_save_takes_buffers_reserved_off_the_call():
     first = pool.take(sizes[0], pinned=True)  # (at once: it waits for the reservation, if it is not done)
     thread.join()
     second, third = pool.take(sizes[1], pinned=True), pool.take(sizes[2], pinned=True)
-    assert {first.data_ptr(), second.data_ptr(), third.data_ptr()} <= {b.data_ptr() for b in pool.pinned}
-    assert len(pool.pinned) == 3 and pool.reserving == {}
+    [arena] = pool.pinned  # one registration for the three (log 47)
+    start, end = arena.data_ptr(), arena.data_ptr() + arena.nbytes()
+    assert all(start <= b.data_ptr() and b.data_ptr() + b.nbytes() <= end for b in (first, second, third))
+    assert [b.nbytes() for b in (first, second, third)] == sizes and pool.reserving == {}
     assert all(torch.empty(0, dtype=torch.uint8).set_(b).is_pinned() for b in (first, second, third))
+    host = torch.empty(0, dtype=torch.uint8).set_(second)
+    source = torch.randint(0, 256, (sizes[1],), dtype=torch.uint8, device="cuda")
+    host.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, source.cpu())
     pool.close()
+    assert not host.is_pinned()
+
+
+def test_one_region_is_carved_into_a_buffer_per_size():
+    """#68.8: the reservation's buffers come from one mapping (backed and pinned once on a GPU), each on pages of
+    its own, none overlapping another, each kept alive by its own reference."""
+    from dsckpt.checkpoint_engine.snapshot import carved_region
+
+    sizes = [(3 << 20) + 5, 1 << 20, (1 << 20) + 1, 7]
+    whole, pieces = carved_region(sizes)
+    assert [p.nbytes() for p in pieces] == sizes
+    offsets = [p.data_ptr() - whole.data_ptr() for p in pieces]
+    assert all(o % 4096 == 0 for o in offsets) and offsets == sorted(offsets)
+    assert all(o + n <= nxt for o, n, nxt in zip(offsets, sizes, offsets[1:] + [whole.nbytes()]))
+    views = [torch.empty(0, dtype=torch.uint8).set_(p) for p in pieces]
+    for i, view in enumerate(views):
+        view.fill_(i + 1)
+    del whole
+    gc.collect()
+    assert [int(v.sum()) for v in views] == [n * (i + 1) for i, n in enumerate(sizes)]
 
 
 def check_equal_to_stock(root: Path, report: dict) -> None:

@@ -57,9 +57,14 @@ class HostPool:
         return thread
 
     def _fill(self, sizes: list[int]) -> None:
-        for n in sorted(sizes, reverse=True):  # (the largest first: what a save waits longest for)
+        order = sorted(sizes, reverse=True)  # (the largest first: what a save waits longest for)
+        try:
+            carved = self._arena(order)
+        except Exception:  # (no memory for it at once: one buffer at a time, below)
+            carved = []
+        for i, n in enumerate(order):
             try:
-                buffer = self._allocate(n, pinned=True)
+                buffer = carved[i] if i < len(carved) else self._allocate(n, pinned=True)
             except Exception:  # (no memory now: the save allocates itself, and says so if it must wait)
                 buffer = None
             with self.reserved:
@@ -97,6 +102,20 @@ class HostPool:
             self.pinned.append(buffer)
         return buffer
 
+    def _arena(self, sizes: list[int]) -> list[torch.UntypedStorage]:
+        """Buffers for the leading ``sizes`` pinned in place, carved from one mapping backed and registered once:
+        the driver's cost is per registration, and ZeRO-1/2 copies each module parameter to a buffer of its own
+        (log 47); [] where fewer than two sizes qualify or the driver refuses."""
+        pinned_sizes = [n for n in sizes if n >= PINNED_IN_PLACE]
+        if len(pinned_sizes) < 2 or sizes[:len(pinned_sizes)] != pinned_sizes:
+            return []
+        whole, pieces = carved_region(pinned_sizes)
+        if not (populate(whole) and pin_in_place(whole)):
+            return []
+        with self.lock:
+            self.pinned.append(whole)  # (unpinned as one: each piece is a view of it)
+        return pieces
+
     def close(self) -> None:
         """Unpin what ``take`` pinned (the buffers are freed with the last reference to them)."""
         with self.lock:
@@ -107,6 +126,19 @@ class HostPool:
         with self.lock:
             for buf, pinned in buffers:
                 self.free.setdefault((buf.nbytes(), pinned), []).append(buf)
+
+
+def carved_region(sizes: list[int], align: int = mmap.PAGESIZE) -> tuple[torch.UntypedStorage, list[torch.UntypedStorage]]:
+    """One private mapping holding a storage per size, each starting on a page of its own; (the whole, the pieces)."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    region = mmap.mmap(-1, end, flags=mmap.MAP_PRIVATE)
+    whole = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+    pieces = [torch.frombuffer(region, dtype=torch.uint8, count=n, offset=o).untyped_storage()
+              for n, o in zip(sizes, offsets)]
+    return whole, pieces
 
 
 def _unpin_all(buffers: list[torch.UntypedStorage]) -> None:
