@@ -127,6 +127,7 @@ def test_a_pinned_buffers_pages_are_backed_and_kept_out_of_forked_children():
     """What the pool does to a buffer before the driver pins it (it needs no GPU): every page backed (registering
     unbacked ones stalls the GPU's launches), and the mapping left out of a fork's child - a DataLoader worker
     forked from the training process would otherwise get a copy of every pinned private page."""
+    import ctypes
     import mmap
 
     from dsckpt.checkpoint_engine.snapshot import populate
@@ -135,13 +136,12 @@ def test_a_pinned_buffers_pages_are_backed_and_kept_out_of_forked_children():
     buffer = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
     address = buffer.data_ptr()
 
-    def resident_kib() -> int:  # (the mapping's Rss in /proc/self/smaps)
-        with open("/proc/self/smaps") as smaps:
-            lines = iter(smaps)
-            for line in lines:
-                if "-" in line.split()[0] and int(line.split("-")[0], 16) == address:
-                    return next(int(rss.split()[1]) for rss in lines if rss.startswith("Rss:"))
-        return -1
+    def resident_kib() -> int:  # (mincore: per page of this range; smaps' Rss counts a whole VMA, merged or not)
+        pages = (4 << 20) // mmap.PAGESIZE
+        vector = (ctypes.c_ubyte * pages)()
+        assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(address), ctypes.c_size_t(4 << 20),
+                                                           vector) == 0
+        return sum(v & 1 for v in vector) * mmap.PAGESIZE // 1024
     assert resident_kib() == 0
     assert populate(buffer)
     assert resident_kib() == 4 << 10
