@@ -25,6 +25,7 @@ from nvme_support import aio_built, aio_environment
 from dsckpt.runtime.launch import free_port
 
 BUCKET = "dsckpt-test"
+TEMP = ".dsckpt-tmp-"
 CKPTS = ("z3_ws2_fp32", "z2_ws3_bf16", "tp2_dp2_z1_fp32")
 NVME = "nvme_z3_ws2_fp32"  # ZeRO-Infinity: the optimizer's state in <tag>/offloaded_tensors/rankNN/ (issue 70)
 
@@ -792,6 +793,44 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     ok("consolidate", url, a, "--tag", "t1")
     ok("consolidate", tmp_path / "local", b)
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_publish_cut_by_a_killed_process_is_finished_by_the_next_ones_first_save(s3, tmp_path):
+    """#68.3 on a bucket, a kill between two copies into a reused tag: the tag holds two saves' objects and the
+    marker, which every reader refuses; a new process's first save into the folder copies the rest from the hidden
+    objects (every one whole before the first copy) and removes the marker; the tag then reads whole."""
+    from dsckpt.checkpoint_engine.commit import BucketTarget, new_owner, staging_name
+    from dsckpt.formats.bucket import BucketStorage
+
+    url = f"s3://{BUCKET}/cut-{tmp_path.name}"
+    prefix = url[len("s3://"):]
+    ok("reshard", FIXTURES / "z1_ws2_fp32", url, "-w", "2")  # the tag as saved before (step3)
+    tag = s3.cat_file(f"{prefix}/latest").decode()
+    names = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/{tag}"))
+    again = tmp_path / "again"
+    ok("reshard", FIXTURES / "z2_ws2_fp32", again, "-w", "2")  # the same tag saved again (another run's step3)...
+    newer = {name: (again / tag / name).read_bytes() for name in names}
+    assert any(s3.cat_file(f"{prefix}/{tag}/{n}") != data for n, data in newer.items())  # (...bytes of its own)
+    dead = BucketTarget(BucketStorage(url))  # ...by a process that is gone: its objects up, one copy made, killed
+    staging = staging_name(tag, "999999999-0")
+    files = []
+    for name, data in newer.items():
+        path = Path(dead.local) / staging / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        files.append(str(path))
+    dead.persist(staging, files)
+    dead.open_publish(tag, staging, leader=True)
+    dead.bucket.copy(f"{staging}/{names[0]}", f"{tag}/{names[0]}")
+    dead.close()
+    proc = run_cli("verify", url)
+    assert proc.returncode == 1 and "publish into the bucket was cut" in proc.stdout + proc.stderr
+    target = BucketTarget(BucketStorage(url))
+    target.prepare("next", staging_name("next", new_owner()))
+    target.close()
+    assert {n: s3.cat_file(f"{prefix}/{tag}/{n}") for n in names} == newer
+    assert not [p for p in s3.find(prefix) if TEMP in p or p.endswith("dsckpt-publishing.json")]
+    ok("verify", url)
 
 
 def test_a_bucket_answers_the_storage_protocol_as_a_folder_does(s3, tmp_path):
