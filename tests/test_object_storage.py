@@ -783,8 +783,9 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     ok("verify", url, "--all-tags")
     from dsckpt.checkpoint_engine.commit import Targets, new_owner, staging_name
 
-    target = Targets().for_path(url)  # a new process's first save into URL: what a killed one left is removed
-    target.prepare("t6", staging_name("t6", new_owner()))
+    target, staging = Targets().for_path(url), staging_name("t6", new_owner())
+    target.prepare("t6", staging)  # a new process's first save into URL: what a killed one left is removed
+    target.persist(staging, [])
     assert not [p for p in s3.find(prefix) if "/.t4.dsckpt-tmp-" in p]
     assert sorted({p[len(prefix) + 1:].split("/")[0] for p in s3.find(prefix)}) == \
         ["latest", "t1", "t2", "t5", "zero_to_fp32.py", "zero_to_torch.py"]
@@ -825,8 +826,9 @@ def test_a_publish_cut_by_a_killed_process_is_finished_by_the_next_ones_first_sa
     dead.close()
     proc = run_cli("verify", url)
     assert proc.returncode == 1 and "publish into the bucket was cut" in proc.stdout + proc.stderr
-    target = BucketTarget(BucketStorage(url))
-    target.prepare("next", staging_name("next", new_owner()))
+    target, staging = BucketTarget(BucketStorage(url)), staging_name("next", new_owner())
+    target.prepare("next", staging)  # (rank 0, in the save call)
+    target.persist(staging, [])  # (its writer thread, before the save's own objects go up)
     target.close()
     assert {n: s3.cat_file(f"{prefix}/{tag}/{n}") for n in names} == newer
     assert not [p for p in s3.find(prefix) if TEMP in p or p.endswith("dsckpt-publishing.json")]

@@ -19,7 +19,7 @@ The one commit protocol of every save dsckpt makes (the background engine's and 
 A failure before 4: every rank ``discard``s its files and rank 0 the folder; ``latest`` and every tag are as they
 were (in a bucket too: nothing of a reused tag is touched before every rank's objects are whole).  A bucket's publish
 cut after 4 (a bucket has no rename: the copies into a reused tag can be cut between two objects) keeps its staged
-objects and marker: rank 0's next ``prepare`` in any process finishes the copies from them (roll forward), since
+objects and marker: rank 0's next ``persist`` in any process finishes the copies from them (roll forward), since
 every object under the staging name was whole before the first copy and each is removed only once copied.
 ``Targets.for_path(save_dir)`` chooses the target once from the path the trainer passed: ``LocalTarget`` for a
 folder, ``BucketTarget`` for ``s3://``, ``gs://``, ``az://`` (DeepSpeed saves into a local scratch folder).
@@ -167,17 +167,13 @@ class BucketTarget:
         os.makedirs(self.local, exist_ok=True)
         self.uploaded: list[str] = []
         self.opened: str | None = None  # the staging whose publish began (its marker is in the tag)
-        self.cut: set[str] = set()  # this process's publishes that were cut: rolled forward by the next prepare
-        self.recover = True  # the first prepare looks for what other processes left
+        self.cut: set[str] = set()  # this process's publishes that were cut: rolled forward by the next save
+        self.recover = True  # rank 0's first persist looks for what other processes left
+        self.leader = False
 
     def prepare(self, tag: str, staging: str) -> None:
         remove_path(Path(self.local) / staging)
-        if self.recover or self.cut:
-            try:
-                self.roll_forward()
-                self.recover = False
-            except DsckptError:  # (no bucket, no access: this save's upload fails too and says so at wait())
-                pass
+        self.leader = True  # (only rank 0 prepares: its persist rolls cut publishes forward, off the save call)
 
     def roll_forward(self) -> None:
         """Publishes that were cut, finished from their staged objects; the staged objects of saves cut before
@@ -206,6 +202,12 @@ class BucketTarget:
         return f"{under}/{Path(os.path.relpath(path, os.path.join(self.local, staging))).as_posix()}"
 
     def persist(self, staging: str, files: list[str]) -> None:
+        if self.leader and (self.recover or self.cut):
+            try:
+                self.roll_forward()
+                self.recover = False
+            except DsckptError:  # (no bucket, no access: this save's upload fails too, and says so)
+                pass
         self.uploaded = []
         for path in files:  # (hidden objects: readers leave them out, nothing of the tag changes yet)
             name = self._name(path, staging, staging)

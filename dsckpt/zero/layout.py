@@ -181,8 +181,8 @@ def _scan_tag_dir(tag_dir: Path, problems: list[DsckptError]
         elif entry.name == PUBLISHING:
             problems.append(InconsistentCheckpointError(
                 "its publish into the bucket was cut while its objects were copied into place: it may hold files of "
-                "two saves", hint="the next save into this folder completes it from the staged objects; until then "
-                                  "read an older tag (--tag)", at=entry.path))
+                "two saves until the next save into this folder finishes it from the staged objects",
+                hint="read an older tag until then (--tag)", at=entry.path))
     key = lambda f: (f.mp_rank, -1 if f.dp_rank is None else f.dp_rank)
     return sorted(model, key=key), sorted(optim, key=key), pipeline, experts
 
