@@ -835,6 +835,37 @@ def test_a_publish_cut_by_a_killed_process_is_finished_by_the_next_ones_first_sa
     ok("verify", url)
 
 
+def test_a_publish_that_fails_before_its_first_copy_leaves_the_tag_as_it_was(s3, tmp_path):
+    """The marker is up but the ranks never agreed to copy (a peer gone): the failed save's hidden objects and its
+    marker go, the tag reads as before, and the failure claims nothing was cut; once copies began, it keeps both."""
+    from dsckpt.checkpoint_engine.commit import BucketTarget, new_owner, staging_name
+    from dsckpt.formats.bucket import BucketStorage
+
+    url = f"s3://{BUCKET}/unopened-{tmp_path.name}"
+    prefix = url[len("s3://"):]
+    ok("reshard", FIXTURES / "z1_ws2_fp32", url, "-w", "2")
+    before = {p: s3.cat_file(p) for p in s3.find(prefix)}
+    target = BucketTarget(BucketStorage(url))
+    for began in (False, True):
+        staging = staging_name("step3", new_owner())
+        target.prepare("step3", staging)
+        path = Path(target.local) / staging / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"newer")
+        target.persist(staging, [str(path)])
+        target.open_publish("step3", staging, leader=True)
+        if began:
+            target.publish("step3", staging, [], leader=True)  # (this rank's copies done; another's cut)
+        said = target.discard("step3", staging, [], leader=True)
+        s3.invalidate_cache()
+        if not began:
+            assert said is None and {p: s3.cat_file(p) for p in s3.find(prefix)} == before
+            ok("verify", url)
+    assert "its copies into the tag were cut" in said
+    assert s3.exists(f"{prefix}/step3/dsckpt-publishing.json")
+    target.close()
+
+
 def test_a_bucket_answers_the_storage_protocol_as_a_folder_does(s3, tmp_path):
     """#53 point 1: ``storage_for`` chooses the backend from the path; both answer the same protocol - list, size,
     ranged reads, a zip's index through ``open``, publish (a staged file and a staged folder, in order), remove - and

@@ -106,8 +106,8 @@ class SaveTarget(Protocol):
 
     def publish_latest(self, tag: str) -> None: ...
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
-        """Remove what the failed save staged; what of it stays visible (None: nothing)."""
+    def discard(self, tag: str, staging: str, files: list[str], leader: bool) -> str | None:
+        """Remove what the failed save of ``tag`` staged; what of it stays visible (None: nothing)."""
 
     def latest(self) -> str | None:
         """The tag `latest` names now (None: there is none)."""
@@ -142,7 +142,7 @@ class LocalTarget:
     def publish_latest(self, tag: str) -> None:
         publish_latest(Path(self.local), tag)
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
+    def discard(self, tag: str, staging: str, files: list[str], leader: bool) -> str | None:
         remove_files(files)
         if leader:
             remove_path(Path(self.local) / staging)
@@ -166,7 +166,8 @@ class BucketTarget:
         self.local = str(self.scratch / self.bucket.root.rsplit("/", 1)[-1])
         os.makedirs(self.local, exist_ok=True)
         self.uploaded: list[str] = []
-        self.opened: str | None = None  # the staging whose publish began (its marker is in the tag)
+        self.marked: str | None = None  # rank 0: the staging its marker in the tag names
+        self.opened: str | None = None  # the staging whose copies began (the ranks agreed on the marker)
         self.cut: set[str] = set()  # this process's publishes that were cut: rolled forward by the next save
         self.recover = True  # rank 0's first persist looks for what other processes left
         self.leader = False
@@ -218,9 +219,10 @@ class BucketTarget:
     def open_publish(self, tag: str, staging: str, leader: bool) -> None:
         if leader:
             self.bucket.write(f"{tag}/{PUBLISHING}", json.dumps({"staging": staging}).encode())
-        self.opened = staging
+            self.marked = staging
 
     def publish(self, tag: str, staging: str, files: list[str], leader: bool) -> None:
+        self.opened = staging
         for name in self.uploaded:
             self.bucket.copy(name, f"{tag}/{name.split('/', 1)[1]}")
         for name in self.uploaded:
@@ -236,22 +238,24 @@ class BucketTarget:
     def close_publish(self, tag: str, staging: str, leader: bool) -> None:
         if leader:
             self.bucket.remove(f"{tag}/{PUBLISHING}")
-        self.opened = None
+        self.marked = self.opened = None
 
     def publish_latest(self, tag: str) -> None:
         self.bucket.write(LATEST_FILE, tag.encode())
 
-    def discard(self, staging: str, files: list[str], leader: bool) -> str | None:
+    def discard(self, tag: str, staging: str, files: list[str], leader: bool) -> str | None:
         remove_files(files)
         shutil.rmtree(os.path.join(self.local, staging), ignore_errors=True)
         self.uploaded = []
-        if self.opened == staging:  # copies may have begun: the staged objects finish them (roll_forward)
+        opened, marked, self.opened, self.marked = self.opened, self.marked, None, None
+        if opened == staging:  # copies may have begun: the staged objects finish them (roll_forward)
             self.cut.add(staging)
-            self.opened = None
             return (f"its copies into the tag were cut, which is marked incomplete ({PUBLISHING}) until the next save "
                     f"into {self.name} completes it from the staged objects")
         with contextlib.suppress(Exception):  # best effort: the failure that brought us here is the one to report
             self.bucket.remove(staging)  # (every rank's hidden objects of the tag; the tag itself is untouched)
+            if marked == staging:  # (marked, but no copy began: the tag is as it was)
+                self.bucket.remove(f"{tag}/{PUBLISHING}")
         return None
 
     def latest(self) -> str | None:

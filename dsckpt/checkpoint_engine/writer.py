@@ -207,7 +207,7 @@ class Writer:
         """Staged files removed; the failure, saying what is on disk now, left for the training thread."""
         target, cut = tag.target, None
         try:
-            cut = target.discard(tag.staging, tag.temps, leader=self.group.rank == 0)
+            cut = target.discard(tag.tag, tag.staging, tag.temps, leader=self.group.rank == 0)
         except (OSError, DsckptError):
             pass  # what is left is said below
         latest = target.latest()

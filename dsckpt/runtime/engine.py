@@ -233,7 +233,7 @@ class Runtime:
         try:
             self.engine.save_checkpoint(str(save_dir), tag=staging, client_state=state, save_latest=False)
         except BaseException:
-            target.discard(staging, [], leader=rank() == 0)  # (a kill leaves it for the next save or `prune`)
+            target.discard(tag, staging, [], leader=rank() == 0)  # (a kill leaves it for the next save or `prune`)
             raise
         _barrier()
         if rank() == 0:
