@@ -104,11 +104,14 @@ def test_a_follow_up_that_consolidates_the_tag_does_not_deadlock(tmp_path):
 @pytest.mark.runtime
 def test_a_namespace_in_the_client_state_loads_weights_only(tmp_path):
     """#68.9: Megatron-style ``args`` (an argparse.Namespace) are data: the engine's weights-only load rebuilds them
-    from their fields; `verify` finds no foreign class."""
+    from their fields; `verify` finds no foreign class.  A nested tag (``epoch1/n``) is refused in the call with
+    nothing written (before, its staging folder failed at ``wait()`` and left a hidden ``.epoch1`` behind)."""
     proc = _trust_job("namespace", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "report.json").read_text())["args"] == {"lr": 1e-4, "layers": [3, 5],
-                                                                         "name": "megatron-style"}
+    facts = json.loads((tmp_path / "report.json").read_text())
+    assert facts["args"] == {"lr": 1e-4, "layers": [3, 5], "name": "megatron-style"}
+    assert "tag 'epoch1/n' is not one folder name" in facts["nested"] and "epoch1_n" in facts["nested"], facts
+    assert facts["nested_left"] == []  # refused in the call: no staging folder, no `.epoch1` left behind
     assert run_cli("verify", tmp_path / "ckpt", "--tag", "n").returncode == 0
 
 

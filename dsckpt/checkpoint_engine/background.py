@@ -33,7 +33,7 @@ import torch
 from ..errors import BackgroundSaveError, ConfigError
 from ..formats.storage import local_only
 from . import lifecycle
-from .commit import LocalTarget, Targets, new_owner, staged, staging_name
+from .commit import LocalTarget, Targets, new_owner, require_plain_tag, staged, staging_name
 from .fences import fence_state_writers
 from .kept_parameters import persistent_parameters_kept
 from .snapshot import HostPool, Snapshot
@@ -114,9 +114,10 @@ class AsyncSave:
                 local_only(save_dir, ConfigError(closed, hint="save before close(), or into a local folder"))
                 return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
+            name = require_plain_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", save_dir)
             waited = self._wait_previous()
             start, memory = time.perf_counter(), self.pool.waited_s
-            self.tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+            self.tag = name
             self.target = self.targets.for_path(save_dir)
             self.current, self.in_save = None, True
             self.writer.idle.clear()

@@ -33,13 +33,23 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..errors import DsckptError
+from ..errors import DsckptError, TagError
 from ..formats.backends import storage_for
 from ..formats.bucket import BucketStorage
 from ..formats.storage import TEMP_MARK
 from ..io.output import LOCAL, dead_temps, fsync_path, remove_path
 from ..io.writeback import following
 from ..zero.layout import LATEST_FILE, PUBLISHING
+
+def require_plain_tag(tag: str, save_dir: object) -> str:
+    """``tag`` when it names one visible folder beside `latest`, what a save publishes by one rename and every
+    reader lists; else a ``TagError`` before anything is written."""
+    if tag in ("", ".", "..") or tag.startswith(".") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise TagError(f"tag {tag!r} is not one folder name: a tag is published as one folder beside `latest` "
+                       "(no path separators, not hidden)", hint=f"e.g. tag={tag.strip('.').replace('/', '_')!r}",
+                       at=save_dir)
+    return tag
+
 
 def staging_name(tag: str, owner: str) -> str:
     """The hidden sibling a tag is written into (``owner``: ``<pid>-<token>`` of rank 0)."""

@@ -219,7 +219,9 @@ class Runtime:
             return tag
         # DeepSpeed's blocking save through the same commit as the background one (checkpoint_engine.commit): the tag
         # written into a hidden sibling, renamed into place by rank 0 once every rank is done, `latest` after it
-        from ..checkpoint_engine.commit import LocalTarget, new_owner, staging_name
+        from ..checkpoint_engine.commit import LocalTarget, new_owner, require_plain_tag, staging_name
+
+        require_plain_tag(tag, save_dir)
 
         target = LocalTarget(str(save_dir))
         owner = [new_owner()]

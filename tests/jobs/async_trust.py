@@ -7,8 +7,9 @@ tag ``x`` and waits for it, then:
 * ``sigterm`` / ``sigterm-abandon``: a slowed save, then SIGTERM to itself: the save is published within the grace
   (or abandoned past it), and the process ends by SIGTERM either way;
 * ``then-consolidate``: a ``then()`` follow-up consolidates the tag just saved (it must not wait on its own writer);
-* ``namespace``: a client state holding an ``argparse.Namespace`` (Megatron's arguments) loads back through the
-  engine's weights-only ``load_checkpoint``;
+* ``namespace``: a tag holding a path separator is refused in the call, nothing written; then a client state
+  holding an ``argparse.Namespace`` (Megatron's arguments) loads back through the engine's weights-only
+  ``load_checkpoint``;
 * ``foreign``: a client state holding a class beyond plain data (``fractions.Fraction``): the weights-only load
   refuses it naming ``trust=True``, which then loads it;
 * ``hung``: a persist that hangs: ``wait(timeout=1)`` and, with DSCKPT_SAVE_TIMEOUT=1, the next save raise a typed
@@ -79,6 +80,13 @@ def main(mode: str, out: str, report: str) -> None:
 
         facts["consolidated"] = target.is_file() and len(load_file(target)) > 0
     if mode == "namespace":
+        before = sorted(os.listdir(out))
+        try:  # (a tag with a path separator: stock DeepSpeed nests folders; one rename cannot publish that)
+            engine.save_checkpoint(out, tag="epoch1/n")
+            facts["nested"] = None
+        except dsckpt.errors.TagError as exc:
+            facts["nested"] = f"{exc} {exc.hint}"
+        facts["nested_left"] = sorted(set(os.listdir(out)) - set(before))
         args = argparse.Namespace(lr=1e-4, layers=[3, 5], name="megatron-style")
         engine.save_checkpoint(out, tag="n", client_state={"args": args})
         runtime.saver.wait()
