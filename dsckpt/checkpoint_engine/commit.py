@@ -193,7 +193,12 @@ class BucketTarget:
         cut = set(self.cut)
         for marker in [n for n in names if n.count("/") == 1 and n.endswith(f"/{PUBLISHING}")]:
             tag = marker.split("/")[0]
-            staging = json.loads(self.bucket.read(marker, 0, self.bucket.size(marker)))["staging"]
+            try:
+                staging = str(json.loads(self.bucket.read(marker, 0, self.bucket.size(marker)))["staging"])
+            except (ValueError, KeyError, TypeError):
+                continue  # (not a marker dsckpt wrote: the tag stays refused, nothing is guessed)
+            if TEMP_MARK not in staging or "/" in staging:
+                continue  # (likewise)
             if self._mine(staging) and staging not in cut:
                 continue  # (being published now, by this process's writer)
             for rel in self.bucket.find(staging):
