@@ -103,11 +103,11 @@ class HostPool:
         return buffer
 
     def _arena(self, sizes: list[int]) -> list[torch.UntypedStorage]:
-        """Buffers for the leading ``sizes`` pinned in place, carved from one mapping backed and registered once:
-        the driver's cost is per registration, and ZeRO-1/2 copies each module parameter to a buffer of its own
-        (log 47); [] where fewer than two sizes qualify or the driver refuses."""
+        """Buffers for the leading ``sizes`` (largest first) that are pinned in place, carved from one mapping backed
+        and registered once: the driver's cost is per registration, and ZeRO-1/2 copies each module parameter to a
+        buffer of its own (log 47); [] where fewer than two sizes qualify or the driver refuses."""
         pinned_sizes = [n for n in sizes if n >= PINNED_IN_PLACE]
-        if len(pinned_sizes) < 2 or sizes[:len(pinned_sizes)] != pinned_sizes:
+        if len(pinned_sizes) < 2:
             return []
         whole, pieces = carved_region(pinned_sizes)
         if not (populate(whole) and pin_in_place(whole)):

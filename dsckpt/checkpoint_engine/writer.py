@@ -205,17 +205,17 @@ class Writer:
 
     def _failed(self, tag: QueuedTag, error: DsckptError, published: bool) -> None:
         """Staged files removed; the failure, saying what is on disk now, left for the training thread."""
-        target, cut = tag.target, None
+        target, visible = tag.target, None
         try:
-            cut = target.discard(tag.tag, tag.staging, tag.temps, leader=self.group.rank == 0)
+            visible = target.discard(tag.tag, tag.staging, tag.temps, leader=self.group.rank == 0)
         except (OSError, DsckptError):
             pass  # what is left is said below
         latest = target.latest()
         now = f"`latest` still names {latest!r}" if latest else "no `latest` was written"
         if published:
             state = f"the tag folder is complete but {now}"
-        elif cut:
-            state = f"{cut}; {now}"
+        elif visible:
+            state = f"{visible}; {now}"
         else:
             state = f"nothing of it was published, {now}"
         staging = os.path.join(target.local, tag.staging)
