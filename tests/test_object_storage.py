@@ -773,7 +773,7 @@ def test_the_background_engine_saves_into_a_bucket(s3, tmp_path):
     assert reused["untouched"] and reused["hidden_left"] == [], reused
     assert "No space left on device" in reused["failure"] and "still names 't2'" in reused["failure"], reused
     cut = doc["cut"]  # #68.3: a publish into a reused tag cut between two objects is marked, then rolled forward
-    assert "its copies into the tag were cut" in cut["failure"] and "Input/output error" in cut["failure"], cut
+    assert "its publish into the bucket had begun: the tag is marked incomplete" in cut["failure"] and "Input/output error" in cut["failure"], cut
     assert cut["verify"]["code"] == 1 and "publish into the bucket was cut" in cut["verify"]["text"], cut
     again = sorted(p.name for p in (tmp_path / "again" / "t2").iterdir())
     assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{prefix}/t2")) == again and len(again) == 4
@@ -835,6 +835,35 @@ def test_a_publish_cut_by_a_killed_process_is_finished_by_the_next_ones_first_sa
     ok("verify", url)
 
 
+@pytest.mark.runtime
+def test_sigterm_during_a_bucket_publish_says_the_tag_is_marked_and_the_next_save_finishes_it(s3, tmp_path):
+    """#68.3/68.5 on a bucket: SIGTERM while a reused tag's objects are copied into place, past the grace: the process
+    ends by SIGTERM saying the tag is marked incomplete (not "nothing of it is visible"); readers refuse it; a new
+    process's first save into the folder finishes the copies, and the tag reads whole."""
+    from dsckpt.checkpoint_engine.commit import BucketTarget, new_owner, staging_name
+    from dsckpt.formats.bucket import BucketStorage
+
+    url = f"s3://{BUCKET}/sigterm-{tmp_path.name}"
+    env = {key: os.environ[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "async_trust.py"), "bucket-sigterm", url,
+                           str(tmp_path / "report.json")], capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                          env={**os.environ, **env, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1",
+                               "DSCKPT_SIGTERM_GRACE": "1"})
+    assert proc.returncode == -signal.SIGTERM, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "/x, was abandoned (its publish into the bucket had begun: the tag is marked incomplete" in proc.stderr, \
+        proc.stderr[-2000:]
+    prefix = url[len("s3://"):]
+    assert s3.cat_file(f"{prefix}/latest").decode() == "x"
+    refused = run_cli("verify", url)
+    assert refused.returncode == 1 and "publish into the bucket was cut" in refused.stdout + refused.stderr
+    target, staging = BucketTarget(BucketStorage(url)), staging_name("next", new_owner())
+    target.prepare("next", staging)
+    target.persist(staging, [])
+    target.close()
+    ok("verify", url)
+
+
 def test_a_publish_that_fails_before_its_first_copy_leaves_the_tag_as_it_was(s3, tmp_path):
     """The marker is up but the ranks never agreed to copy (a peer gone): the failed save's hidden objects and its
     marker go, the tag reads as before, and the failure claims nothing was cut; once copies began, it keeps both."""
@@ -861,7 +890,7 @@ def test_a_publish_that_fails_before_its_first_copy_leaves_the_tag_as_it_was(s3,
         if not began:
             assert said is None and {p: s3.cat_file(p) for p in s3.find(prefix)} == before
             ok("verify", url)
-    assert "its copies into the tag were cut" in said
+    assert "its publish into the bucket had begun: the tag is marked incomplete" in said
     assert s3.exists(f"{prefix}/step3/dsckpt-publishing.json")
     target.close()
 

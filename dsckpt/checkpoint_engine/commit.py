@@ -119,6 +119,9 @@ class SaveTarget(Protocol):
     def discard(self, tag: str, staging: str, files: list[str], leader: bool) -> str | None:
         """Remove what the failed save of ``tag`` staged; what of it stays visible (None: nothing)."""
 
+    def left_if_stopped(self) -> str | None:
+        """What stays visible if the process stops now, mid-publish (None: nothing of the save in flight)."""
+
     def latest(self) -> str | None:
         """The tag `latest` names now (None: there is none)."""
 
@@ -157,6 +160,9 @@ class LocalTarget:
         if leader:
             remove_path(Path(self.local) / staging)
         return None
+
+    def left_if_stopped(self) -> str | None:
+        return None  # (one rename publishes the whole tag)
 
     def latest(self) -> str | None:
         path = Path(self.local) / LATEST_FILE
@@ -265,13 +271,19 @@ class BucketTarget:
         opened, marked, self.opened, self.marked = self.opened, self.marked, None, None
         if opened == staging:  # copies may have begun: the staged objects finish them (roll_forward)
             self.cut.add(staging)
-            return (f"its copies into the tag were cut, which is marked incomplete ({PUBLISHING}) until the next save "
-                    f"into {self.name} completes it from the staged objects")
+            return self._marked_note()
         with contextlib.suppress(Exception):  # best effort: the failure that brought us here is the one to report
             self.bucket.remove(staging)  # (every rank's hidden objects of the tag; the tag itself is untouched)
             if marked == staging:  # (marked, but no copy began: the tag is as it was)
                 self.bucket.remove(f"{tag}/{PUBLISHING}")
         return None
+
+    def left_if_stopped(self) -> str | None:
+        return self._marked_note() if self.marked or self.opened else None
+
+    def _marked_note(self) -> str:
+        return (f"its publish into the bucket had begun: the tag is marked incomplete ({PUBLISHING}) until the next "
+                f"save into {self.name} finishes it from the staged objects")
 
     def latest(self) -> str | None:
         try:

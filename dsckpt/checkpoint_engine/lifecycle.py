@@ -134,8 +134,10 @@ def _on_sigterm(signum: int, frame: Any) -> None:
             finished = False
             print(f"dsckpt: error: {saver.writer.failure}", file=sys.stderr)
     last = next((s.last.name for s in _OPEN if s.last is not None), None)
+    marked = [note for s in _OPEN if s.target is not None for note in [s.target.left_if_stopped()] if note]
     if last is not None:
-        said = "was published" if finished else "was abandoned (nothing of it is visible; `latest` is unchanged)"
+        said = "was published" if finished else \
+            f"was abandoned ({marked[0] if marked else 'nothing of it is visible'}; `latest` is unchanged)"
         print(f"dsckpt: SIGTERM: the last save, {last}, {said}", file=sys.stderr)
     _flush()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -6,6 +6,8 @@ tag ``x`` and waits for it, then:
   ``sys.exit(0)``, no ``wait()``: the process must exit non-zero, `latest` on ``x``, nothing named ``y`` visible;
 * ``sigterm`` / ``sigterm-abandon``: a slowed save, then SIGTERM to itself: the save is published within the grace
   (or abandoned past it), and the process ends by SIGTERM either way;
+* ``bucket-sigterm``: OUT a bucket's URL; tag ``x`` saved again, its copies into the tag stalled after the first,
+  then SIGTERM past the grace: the process says the tag is marked, and ends by SIGTERM;
 * ``then-consolidate``: a ``then()`` follow-up consolidates the tag just saved (it must not wait on its own writer);
 * ``namespace``: a tag holding a path separator is refused in the call, nothing written; then a client state
   holding an ``argparse.Namespace`` (Megatron's arguments) loads back through the engine's weights-only
@@ -71,6 +73,26 @@ def main(mode: str, out: str, report: str) -> None:
         print("sending SIGTERM", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(90)  # (the handler ends the process)
+    if mode == "bucket-sigterm":  # (OUT a URL: x saved again, its copies into the tag stalled after the first)
+        import fsspec
+
+        from dsckpt.formats.bucket import BucketStorage
+
+        copy = BucketStorage.copy
+
+        def stalled(self, source, final) -> None:
+            copy(self, source, final)
+            time.sleep(60)
+        BucketStorage.copy = stalled
+        engine.save_checkpoint(out, tag="x")
+        fs, marker = fsspec.filesystem("s3", skip_instance_cache=True), f"{out[len('s3://'):]}/x/dsckpt-publishing.json"
+        deadline = time.time() + 60
+        while time.time() < deadline and not fs.exists(marker):
+            time.sleep(0.2)
+        time.sleep(0.5)  # (the first copy made, the second stalled)
+        print("sending SIGTERM", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(90)
     if mode == "then-consolidate":
         engine.save_checkpoint(out, tag="a")
         target = Path(out).parent / "a.safetensors"
